@@ -1,0 +1,36 @@
+# The documented commands. Each installs what it needs into .venv first.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+NPROC   ?= 2
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install test demo bench lint clean
+
+install: $(STAMP)
+
+# torch is pinned exactly: 2.13.0 resolves to the local CPU wheel; a range would pull CUDA packages.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+demo: install
+	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_gpt.py
+
+bench: install
+	$(BIN)/python benchmarks/run.py
+
+lint: install
+	$(BIN)/ruff check spmd passes tests examples benchmarks
+	$(BIN)/ruff format --check spmd passes
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) spmd_dump bench.json .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,37 @@
+"""Small structural clean-ups."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from passes.graph_utils import is_mutated
+from passes.ops import TAG_GRAD
+
+
+def strip_grad_tags(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace every ``spmd::tag_grad(g, name)`` by ``g`` (or by a copy of ``g``).
+
+    Legal because the tag is an identity. It is also a copy, and that copy matters
+    when the step writes to the gradient in place (``clip_grad_norm_`` scales
+    gradients with ``mul_``) while ``g`` is shared (autograd hands the same tensor to
+    both inputs of an add): such tags become ``aten.clone`` rather than vanish.
+    After this pass gradients are found by ``node.meta[ROLE] == Role.GRAD``. Run it
+    after the partitioner, which consumes the tags. No-op when there are no tags.
+    """
+    tags = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is TAG_GRAD]
+    if not tags:
+        return gm
+    for n in tags:
+        if is_mutated(n):
+            n.target = torch.ops.aten.clone.default
+            n.args = (n.args[0],)
+            continue
+        src = n.args[0]
+        for k in (k for k in n.meta if k.startswith("spmd_")):
+            src.meta[k] = n.meta[k]
+        n.replace_all_uses_with(src)
+        gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,70 @@
+"""The node metadata vocabulary shared by the tracer and every pass.
+
+The tracer records, once, what each node *is* (its role) and *when* it runs (its
+phase), plus the module path that produced it. Passes read these keys instead of
+guessing from node names, and must keep them true when they create nodes
+(copy them from the node being replaced; see :func:`copy_meta`).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch.fx as fx
+
+ROLE = "spmd_role"
+PHASE = "spmd_phase"
+MODULE = "spmd_module"
+# For placeholders: the fully qualified name of the state they carry
+# (``"layers.0.weight"``, ``"state.layers.0.weight.exp_avg"``, ``"input.0"``).
+STATE_NAME = "spmd_state_name"
+# On a gradient node: the fully qualified name of the parameter it is the gradient of.
+GRAD_OF = "spmd_grad_of"
+
+
+class Role(str, enum.Enum):
+    """What a node holds."""
+
+    PARAM = "param"
+    BUFFER = "buffer"
+    OPTIM_STATE = "optim_state"
+    HYPERPARAM = "hyperparam"  # a lifted learning rate
+    INPUT = "input"  # the user's local batch and other tensor arguments
+    ACTIVATION = "activation"  # any intermediate of forward or backward
+    GRAD = "grad"  # the gradient of a parameter, as the optimizer will read it
+    UPDATE = "update"  # an optimizer-phase computation
+    COMM = "comm"  # a collective or its wait, inserted by a partitioner or pass
+
+
+class Phase(str, enum.Enum):
+    """Which part of the train step a node belongs to."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+def role_of(node: fx.Node) -> Role | None:
+    return node.meta.get(ROLE)
+
+
+def phase_of(node: fx.Node) -> Phase | None:
+    return node.meta.get(PHASE)
+
+
+def module_of(node: fx.Node) -> str:
+    """The module path that produced ``node`` ("" for the root or unknown)."""
+    return node.meta.get(MODULE, "")
+
+
+def set_meta(node: fx.Node, *, role: Role, phase: Phase, module: str = "") -> None:
+    node.meta[ROLE] = role
+    node.meta[PHASE] = phase
+    node.meta[MODULE] = module
+
+
+def copy_meta(dst: fx.Node, src: fx.Node, *, role: Role | None = None) -> None:
+    """Give ``dst`` the phase and module of ``src`` (and its role unless overridden)."""
+    dst.meta[ROLE] = role if role is not None else src.meta.get(ROLE, Role.ACTIVATION)
+    dst.meta[PHASE] = src.meta.get(PHASE, Phase.FORWARD)
+    dst.meta[MODULE] = src.meta.get(MODULE, "")

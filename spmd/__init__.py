@@ -1,0 +1,42 @@
+"""spmd: a whole-train-step SPMD compiler for PyTorch.
+
+    @spmd.compile(parallel_mode=spmd.DataParallel("fully_shard"))
+    def train_step(model, optim, x, y): ...
+"""
+
+import logging
+
+from spmd.api import CompiledStep, Override, compile
+from spmd.errors import (
+    CacheLimitError,
+    ConfigError,
+    DataDependentControlFlowError,
+    InvalidArgumentsError,
+    ModelChangedError,
+    PassError,
+    RankDivergenceError,
+    SpmdError,
+    TraceError,
+    UntraceableOpError,
+)
+from spmd.parallel import DataParallel, ParallelMode
+
+logging.getLogger("spmd").addHandler(logging.NullHandler())
+
+__all__ = [
+    "CacheLimitError",
+    "CompiledStep",
+    "ConfigError",
+    "DataDependentControlFlowError",
+    "DataParallel",
+    "InvalidArgumentsError",
+    "ModelChangedError",
+    "Override",
+    "ParallelMode",
+    "PassError",
+    "RankDivergenceError",
+    "SpmdError",
+    "TraceError",
+    "UntraceableOpError",
+    "compile",
+]

@@ -1,0 +1,300 @@
+"""``spmd.compile``: the decorator, its graph cache, and the call path.
+
+The first call traces the whole step (:mod:`spmd.tracing`), lets the parallel mode
+partition it (:mod:`spmd.parallel`), runs the pass pipeline (:mod:`spmd.pipeline`)
+and caches the result under the call's signature; every call then runs the cached
+graph on the real tensors (:mod:`spmd.runtime`).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from spmd import optim as optim_utils
+from spmd import tracing
+from spmd.dump import dump_stages
+from spmd.errors import CacheLimitError, ConfigError
+from spmd.parallel import DataParallel, ParallelMode
+from spmd.pipeline import build_pipeline
+from spmd.runtime import Executable, make_executable
+
+log = logging.getLogger("spmd")
+
+_OPTIONS: dict[str, str] = {
+    "dump_dir": "directory to write every graph stage and the report to (env SPMD_DUMP_DIR)",
+    "cache_size_limit": "most graphs kept for one compiled step before raising CacheLimitError (8)",
+    "disabled_passes": "names of pipeline passes to skip",
+    "check_invariants": "run the graph invariant checker after every pass (env SPMD_DEBUG=1)",
+}
+
+
+class Override(abc.ABC):
+    """Swap an untraceable submodule for a traceable stand-in, and/or rewrite the graph.
+
+    ``replacement`` is asked about every submodule, by fully qualified name, before
+    the first trace; returning the module itself means "keep it" (and its children
+    are asked in turn). The swap is permanent, as in the original ``_spmd``. The
+    stand-in should reuse the original's parameters so training updates the model.
+    ``transform`` runs on the partitioned graph with the real tensors that will be
+    fed to its placeholders (state first, then the step's tensor arguments).
+    """
+
+    @abc.abstractmethod
+    def replacement(self, fqn: str, orig_submodule: nn.Module) -> nn.Module: ...
+
+    def transform(self, gm: fx.GraphModule, flat_state: list[torch.Tensor]) -> fx.GraphModule | fx.Graph:
+        return gm
+
+
+def compile(
+    module_override: Sequence[Override] | None = None,
+    gm_transformation: Callable[[fx.GraphModule], fx.GraphModule] | None = None,
+    parallel_mode: ParallelMode | None = None,
+    **options: Any,
+) -> Callable[[Callable[..., Any]], CompiledStep]:
+    """Compile a whole train step (forward, backward, optimizer) into one SPMD graph.
+
+    Args:
+        module_override: :class:`Override` objects applied before tracing.
+        gm_transformation: ``gm -> gm`` run once on the graph after the built-in passes.
+        parallel_mode: how to parallelise; ``None`` means ``DataParallel("replicate")``.
+        **options: see ``spmd.api._OPTIONS`` (``dump_dir``, ``cache_size_limit``, ...).
+    """
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        valid = ", ".join(sorted(_OPTIONS))
+        raise ConfigError(f"spmd.compile: unknown option(s) {unknown}; valid options are: {valid}.")
+    if parallel_mode is not None and not isinstance(parallel_mode, ParallelMode):
+        raise ConfigError(
+            f"spmd.compile: parallel_mode must be a ParallelMode such as spmd.DataParallel('fully_shard'), "
+            f"got {type(parallel_mode).__name__}."
+        )
+    if module_override is not None:
+        if isinstance(module_override, Override):
+            module_override = [module_override]
+        for o in module_override:
+            if not isinstance(o, Override):
+                raise ConfigError(f"spmd.compile: module_override items must be spmd.Override, got {o!r}.")
+
+    def decorate(fn: Callable[..., Any]) -> CompiledStep:
+        return CompiledStep(
+            fn,
+            module_override=list(module_override or []),
+            gm_transformation=gm_transformation,
+            parallel_mode=parallel_mode or DataParallel("replicate"),
+            options=options,
+        )
+
+    return decorate
+
+
+@dataclasses.dataclass
+class _Entry:
+    exe: Executable
+    graphs: OrderedDict[str, fx.GraphModule]
+
+
+class CompiledStep:
+    """The decorated train step. Call it like the original function."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        module_override: list[Override],
+        gm_transformation: Callable[[fx.GraphModule], fx.GraphModule] | None,
+        parallel_mode: ParallelMode,
+        options: dict[str, Any],
+    ):
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.module_override = module_override
+        self.gm_transformation = gm_transformation
+        self.parallel_mode = parallel_mode
+        self.dump_dir: str | None = options.get("dump_dir") or os.environ.get("SPMD_DUMP_DIR") or None
+        self.cache_size_limit: int = int(options.get("cache_size_limit", 8))
+        self.disabled_passes: tuple[str, ...] = tuple(options.get("disabled_passes", ()))
+        self.check_invariants: bool = bool(
+            options.get("check_invariants", os.environ.get("SPMD_DEBUG", "") not in ("", "0"))
+        )
+        self._cache: dict[Hashable, _Entry] = {}
+        self._last: _Entry | None = None
+        self._overridden: set[int] = set()
+
+    # ------------------------------------------------------------------ inspection
+
+    @property
+    def graphs(self) -> OrderedDict[str, fx.GraphModule]:
+        """The stages of the most recently run graph: ``traced``, ``partitioned``, one per pass, ``final``."""
+        if self._last is None:
+            raise RuntimeError("spmd: the step has not been called yet; graphs exist after the first call.")
+        return self._last.graphs
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._cache)
+
+    # ------------------------------------------------------------------ call path
+
+    def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
+        step_args = tracing.split_args(args, kwargs)
+        module, optimizer = step_args.module, step_args.optimizer
+        if id(module) not in self._overridden:
+            self._apply_overrides(module)
+            self._overridden.add(id(module))
+        self.parallel_mode.prepare(module, optimizer, step_args)
+        key = _signature(step_args)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry, key = self._compile(step_args)
+            self._cache[key] = entry
+        self._last = entry
+        return entry.exe.run(step_args)
+
+    def _apply_overrides(self, module: nn.Module) -> None:
+        if not self.module_override:
+            return
+
+        def swap(prefix: str, parent: nn.Module) -> None:
+            for name, child in list(parent.named_children()):
+                fqn = f"{prefix}.{name}" if prefix else name
+                new = child
+                for o in self.module_override:
+                    new = o.replacement(fqn, new)
+                if new is child:
+                    swap(fqn, child)
+                else:
+                    log.info("Override: %s (%s) -> %s", fqn, type(child).__name__, type(new).__name__)
+                    setattr(parent, name, new)
+
+        swap("", module)
+
+    def _compile(self, step_args: tracing.StepArgs) -> tuple[_Entry, Hashable]:
+        if len(self._cache) >= self.cache_size_limit:
+            raise CacheLimitError(
+                f"spmd.compile: {self.__name__} has traced {len(self._cache)} graphs, the limit "
+                f"(cache_size_limit={self.cache_size_limit}). Each new input shape/dtype, Python argument "
+                "value, model structure or (for optimizers without a tensor learning rate, e.g. SGD "
+                "without fused=True) learning-rate value traces a new graph. Pad inputs to fixed shapes, "
+                "use fused=True optimizers, or raise cache_size_limit."
+            )
+        module, optimizer = step_args.module, step_args.optimizer
+        fresh: list[torch.Tensor] = []
+        if optimizer is not None:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            fresh = optim_utils.ensure_state(optimizer, params)
+        if self._cache:
+            log.info("spmd: new input signature for %s, tracing graph #%d", self.__name__, len(self._cache) + 1)
+        state = tracing.lift_state(module, optimizer)
+        traced = tracing.trace_step(self.fn, step_args, state)
+        unused_fresh = _forget_unused_state(traced, optimizer, fresh, module)
+        if unused_fresh:
+            state = tracing.lift_state(module, optimizer)
+        log.info(
+            "spmd: traced %s in %.2f s (%d nodes)", self.__name__, traced.trace_s, len(traced.gm.graph.nodes)
+        )
+        graphs: OrderedDict[str, fx.GraphModule] = OrderedDict()
+        from passes.driver import copy_graph_module
+
+        graphs["traced"] = copy_graph_module(traced.gm)
+        gm = self.parallel_mode.partition(traced.gm, state, step_args)
+        flat_state = state.tensors(optimizer) + step_args.tensors
+        for o in self.module_override:
+            res = o.transform(gm, flat_state)
+            if isinstance(res, fx.Graph):
+                res = fx.GraphModule(gm, res)
+            gm = res
+        graphs["partitioned"] = copy_graph_module(gm)
+        pipeline = build_pipeline(self.parallel_mode)
+        gm = pipeline.run(
+            gm,
+            disabled=self.disabled_passes,
+            check=self.check_invariants,
+            record=lambda name, g: graphs.__setitem__(name, g),
+        )
+        if self.gm_transformation is not None:
+            gm = self.gm_transformation(gm)
+            graphs["gm_transformation"] = copy_graph_module(gm)
+        graphs["final"] = gm
+        exe = make_executable(gm, traced, state)
+        entry = _Entry(exe=exe, graphs=graphs)
+        if self.dump_dir:
+            dump_stages(self.dump_dir, self.__name__, graphs)
+        return entry, _signature(step_args)
+
+
+def _forget_unused_state(
+    traced: tracing.TracedStep,
+    optimizer: torch.optim.Optimizer | None,
+    fresh: list[torch.Tensor],
+    module: nn.Module,
+) -> bool:
+    """Drop state created for tracing for parameters that got no gradient (eager never creates it)."""
+    if optimizer is None or not fresh:
+        return False
+    fqns = tracing.param_fqns(module)
+    unused = [p for p in fresh if fqns.get(id(p)) not in set(traced.grads)]
+    if not unused:
+        return False
+    unused_names = {fqns[id(p)] for p in unused}
+    gm = traced.gm
+    keep = []
+    for node, slot in zip([n for n in gm.graph.nodes if n.op == "placeholder"], traced.slots):
+        if slot.key is not None and slot.role.value == "optim_state" and slot.key[0] in unused_names:
+            assert not node.users, f"state of unused parameter {slot.name} is read by the graph"
+            gm.graph.erase_node(node)
+        else:
+            keep.append(slot)
+    traced.slots[:] = keep
+    gm.recompile()
+    optim_utils.drop_state(optimizer, unused)
+    return True
+
+
+def _tensor_sig(t: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+
+def _signature(step_args: tracing.StepArgs) -> Hashable:
+    """Everything the traced graph bakes in: argument shapes and values, model and optimizer structure."""
+    arg_sig = []
+    for x in step_args.leaves:
+        if isinstance(x, torch.Tensor):
+            arg_sig.append(_tensor_sig(x))
+        elif isinstance(x, nn.Module | torch.optim.Optimizer):
+            arg_sig.append(type(x))
+        else:
+            arg_sig.append((type(x), x))
+    module, optimizer = step_args.module, step_args.optimizer
+    model_sig = tuple((n, id(p), *_tensor_sig(p)) for n, p in module.named_parameters())
+    model_sig += tuple((n, *_tensor_sig(b)) for n, b in module.named_buffers())
+    optim_sig: tuple[Any, ...] = ()
+    if optimizer is not None:
+        groups = []
+        for g in optimizer.param_groups:
+            lifted = optim_utils.lr_is_liftable(optimizer, g)
+            state_sig = tuple(
+                (k, _tensor_sig(v) if isinstance(v, torch.Tensor) else v)
+                for p in g["params"]
+                for k, v in optimizer.state.get(p, {}).items()
+            )
+            groups.append(
+                (
+                    tuple(id(p) for p in g["params"]),
+                    optim_utils.hyperparameters(g, skip_lr=lifted),
+                    state_sig,
+                )
+            )
+        optim_sig = (type(optimizer), tuple(groups))
+    return (tuple(arg_sig), step_args.spec, model_sig, optim_sig)

@@ -1,0 +1,54 @@
+"""Write every graph stage as readable Python, one file per stage and rank."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+import torch.fx as fx
+
+from passes.meta import MODULE, PHASE, ROLE
+
+log = logging.getLogger("spmd")
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def annotated_code(gm: fx.GraphModule) -> str:
+    """``gm``'s Python with a ``# phase | role | module`` comment on each line that computes a node."""
+    code = gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
+    notes = {}
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method", "call_module", "placeholder"):
+            phase, role = n.meta.get(PHASE), n.meta.get(ROLE)
+            if phase is None and role is None:
+                continue
+            note = f"{getattr(phase, 'value', phase)} | {getattr(role, 'value', role)}"
+            if n.meta.get(MODULE):
+                note += f" | {n.meta[MODULE]}"
+            notes[n.name] = note
+    out = []
+    for line in code.splitlines():
+        stripped = line.strip()
+        name = stripped.split(":", 1)[0].split("=", 1)[0].strip()
+        if "=" in stripped and not stripped.startswith("#") and name in notes:
+            line = f"{line}  # {notes[name]}"
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def dump_stages(dump_dir: str, step_name: str, graphs: Mapping[str, fx.GraphModule]) -> str:
+    """Write ``graphs`` to ``dump_dir/<step>/rank<r>/NN_<stage>.py``; returns that directory."""
+    where = os.path.join(dump_dir, step_name, f"rank{_rank()}")
+    os.makedirs(where, exist_ok=True)
+    for i, (stage, gm) in enumerate(graphs.items()):
+        with open(os.path.join(where, f"{i:02d}_{stage}.py"), "w") as f:
+            f.write(f"# stage {stage!r} of {step_name}: {len(gm.graph.nodes)} nodes\n")
+            f.write(annotated_code(gm))
+    log.info("spmd: wrote %d graph stages to %s", len(graphs), where)
+    return where

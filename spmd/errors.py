@@ -1,0 +1,47 @@
+"""Every error the library raises on purpose derives from :class:`SpmdError`.
+
+Each message names the cause (the op, the module path, the user's source line when
+the trace knows it) and says what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class SpmdError(RuntimeError):
+    """Base class of all errors raised by spmd."""
+
+
+class InvalidArgumentsError(SpmdError, TypeError):
+    """The decorated function was called with arguments spmd cannot map to a train step."""
+
+
+class ConfigError(SpmdError, ValueError):
+    """An unknown parallel style, knob or option value."""
+
+
+class TraceError(SpmdError):
+    """The train step could not be traced into one graph."""
+
+
+class DataDependentControlFlowError(TraceError):
+    """Python control flow depended on a tensor's value (``.item()``, ``if tensor:``)."""
+
+
+class UntraceableOpError(TraceError):
+    """An operation has no meta/fake implementation or a data-dependent output shape."""
+
+
+class CacheLimitError(SpmdError):
+    """Too many distinct input signatures were traced for one compiled step."""
+
+
+class ModelChangedError(SpmdError):
+    """The model or optimizer changed after compilation in a way spmd cannot follow."""
+
+
+class RankDivergenceError(SpmdError):
+    """Ranks compiled different collective sequences; running them would hang."""
+
+
+class PassError(SpmdError):
+    """A graph pass failed or broke a graph invariant."""

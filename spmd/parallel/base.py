@@ -1,0 +1,32 @@
+"""The interface every parallel mode implements."""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from spmd.tracing import LiftedState, StepArgs
+
+
+class ParallelMode(abc.ABC):
+    """Turns the traced single-device graph into the graph each rank runs.
+
+    ``prepare`` runs on every call before the graph cache is consulted (cheap when
+    there is nothing to do); it may convert the model's and optimizer's state to
+    their distributed form. ``partition`` runs once per traced graph.
+    """
+
+    def prepare(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, args: StepArgs) -> None:
+        return None
+
+    @abc.abstractmethod
+    def partition(self, gm: fx.GraphModule, state: LiftedState, args: StepArgs) -> fx.GraphModule: ...
+
+    def pass_options(self) -> dict[str, Any]:
+        """Knobs the pass pipeline reads (bucket sizes, prefetch depth, ...)."""
+        return {}

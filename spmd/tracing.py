@@ -1,0 +1,551 @@
+"""Trace a whole train step (forward, backward, optimizer update) into one fx graph.
+
+The user's function runs once under ``make_fx`` in fake mode with the model's
+parameters and buffers, the optimizer's state and (where liftable) its learning
+rates swapped for graph inputs. The resulting graph mutates those inputs in place,
+so running it on the real tensors under ``torch.no_grad()`` *is* the train step.
+
+While tracing we record, once, what every node is and when it runs
+(:mod:`passes.meta`): forward/backward/optimizer from the boundaries of
+``torch.autograd.backward``; module paths from forward hooks (and, for backward
+nodes, from the autograd node that produced them); gradients from a ``tag_grad``
+op applied by a hook on every parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import sys
+import time
+import traceback
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.nn.utils.stateless import _reparametrize_module
+
+from passes.meta import GRAD_OF, MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
+from passes.ops import TAG_GRAD, tag_grad
+from spmd import optim as optim_utils
+from spmd.errors import (
+    DataDependentControlFlowError,
+    InvalidArgumentsError,
+    SpmdError,
+    TraceError,
+    UntraceableOpError,
+)
+
+log = logging.getLogger("spmd")
+
+_CUSTOM = "custom"  # node.meta key that make_fx copies from fx_traceback.current_meta
+_PHASE_KEY = "spmd_phase"
+_MODULE_KEY = "spmd_module"
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+@dataclasses.dataclass
+class StepArgs:
+    """The decorated function's arguments, split into what the graph needs."""
+
+    leaves: list[Any]
+    spec: pytree.TreeSpec
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    tensor_positions: list[int]  # leaves that are tensors (graph inputs)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.leaves[i] for i in self.tensor_positions]
+
+
+def split_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs:
+    """Find the one module, the optional optimizer and the tensors among the arguments."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    modules = [x for x in leaves if isinstance(x, nn.Module)]
+    optims = [x for x in leaves if isinstance(x, torch.optim.Optimizer)]
+    if not modules:
+        raise InvalidArgumentsError(
+            "spmd.compile: the train step got no nn.Module among its arguments. "
+            "Pass the model as an argument, e.g. train_step(model, optim, x, y), so spmd can lift its "
+            "parameters into the graph."
+        )
+    if len({id(m) for m in modules}) > 1:
+        names = ", ".join(type(m).__name__ for m in modules)
+        raise InvalidArgumentsError(
+            f"spmd.compile: the train step got {len(modules)} nn.Modules ({names}); exactly one is "
+            "supported. Wrap them in one parent module (e.g. nn.ModuleDict) and pass that."
+        )
+    if len({id(o) for o in optims}) > 1:
+        raise InvalidArgumentsError(
+            f"spmd.compile: the train step got {len(optims)} optimizers; at most one is supported. "
+            "Use one optimizer with several param_groups instead."
+        )
+    tensor_positions = []
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            tensor_positions.append(i)
+        elif isinstance(x, nn.Module | torch.optim.Optimizer) or _is_constant(x):
+            continue
+        else:
+            raise InvalidArgumentsError(
+                f"spmd.compile: unsupported argument of type {type(x).__name__!r}. The train step takes "
+                "one nn.Module, at most one optimizer, tensors and plain Python values (numbers, "
+                "strings, None, and lists/tuples/dicts of them)."
+            )
+    return StepArgs(leaves, spec, modules[0], optims[0] if optims else None, tensor_positions)
+
+
+def _is_constant(x: Any) -> bool:
+    return x is None or isinstance(x, bool | int | float | str | torch.dtype | torch.device)
+
+
+# ----------------------------------------------------------------------------- lifted state
+
+
+@dataclasses.dataclass
+class Slot:
+    """One graph input: where its tensor lives and what it is."""
+
+    role: Role
+    name: str  # fully qualified: "layers.0.weight", "layers.0.weight.exp_avg", "lr.0", "input.2"
+    # For optimizer state: (param fqn, state key). For hyperparameters: group index.
+    key: Any = None
+
+
+@dataclasses.dataclass
+class LiftedState:
+    """The model's and optimizer's tensors in graph-input order (inputs excluded)."""
+
+    params: list[tuple[str, nn.Parameter]]
+    buffers: list[tuple[str, torch.Tensor]]
+    optim_states: list[tuple[str, str, torch.Tensor]]  # (param fqn, key, tensor)
+    lr_groups: list[int]  # param-group indices whose lr is a graph input
+
+    def slots(self) -> list[Slot]:
+        out = [Slot(Role.PARAM, n) for n, _ in self.params]
+        out += [Slot(Role.BUFFER, n) for n, _ in self.buffers]
+        out += [Slot(Role.OPTIM_STATE, f"{n}.{k}", (n, k)) for n, k, _ in self.optim_states]
+        out += [Slot(Role.HYPERPARAM, f"lr.{g}", g) for g in self.lr_groups]
+        return out
+
+    def tensors(self, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+        """The current real tensors, in slot order (learning rates made 0-d float64 tensors)."""
+        out: list[torch.Tensor] = [p for _, p in self.params]
+        out += [b for _, b in self.buffers]
+        out += [t for _, _, t in self.optim_states]
+        if self.lr_groups:
+            assert optimizer is not None
+            out += [lr_tensor(optimizer.param_groups[g]["lr"]) for g in self.lr_groups]
+        return out
+
+
+def lr_tensor(lr: float | torch.Tensor) -> torch.Tensor:
+    # float64 keeps a Python float's value exactly; fused kernels read it as a double.
+    if isinstance(lr, torch.Tensor):
+        return lr.detach().to(torch.float64).reshape(())
+    return torch.tensor(lr, dtype=torch.float64)
+
+
+def param_fqns(module: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its first fully qualified name (tied weights map to one name)."""
+    return {id(p): n for n, p in module.named_parameters()}
+
+
+def lift_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> LiftedState:
+    """Collect the tensors that become graph inputs; creates optimizer state if missing."""
+    params = list(module.named_parameters())
+    buffers = list(module.named_buffers())
+    optim_states: list[tuple[str, str, torch.Tensor]] = []
+    lr_groups: list[int] = []
+    if optimizer is not None:
+        fqns = param_fqns(module)
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) not in fqns:
+                    raise InvalidArgumentsError(
+                        f"spmd.compile: the optimizer holds a parameter of shape {tuple(p.shape)} that is "
+                        "not a parameter of the model passed to the train step. Build the optimizer from "
+                        "model.parameters() of that same model."
+                    )
+        for p in [p for g in optimizer.param_groups for p in g["params"]]:
+            for k, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    optim_states.append((fqns[id(p)], k, v))
+        lr_groups = [
+            i for i, g in enumerate(optimizer.param_groups) if optim_utils.lr_is_liftable(optimizer, g)
+        ]
+    return LiftedState(params, buffers, optim_states, lr_groups)
+
+
+# ----------------------------------------------------------------------------- tracing contexts
+
+
+def _annotate(**kv: Any) -> dict[str, Any]:
+    """Merge ``kv`` into the metadata make_fx copies onto new nodes; returns the old value."""
+    old = fx_traceback.current_meta.get(_CUSTOM, {})
+    fx_traceback.current_meta[_CUSTOM] = {**old, **kv}
+    return old
+
+
+@contextlib.contextmanager
+def _swapped_optimizer(
+    optimizer: torch.optim.Optimizer,
+    fake_params: dict[int, torch.Tensor],
+    fake_states: dict[int, dict[str, Any]],
+    fake_lrs: dict[int, torch.Tensor],
+) -> Iterator[None]:
+    """Point the optimizer at the traced stand-ins of its params, state and lrs."""
+    saved_state = optimizer.state
+    saved_groups = [dict(g) for g in optimizer.param_groups]
+    new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+    try:
+        for gi, g in enumerate(optimizer.param_groups):
+            new_params = []
+            for p in g["params"]:
+                fp = fake_params[id(p)]
+                new_params.append(fp)
+                new_state[fp] = fake_states.get(id(p), {})
+            g["params"] = new_params
+            if gi in fake_lrs:
+                g["lr"] = fake_lrs[gi]
+            g.update(optim_utils.trace_group_overrides(optimizer, g))
+        optimizer.state = new_state
+        yield
+    finally:
+        optimizer.state = saved_state
+        for g, saved in zip(optimizer.param_groups, saved_groups):
+            g.clear()
+            g.update(saved)
+
+
+@contextlib.contextmanager
+def _module_paths(module: nn.Module) -> Iterator[None]:
+    """Annotate every node made inside a submodule's forward with its module path.
+
+    A forward pre-hook also switches the phase back to forward (the next micro-batch).
+    """
+    handles = []
+    stack: list[dict[str, Any]] = []
+
+    def pre(path: str) -> Callable[..., None]:
+        def hook(mod: nn.Module, args: Any) -> None:
+            stack.append(_annotate(**{_MODULE_KEY: path, _PHASE_KEY: Phase.FORWARD}))
+
+        return hook
+
+    def post(mod: nn.Module, args: Any, out: Any) -> None:
+        if stack:
+            old = stack.pop()
+            # keep the phase (forward), restore the enclosing module path
+            _annotate(**{_MODULE_KEY: old.get(_MODULE_KEY, "")})
+
+    for path, sub in module.named_modules():
+        handles.append(sub.register_forward_pre_hook(pre(path)))
+        handles.append(sub.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _seq_nr_modules(graph: fx.Graph) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for n in graph.nodes:
+        seq = n.meta.get("seq_nr")
+        mod = n.meta.get(_CUSTOM, {}).get(_MODULE_KEY)
+        if seq is not None and mod is not None and seq not in out:
+            out[seq] = mod
+    return out
+
+
+def _autograd_nodes(roots: list[Any]) -> list[Any]:
+    seen: set[int] = set()
+    out = []
+    todo = [r for r in roots if r is not None]
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        out.append(fn)
+        todo.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return out
+
+
+@contextlib.contextmanager
+def _backward_phases() -> Iterator[list[int]]:
+    """Mark nodes made inside ``torch.autograd.backward`` as backward (and after it as optimizer).
+
+    Backward nodes inherit the module path of the forward op whose autograd node
+    produced them (matched by autograd sequence number).
+    """
+    real_backward = torch.autograd.backward
+    calls: list[int] = []
+
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        roots = [t.grad_fn for t in pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor)]
+        mode = get_proxy_mode()
+        seq_modules = _seq_nr_modules(mode.tracer.graph) if mode is not None else {}
+        handles = []
+        for fn in _autograd_nodes(roots):
+            path = seq_modules.get(fn._sequence_nr())
+            if path is not None:
+
+                def prehook(grad_outputs: Any, path: str = path) -> None:
+                    _annotate(**{_MODULE_KEY: path})
+
+                handles.append(fn.register_prehook(prehook))
+        _annotate(**{_PHASE_KEY: Phase.BACKWARD, _MODULE_KEY: ""})
+        try:
+            return real_backward(tensors, *args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+            _annotate(**{_PHASE_KEY: Phase.OPTIMIZER, _MODULE_KEY: ""})
+
+    torch.autograd.backward = backward  # type: ignore[assignment]
+    try:
+        yield calls
+    finally:
+        torch.autograd.backward = real_backward  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def _grad_tags(params: dict[str, torch.Tensor], got_grad: set[str]) -> Iterator[None]:
+    """Wrap each parameter's gradient in ``spmd::tag_grad`` as autograd produces it."""
+    handles = []
+    for name, p in params.items():
+        if not p.requires_grad:
+            continue
+
+        def hook(grad: torch.Tensor, name: str = name) -> torch.Tensor:
+            got_grad.add(name)
+            return tag_grad(grad, name)
+
+        handles.append(p.register_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ----------------------------------------------------------------------------- the traced step
+
+
+@dataclasses.dataclass
+class TracedStep:
+    gm: fx.GraphModule
+    slots: list[Slot]  # state slots, then one per tensor argument
+    out_spec: pytree.TreeSpec
+    out_constants: list[Any]  # non-tensor output leaves (None where a tensor goes)
+    grads: list[str]  # parameters that received a gradient
+    trace_s: float
+
+
+def _trace_error_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    from torch._subclasses import fake_tensor
+    from torch.fx.experimental import symbolic_shapes
+
+    data_dependent = (
+        fake_tensor.DataDependentOutputException,
+        symbolic_shapes.GuardOnDataDependentSymNode,
+    )
+    untraceable = (
+        fake_tensor.DynamicOutputShapeException,
+        fake_tensor.UnsupportedOperatorException,
+        NotImplementedError,
+    )
+    return data_dependent, untraceable
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of the traceback that is the user's code (not torch, not spmd)."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)) + os.sep + "spmd")
+    skip_passes = os.path.dirname(os.path.dirname(__file__)) + os.sep + "passes"
+    frames = traceback.extract_tb(exc.__traceback__)
+    for fr in reversed(frames):
+        f = fr.filename
+        if f.startswith(skip) or f.startswith(skip_passes) or f.startswith(sys.prefix + os.sep + "lib"):
+            continue
+        if "<" in f:  # generated code
+            continue
+        return fr
+    return None
+
+
+def _module_at_frame(exc: BaseException, names: dict[int, str]) -> str | None:
+    tb = exc.__traceback__
+    found = None
+    while tb is not None:
+        self_ = tb.tb_frame.f_locals.get("self")
+        if isinstance(self_, nn.Module) and id(self_) in names:
+            found = names[id(self_)]
+        tb = tb.tb_next
+    return found
+
+
+def _raise_trace_error(exc: BaseException, module: nn.Module) -> None:
+    data_dependent, untraceable = _trace_error_types()
+    frame = _user_frame(exc)
+    where = f" at {frame.filename}:{frame.lineno} ({frame.line!r})" if frame else ""
+    mod_names = {id(m): (n or type(module).__name__) for n, m in module.named_modules()}
+    mod = _module_at_frame(exc, mod_names)
+    in_mod = f" in module {mod!r}" if mod else ""
+    op = getattr(exc, "func", None)
+    op_txt = f" (op {op})" if op is not None else ""
+    if isinstance(exc, data_dependent):
+        raise DataDependentControlFlowError(
+            f"spmd.compile: the train step reads a tensor's value in Python{in_mod}{where}{op_txt}: "
+            "`.item()`, `if tensor:`, `int(tensor)` and the like cannot be traced into one graph, because "
+            "the value is not known at compile time. Rewrite it with tensor ops (e.g. torch.where), move it "
+            "out of the step, or wrap the submodule with an spmd.Override that supplies a traceable stand-in."
+        ) from exc
+    if isinstance(exc, untraceable):
+        raise UntraceableOpError(
+            f"spmd.compile: an operation cannot be traced{in_mod}{where}{op_txt}: {exc}. It has no fake/meta "
+            "implementation or its output shape depends on data. Wrap this submodule with an spmd.Override "
+            "(module_override=[...]) whose replacement is traceable, or register a fake kernel for the op."
+        ) from exc
+    raise TraceError(f"spmd.compile: tracing the train step failed{in_mod}{where}: {exc!r}") from exc
+
+
+def trace_step(fn: Callable[..., Any], step_args: StepArgs, state: LiftedState) -> TracedStep:
+    """Trace ``fn`` over the lifted state and the argument tensors; see the module docstring."""
+    module, optimizer = step_args.module, step_args.optimizer
+    state_slots = state.slots()
+    n_params, n_buffers = len(state.params), len(state.buffers)
+    n_states, n_lrs = len(state.optim_states), len(state.lr_groups)
+    got_grad: set[str] = set()
+    leaves = list(step_args.leaves)
+    out_box: dict[str, Any] = {}
+    fqns = param_fqns(module)
+
+    def step(*flat: torch.Tensor) -> list[torch.Tensor]:
+        it = iter(flat)
+        params = {n: next(it) for n, _ in state.params}
+        buffers = {n: next(it) for n, _ in state.buffers}
+        states: dict[str, dict[str, Any]] = defaultdict(dict)
+        for n, k, _ in state.optim_states:
+            states[n][k] = next(it)
+        lrs = {g: next(it) for g in state.lr_groups}
+        call_leaves = list(leaves)
+        for pos in step_args.tensor_positions:
+            call_leaves[pos] = next(it)
+        args, kwargs = pytree.tree_unflatten(call_leaves, step_args.spec)
+
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_reparametrize_module(module, {**params, **buffers}, tie_weights=True))
+            if optimizer is not None:
+                by_id = {id(p): params[fqns[id(p)]] for g in optimizer.param_groups for p in g["params"]}
+                st = {id(p): dict(states.get(fqns[id(p)], {})) for g in optimizer.param_groups for p in g["params"]}
+                # Non-tensor state entries stay as they are (constants of the graph).
+                for g in optimizer.param_groups:
+                    for p in g["params"]:
+                        for k, v in optimizer.state.get(p, {}).items():
+                            if not isinstance(v, torch.Tensor):
+                                st[id(p)][k] = v
+                stack.enter_context(_swapped_optimizer(optimizer, by_id, st, lrs))
+            stack.enter_context(_grad_tags(params, got_grad))
+            stack.enter_context(_module_paths(module))
+            calls = stack.enter_context(_backward_phases())
+            _annotate(**{_PHASE_KEY: Phase.FORWARD, _MODULE_KEY: ""})
+            out = fn(*args, **kwargs)
+            out_box["backward_calls"] = len(calls)
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        out_box["spec"] = out_spec
+        out_box["constants"] = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
+        return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+
+    real = state.tensors(optimizer) + step_args.tensors
+    t0 = time.perf_counter()
+    try:
+        with fx_traceback.preserve_node_meta(), optim_utils.traceable_optimizers():
+            gm = make_fx(step, tracing_mode="fake", record_stack_traces=True)(*real)
+    except SpmdError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - mapped to a precise SpmdError below
+        _raise_trace_error(exc, module)
+        raise  # unreachable
+    trace_s = time.perf_counter() - t0
+
+    input_slots = [Slot(Role.INPUT, f"input.{i}") for i in range(len(step_args.tensor_positions))]
+    slots = state_slots + input_slots
+    assert len(slots) == n_params + n_buffers + n_states + n_lrs + len(input_slots)
+    _finish_metadata(gm, slots)
+    return TracedStep(
+        gm=gm,
+        slots=slots,
+        out_spec=out_box["spec"],
+        out_constants=out_box["constants"],
+        grads=sorted(got_grad),
+        trace_s=trace_s,
+    )
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+_PROFILER_OPS = {
+    "profiler._record_function_enter_new",
+    "profiler._record_function_exit._RecordFunction",
+    "profiler._record_function_exit",
+    "profiler._record_function_enter",
+}
+
+
+def _finish_metadata(gm: fx.GraphModule, slots: list[Slot]) -> None:
+    """Strip profiler nodes and turn the tracing annotations into ``passes.meta`` keys."""
+    graph = gm.graph
+    # Optimizer.step's record_function markers: exits first, they use the enters.
+    for n in reversed(list(graph.nodes)):
+        if n.op == "call_function" and str(n.target).rsplit(".default", 1)[0] in _PROFILER_OPS:
+            graph.erase_node(n)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(slots), (len(placeholders), len(slots))
+    prefixes = {Role.PARAM: "p", Role.BUFFER: "b", Role.OPTIM_STATE: "s", Role.HYPERPARAM: "h", Role.INPUT: "x"}
+    for n, slot in zip(placeholders, slots):
+        # Readable placeholder names in dumps: p_layers_0_weight, s_layers_0_weight_exp_avg, x_input_0.
+        n._rename(prefixes[slot.role] + "_" + re.sub(r"\W", "_", slot.name))
+        n.meta[ROLE] = slot.role
+        n.meta[PHASE] = Phase.FORWARD
+        n.meta[STATE_NAME] = slot.name
+        n.meta[MODULE] = slot.name.rsplit(".", 1)[0] if slot.role is Role.PARAM else ""
+    param_nodes = {n.meta[STATE_NAME]: n for n in placeholders if n.meta[ROLE] is Role.PARAM}
+    phase = Phase.FORWARD
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            continue
+        custom = n.meta.get(_CUSTOM, {})
+        phase = custom.get(_PHASE_KEY, phase)
+        n.meta[PHASE] = phase
+        n.meta[MODULE] = custom.get(_MODULE_KEY, "")
+        if n.op == "output":
+            n.meta[ROLE] = Role.ACTIVATION
+        elif n.target is TAG_GRAD:
+            n.meta[ROLE] = Role.GRAD
+            n.meta[GRAD_OF] = n.args[1]
+            # A gradient belongs to its parameter's module.
+            pn = param_nodes.get(n.args[1])
+            n.meta[MODULE] = pn.meta[MODULE] if pn is not None else n.meta[MODULE]
+        elif phase is Phase.OPTIMIZER:
+            n.meta[ROLE] = Role.UPDATE
+        else:
+            n.meta[ROLE] = Role.ACTIVATION
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
