@@ -521,6 +521,7 @@ def _finish_metadata(gm: fx.GraphModule, slots: list[Slot]) -> None:
     for n, slot in zip(placeholders, slots):
         # Readable placeholder names in dumps: p_layers_0_weight, s_layers_0_weight_exp_avg, x_input_0.
         n._rename(prefixes[slot.role] + "_" + re.sub(r"\W", "_", slot.name))
+        n.target = n.name
         n.meta[ROLE] = slot.role
         n.meta[PHASE] = Phase.FORWARD
         n.meta[STATE_NAME] = slot.name
