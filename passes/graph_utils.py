@@ -1,9 +1,10 @@
-"""Graph queries every pass needs: which nodes an op writes to."""
+"""Graph queries every pass needs: which nodes and storages an op writes to."""
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def _flat_nodes(arg: object) -> list[fx.Node]:
@@ -14,20 +15,28 @@ def _flat_nodes(arg: object) -> list[fx.Node]:
     return []
 
 
+# Ops that write to arguments their schema does not mark as written (a known lie in
+# ATen): batch norm updates running_mean / running_var (args 3, 4) when training.
+_UNANNOTATED_WRITES = {
+    torch.ops.aten.native_batch_norm.default: (3, 4),
+    torch.ops.aten.cudnn_batch_norm.default: (3, 4),
+    torch.ops.aten.miopen_batch_norm.default: (3, 4),
+}
+
+
 def mutated_nodes(node: fx.Node) -> list[fx.Node]:
     """The argument nodes that ``node`` writes to in place (``add_``, ``_foreach_mul_``, ``copy_``...)."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return []
     out: list[fx.Node] = []
+    if target in _UNANNOTATED_WRITES and len(node.args) > 5 and node.args[5]:
+        out.extend(n for i in _UNANNOTATED_WRITES[target] for n in _flat_nodes(node.args[i]))
     schema = target._schema
     for i, a in enumerate(schema.arguments):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
-        if a.kwarg_only or i >= len(node.args):
-            val = node.kwargs.get(a.name)
-        else:
-            val = node.args[i]
+        val = node.kwargs.get(a.name) if a.kwarg_only or i >= len(node.args) else node.args[i]
         out.extend(_flat_nodes(val))
     return out
 
@@ -35,3 +44,19 @@ def mutated_nodes(node: fx.Node) -> list[fx.Node]:
 def is_mutated(node: fx.Node) -> bool:
     """Whether any user of ``node`` writes to it in place."""
     return any(node in mutated_nodes(u) for u in node.users)
+
+
+def storage_of(node: fx.Node) -> StorageWeakRef | None:
+    """The storage behind ``node.meta["val"]`` (shared by all views of one tensor), if it is a tensor."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except (NotImplementedError, RuntimeError):  # sparse and other storage-less tensors
+        return None
+
+
+def written_storages(node: fx.Node) -> set[StorageWeakRef]:
+    """The storages ``node`` writes in place (through any view of them)."""
+    return {s for s in map(storage_of, mutated_nodes(node)) if s is not None}

@@ -277,7 +277,8 @@ def _signature(step_args: tracing.StepArgs) -> Hashable:
         else:
             arg_sig.append((type(x), x))
     module, optimizer = step_args.module, step_args.optimizer
-    model_sig = tuple((n, id(p), *_tensor_sig(p)) for n, p in module.named_parameters())
+    model_sig = tuple(m.training for m in module.modules())
+    model_sig += tuple((n, id(p), *_tensor_sig(p)) for n, p in module.named_parameters())
     model_sig += tuple((n, *_tensor_sig(b)) for n, b in module.named_buffers())
     optim_sig: tuple[Any, ...] = ()
     if optimizer is not None:
@@ -297,4 +298,4 @@ def _signature(step_args: tracing.StepArgs) -> Hashable:
                 )
             )
         optim_sig = (type(optimizer), tuple(groups))
-    return (tuple(arg_sig), step_args.spec, model_sig, optim_sig)
+    return (tuple(arg_sig), step_args.spec, model_sig, optim_sig, torch.is_grad_enabled())

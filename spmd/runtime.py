@@ -11,6 +11,7 @@ import torch.utils._pytree as pytree
 
 from passes.meta import Role
 from spmd import tracing
+from spmd.parallel.sharding import local
 
 
 @dataclasses.dataclass
@@ -45,7 +46,7 @@ class Executable:
         return flat
 
     def run(self, step_args: tracing.StepArgs) -> Any:
-        flat = self.inputs(step_args)
+        flat = [local(t) for t in self.inputs(step_args)]
         with torch.no_grad():
             outs = self.gm(*flat)
         it = iter(outs)

@@ -1,21 +1,60 @@
-"""``DataParallel``: replicate (DDP), fully_shard (FSDP/ZeRO-3)."""
+"""``DataParallel``: replicate (DDP) and fully_shard (FSDP / ZeRO-3) as graph rewrites.
+
+The traced graph computes one rank's step on its local batch with full-size
+parameters. ``partition`` makes it the SPMD step:
+
+* replicate: every gradient (a ``tag_grad`` node) becomes ``all_reduce(avg)``;
+  its wait sits just before the gradient's first use, so reductions overlap the
+  rest of backward. The optimizer runs on full, replicated tensors.
+* fully_shard: every parameter placeholder holds this rank's dim-0 shard. An
+  all-gather (of the shard padded to equal size) restores the full parameter just
+  before its first forward use; with ``reshard_after_forward`` backward gathers it
+  again (and recomputes the cheap parameter-only ops forward derived from it, such
+  as a transpose, so nothing gathered in forward lives into backward). Every
+  gradient is reduce-scattered (avg) to the local shard, and the optimizer, whose
+  ops are elementwise, runs on shards. Norms over sharded gradients in the
+  optimizer region (``clip_grad_norm_``) become global with an all-reduce of the
+  partial sums.
+* Buffers mutated by the step (BatchNorm running stats) are broadcast from rank 0
+  before their first use, as DDP's ``broadcast_buffers`` does.
+
+Which parameters are sharded is read from the model's state (DTensor placements),
+so a second compiled function on the same model (an eval step) follows whatever
+the first one set up.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from spmd.errors import ConfigError
+from passes import collectives as C
+from passes.graph_utils import mutated_nodes
+from passes.meta import GRAD_OF, PHASE, ROLE, STATE_NAME, Phase, Role, copy_meta
+from passes.ops import TAG_GRAD
+from spmd import optim as optim_utils
+from spmd.errors import ConfigError, TraceError
+from spmd.parallel import sharding
 from spmd.parallel.base import ParallelMode
 
 if TYPE_CHECKING:
     from spmd.tracing import LiftedState, StepArgs
 
+log = logging.getLogger("spmd")
+
 STYLES = ("replicate", "fully_shard")
+
+# model -> names of buffers any compiled step on it mutates (see _broadcast_mutated_buffers)
+_MUTATED_BUFFERS: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+aten = torch.ops.aten
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,10 +65,12 @@ class DataParallel(ParallelMode):
         parallel_style: ``"replicate"`` (DDP: gradients all-reduced, optimizer replicated) or
             ``"fully_shard"`` (FSDP/ZeRO-3: parameters, gradients and optimizer state sharded on dim 0).
         input_batch_dim: the batch dimension of the step's tensor arguments (each rank passes its
-            local batch).
+            local batch, as with DDP).
         mesh: a 1-D ``DeviceMesh``; default: all ranks of the default process group.
         reshard_after_forward: fully_shard only. True frees gathered parameters after forward and
             gathers them again for backward (FSDP FULL_SHARD); False keeps them (SHARD_GRAD_OP).
+        broadcast_buffers: broadcast buffers the step mutates (BatchNorm statistics) from rank 0
+            before use, like DDP's option of the same name.
     """
 
     parallel_style: str = "replicate"
@@ -37,27 +78,319 @@ class DataParallel(ParallelMode):
     input_batch_dim: int = 0
     mesh: Any = None
     reshard_after_forward: bool = True
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         if self.parallel_style not in STYLES:
+            hint = (
+                " (hybrid_shard is planned with the FSDP-features work)"
+                if self.parallel_style == "hybrid_shard"
+                else ""
+            )
             raise ConfigError(
-                f"spmd.DataParallel: unknown parallel_style {self.parallel_style!r}; valid styles are "
+                f"spmd.DataParallel: unknown parallel_style {self.parallel_style!r}{hint}; valid styles are "
                 f"{', '.join(repr(s) for s in STYLES)}."
             )
         if not isinstance(self.input_batch_dim, int) or self.input_batch_dim < 0:
             raise ConfigError(
                 f"spmd.DataParallel: input_batch_dim must be a non-negative int, got {self.input_batch_dim!r}."
             )
-        if not isinstance(self.reshard_after_forward, bool):
-            raise ConfigError(
-                "spmd.DataParallel: reshard_after_forward must be True or False, "
-                f"got {self.reshard_after_forward!r}."
-            )
+        for knob in ("reshard_after_forward", "broadcast_buffers"):
+            if not isinstance(getattr(self, knob), bool):
+                raise ConfigError(f"spmd.DataParallel: {knob} must be True or False, got {getattr(self, knob)!r}.")
+        if self.mesh is not None and getattr(self.mesh, "ndim", None) != 1:
+            raise ConfigError("spmd.DataParallel: mesh must be a 1-D DeviceMesh.")
+
+    # ------------------------------------------------------------------ state
+
+    def _mesh(self, module: nn.Module) -> Any:
+        if self.mesh is not None:
+            return self.mesh
+        for p in module.parameters():
+            if isinstance(p, sharding.DTensor):
+                return p.device_mesh
+        p0 = next(module.parameters(), None)
+        device_type = p0.device.type if p0 is not None else "cpu"
+        return sharding.default_mesh(device_type)
 
     def prepare(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, args: StepArgs) -> None:
-        return None
+        if sharding.world_info()[1] == 1 and self.mesh is None:
+            return
+        if all(isinstance(p, sharding.DTensor) for p in module.parameters()):
+            return
+        if optimizer is not None:
+            # State is created on the full tensors, then sharded with them.
+            optim_utils.ensure_state(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
+        n = sharding.distribute_state(
+            module, optimizer, self._mesh(module), shard=self.parallel_style == "fully_shard"
+        )
+        log.info("spmd: distributed %d parameters (%s)", n, self.parallel_style)
+
+    # ------------------------------------------------------------------ graph
 
     def partition(self, gm: fx.GraphModule, state: LiftedState, args: StepArgs) -> fx.GraphModule:
-        # World size 1: nothing to communicate. The multi-rank partitioners land with the
-        # DataParallel partitioner issue.
-        return gm
+        if sharding.world_info()[1] == 1 and self.mesh is None:
+            return gm  # world size 1: nothing to communicate
+        mesh = self._mesh(args.module)
+        return _Partitioner(gm, state, args, mesh, self).run()
+
+
+class _Partitioner:
+    def __init__(self, gm: fx.GraphModule, state: LiftedState, args: StepArgs, mesh: Any, dp: DataParallel):
+        self.gm, self.graph = gm, gm.graph
+        self.dp = dp
+        self.world = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self.group = mesh.get_group().group_name
+        self.state, self.args = state, args
+        self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        self.by_name = {n.meta[STATE_NAME]: n for n in self.placeholders}
+        self.params = dict(state.params)
+        # parameter fqn -> layout, for the sharded ones
+        self.layouts = {
+            name: sharding.ShardLayout(p.shape[0], self.world, self.rank)
+            for name, p in state.params
+            if sharding.is_sharded(p)
+        }
+
+    def run(self) -> fx.GraphModule:
+        if self.dp.broadcast_buffers:
+            self._broadcast_mutated_buffers()
+        for name in self.layouts:
+            self._gather_param(name)
+        self._reduce_grads()
+        if self.layouts:
+            self._globalize_norms()
+        self.graph.lint()
+        self.gm.recompile()
+        self._refresh_vals()
+        return self.gm
+
+    # ---------------------------------------------------------------- helpers
+
+    def _first(self, nodes: list[fx.Node]) -> fx.Node:
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        return min(nodes, key=order.__getitem__)
+
+    def _call(self, target: Any, args: tuple[Any, ...], like: fx.Node, role: Role = Role.COMM) -> fx.Node:
+        n = self.graph.call_function(target, args)
+        copy_meta(n, like, role=role)
+        return n
+
+    # ---------------------------------------------------------------- buffers
+
+    def _broadcast_mutated_buffers(self) -> None:
+        """Broadcast, before first use, the buffers some step on this model mutates.
+
+        DDP broadcasts every buffer at every forward; buffers no step ever writes are
+        equal on all ranks already, so only the written ones travel. An eval step
+        compiled after the train step still broadcasts them (it reads stats that
+        drifted apart on each rank during training), as DDP's eval forward does.
+        """
+        mutated = {m for n in self.graph.nodes for m in mutated_nodes(n)}
+        known = _MUTATED_BUFFERS.setdefault(self.args.module, set())
+        known.update(name for name, _ in self.state.buffers if self.by_name[name] in mutated)
+        for name, _ in self.state.buffers:
+            b = self.by_name[name]
+            users = list(b.users)
+            if name not in known or not users:
+                continue
+            with self.graph.inserting_before(self._first(users)):
+                coll = self._call(C._c10d.broadcast.default, (b, 0, self.group), b)
+                wait = self._call(C.WAIT, (coll,), b)
+                self._call(aten.copy_.default, (b, wait), b)
+
+    # ---------------------------------------------------------------- params
+
+    def _emit_gather(self, p: fx.Node, name: str, like: fx.Node) -> fx.Node:
+        """shard -> (pad) -> all_gather -> wait -> (slice) : the full parameter."""
+        lay = self.layouts[name]
+        x = p
+        if lay.padded:
+            pad_rows = lay.chunk - lay.local_rows
+            ndim = len(self.params[name].shape)
+            x = self._call(aten.constant_pad_nd.default, (p, [0, 0] * (ndim - 1) + [0, pad_rows]), like)
+        coll = self._call(C._c10d.all_gather_into_tensor.default, (x, self.world, self.group), like)
+        full = self._call(C.WAIT, (coll,), like)
+        if lay.padded:
+            full = self._call(aten.slice.Tensor, (full, 0, 0, lay.rows), like, role=Role.ACTIVATION)
+        return full
+
+    def _gather_param(self, name: str) -> None:
+        p = self.by_name[name]
+        users = [u for u in p.users if u.meta.get(PHASE) is not Phase.OPTIMIZER]
+        if not users:
+            return
+        fwd = [u for u in users if u.meta.get(PHASE) is Phase.FORWARD]
+        bwd = [u for u in users if u.meta.get(PHASE) is Phase.BACKWARD]
+        reshard = self.dp.reshard_after_forward and fwd
+        first_fwd_users = fwd if reshard else users
+        with self.graph.inserting_before(self._first(first_fwd_users)):
+            full = self._emit_gather(p, name, self._first(first_fwd_users))
+        for u in first_fwd_users:
+            u.replace_input_with(p, full)
+        if not reshard:
+            return
+        # Backward needs the parameter again: gather it a second time and recompute the
+        # parameter-only forward ops (views, casts) that backward reads, from the new copy.
+        derived = _derived_only_from(full)
+        is_bwd = lambda u: u.meta.get(PHASE) is Phase.BACKWARD  # noqa: E731
+        # The derived nodes backward reads, plus the derived nodes those are computed from.
+        needed = {d for d in derived if any(is_bwd(u) for u in d.users)}
+        for d in reversed(derived):
+            if d in needed:
+                needed.update(i for i in d.all_input_nodes if i in derived)
+        anchors = bwd + [u for d in needed for u in d.users if is_bwd(u)]
+        if not anchors:
+            return
+        first_bwd = self._first(anchors)
+        remap: dict[fx.Node, fx.Node] = {}
+        with self.graph.inserting_before(first_bwd):
+            remap[full] = self._emit_gather(p, name, first_bwd)
+            for d in derived:  # `derived` is in graph order
+                if d in needed:
+                    remap[d] = self.graph.node_copy(d, lambda n: remap.get(n, n))
+                    copy_meta(remap[d], first_bwd, role=Role.ACTIVATION)
+        for u in bwd:
+            u.replace_input_with(p, remap[full])
+        for d in needed:
+            for u in list(d.users):
+                if is_bwd(u) and u is not remap.get(u):
+                    u.replace_input_with(d, remap[d])
+
+    # ---------------------------------------------------------------- grads
+
+    def _reduce_grads(self) -> None:
+        tags = [n for n in self.graph.nodes if n.op == "call_function" and n.target is TAG_GRAD]
+        for tag in tags:
+            name = tag.args[1]
+            g = tag.args[0]
+            users = list(tag.users)
+            sharded = name in self.layouts
+            with self.graph.inserting_before(tag):
+                if sharded:
+                    coll = self._emit_reduce_scatter(g, name, tag)
+                else:
+                    coll = self._call(C._c10d.all_reduce.default, (g, "avg", self.group), tag)
+            # The wait (and the un-padding slice) sits just before the gradient's first use.
+            anchor = self._first(users) if users else tag.next
+            with self.graph.inserting_before(anchor):
+                wait = self._call(C.WAIT, (coll,), tag)
+                res = wait
+                if sharded and self.layouts[name].padded:
+                    res = self._call(aten.slice.Tensor, (wait, 0, 0, self.layouts[name].local_rows), tag)
+            res.meta[ROLE] = Role.GRAD
+            res.meta[GRAD_OF] = name
+            tag.replace_all_uses_with(res)
+            self.graph.erase_node(tag)
+
+    def _emit_reduce_scatter(self, g: fx.Node, name: str, like: fx.Node) -> fx.Node:
+        """full gradient -> (pad to W * chunk rows) -> reduce_scatter(avg); the wait comes later."""
+        lay = self.layouts[name]
+        x = g
+        if lay.padded:
+            pad = [0, 0] * (len(self.params[name].shape) - 1) + [0, lay.chunk * self.world - lay.rows]
+            x = self._call(aten.constant_pad_nd.default, (g, pad), like)
+        return self._call(C._c10d.reduce_scatter_tensor.default, (x, "avg", self.world, self.group), like)
+
+    # ---------------------------------------------------------------- optimizer region
+
+    def _globalize_norms(self) -> None:
+        """Make norms over sharded gradients global: ``norm = allreduce(local_norm ** p) ** (1/p)``."""
+        sharded: set[fx.Node] = set()
+        for name in self.layouts:
+            sharded.add(self.by_name[name])
+        for n in self.graph.nodes:
+            if n.meta.get(ROLE) is Role.GRAD and n.meta.get(GRAD_OF) in self.layouts:
+                sharded.add(n)
+        for n in list(self.graph.nodes):
+            if n.meta.get(PHASE) is not Phase.OPTIMIZER or n.op != "call_function":
+                continue
+            ins = _inputs(n)
+            if not any(i in sharded for i in ins):
+                continue
+            if n.target is aten.linalg_vector_norm.default:
+                self._globalize(n, n.args[1] if len(n.args) > 1 else n.kwargs.get("ord", 2))
+            elif n.target is aten._foreach_norm.Scalar:
+                ord_ = n.args[1] if len(n.args) > 1 else 2
+                for u in list(n.users):
+                    idx = u.args[1]
+                    if n.args[0][idx] in sharded:
+                        self._globalize(u, ord_)
+            elif _elementwise(n):
+                sharded.add(n)
+            else:
+                raise TraceError(
+                    f"spmd fully_shard: the optimizer region applies {n.target} to sharded tensors "
+                    f"(node {n.name}); only elementwise ops, foreach/fused optimizer kernels and norms are "
+                    "supported on shards. Use DataParallel('replicate') for this step, or move the op "
+                    "before loss.backward()."
+                )
+
+    def _globalize(self, norm: fx.Node, ord_: Any) -> None:
+        users = list(norm.users)
+        with self.graph.inserting_after(norm):
+            if ord_ in (float("inf"), "inf"):
+                coll = self._call(C._c10d.all_reduce.default, (norm, "max", self.group), norm)
+                out = self._call(C.WAIT, (coll,), norm)
+            else:
+                p = float(ord_)
+                powed = self._call(aten.pow.Tensor_Scalar, (norm, p), norm, role=Role.UPDATE)
+                coll = self._call(C._c10d.all_reduce.default, (powed, "sum", self.group), norm)
+                wait = self._call(C.WAIT, (coll,), norm)
+                out = self._call(aten.pow.Tensor_Scalar, (wait, 1.0 / p), norm, role=Role.UPDATE)
+        for u in users:
+            u.replace_input_with(norm, out)
+
+    # ---------------------------------------------------------------- metadata
+
+    def _refresh_vals(self) -> None:
+        """Recompute ``meta['val']`` for the local shapes (keeps the val invariant true)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        real = [sharding.local(t) for t in self.state.tensors(self.args.optimizer)] + self.args.tensors
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fakes = [mode.from_tensor(t) for t in real]
+        try:
+            FakeTensorProp(self.gm, mode).propagate_dont_convert_inputs(*fakes)
+        except Exception as exc:  # noqa: BLE001
+            raise TraceError(
+                f"spmd {self.dp.parallel_style}: the partitioned graph does not type-check on the local "
+                f"shapes: {exc}. Some op of the step is not shape-agnostic on shards; try "
+                "DataParallel('replicate')."
+            ) from exc
+
+
+def _inputs(n: fx.Node) -> list[fx.Node]:
+    return list(n.all_input_nodes)
+
+
+def _elementwise(n: fx.Node) -> bool:
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return t.__name__ == "getitem" if callable(t) else False
+    name = t._schema.name
+    if torch.Tag.pointwise in t.tags or "_foreach_" in name or "_fused_" in name:
+        return True
+    return t in (aten.clone.default, aten.detach.default, aten.copy_.default, aten.zero_.default, aten.fill_.Scalar)
+
+
+def _derived_only_from(root: fx.Node) -> list[fx.Node]:
+    """Forward nodes computed from ``root`` alone (plus constants): cheap to recompute in backward."""
+    out: list[fx.Node] = []
+    ok = {root}
+    todo = list(root.users)
+    while todo:
+        n = todo.pop(0)
+        if n in ok or n.op != "call_function" or n.meta.get(PHASE) is not Phase.FORWARD:
+            continue
+        if not all(i in ok for i in n.all_input_nodes):
+            continue
+        if isinstance(n.target, torch._ops.OpOverload) and (
+            torch.Tag.nondeterministic_seeded in n.target.tags or mutated_nodes(n)
+        ):
+            continue
+        ok.add(n)
+        out.append(n)
+        todo.extend(n.users)
+    return out

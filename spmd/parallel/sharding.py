@@ -1,0 +1,129 @@
+"""The model's and optimizer's state in its distributed form: DTensors on a 1-D mesh.
+
+After the first data-parallel call every parameter is an ``nn.Parameter`` holding a
+``DTensor`` (``Replicate()`` or ``Shard(0)``), as FSDP2 leaves it, and optimizer
+state tensors shaped like their parameter follow its placement; scalar state
+(``step``) stays a plain tensor. The compiled graph works on the local tensors;
+``full_tensor()``, ``state_dict()`` and DCP see the DTensors.
+
+A ``Shard(0)`` local tensor follows ``torch.chunk``: rank ``r`` holds rows
+``[r*c, min((r+1)*c, n))`` with ``c = ceil(n / W)`` (so the last ranks may hold
+fewer rows, or none). The graph pads each local shard to ``c`` rows for the
+collectives and slices the padding off again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+log = logging.getLogger("spmd")
+
+
+def world_info() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+_DEFAULT_MESHES: dict[str, DeviceMesh] = {}
+
+
+def default_mesh(device_type: str) -> DeviceMesh:
+    """A 1-D mesh over every rank of the default process group (made once per device type)."""
+    if device_type not in _DEFAULT_MESHES:
+        _DEFAULT_MESHES[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return _DEFAULT_MESHES[device_type]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """How one dim-0-sharded tensor of ``rows`` rows is split over ``world`` ranks."""
+
+    rows: int
+    world: int
+    rank: int
+
+    @property
+    def chunk(self) -> int:
+        """Rows per rank after padding (``ceil(rows / world)``)."""
+        return math.ceil(self.rows / self.world) if self.rows else 0
+
+    @property
+    def local_rows(self) -> int:
+        return Shard.local_shard_size_and_offset(self.rows, self.world, self.rank)[0]
+
+    @property
+    def offset(self) -> int:
+        return min(self.rank * self.chunk, self.rows)
+
+    @property
+    def padded(self) -> bool:
+        """Whether any rank needs padding (then every rank emits the pad, keeping graphs uniform)."""
+        return self.chunk * self.world != self.rows
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor the graph reads: a DTensor's local tensor, or ``t`` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _to_dtensor(t: torch.Tensor, mesh: DeviceMesh, shard: bool) -> DTensor:
+    if not shard:
+        return DTensor.from_local(t.detach(), mesh, [Replicate()], run_check=False)
+    lay = ShardLayout(t.shape[0], mesh.size(), mesh.get_local_rank())
+    piece = t.detach().narrow(0, lay.offset, lay.local_rows).clone()
+    return DTensor.from_local(piece, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride())
+
+
+def distribute_state(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    mesh: DeviceMesh,
+    *,
+    shard: bool,
+) -> int:
+    """Turn every plain parameter of ``module`` into a DTensor parameter, in place.
+
+    Tied parameters stay tied (one new Parameter at every name). The optimizer's
+    param_groups and state are re-keyed to the new parameters, and state tensors
+    shaped like their parameter take its placement. Returns how many parameters
+    were converted (0 when the model is already distributed).
+    """
+    new_of: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or isinstance(p, DTensor):
+                continue
+            if id(p) not in new_of:
+                sharded = shard and p.dim() > 0
+                new_of[id(p)] = nn.Parameter(_to_dtensor(p, mesh, sharded), requires_grad=p.requires_grad)
+            mod._parameters[name] = new_of[id(p)]
+    if not new_of or optimizer is None:
+        return len(new_of)
+    old_state = optimizer.state
+    for g in optimizer.param_groups:
+        new_params = []
+        for p in g["params"]:
+            np_ = new_of.get(id(p), p)
+            if np_ is not p and p in old_state:
+                st = old_state.pop(p)
+                for k, v in list(st.items()):
+                    if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == p.shape:
+                        st[k] = _to_dtensor(v, mesh, is_sharded(np_))
+                old_state[np_] = st
+            new_params.append(np_)
+        g["params"] = new_params
+    return len(new_of)

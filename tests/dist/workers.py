@@ -1,0 +1,138 @@
+"""Per-rank bodies of the data-parallel tests (module level, so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import spmd
+from tests import models as shared
+from tests.dist import parity_models as pm
+
+
+def train_step(model, optim, *batch):
+    *xs, y = batch
+    loss = shared.loss_fn(model(*xs), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def train_step_clip(model, optim, *batch):
+    *xs, y = batch
+    loss = shared.loss_fn(model(*xs), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def eval_step(model, *xs):
+    return model(*xs)
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def parity(
+    rank: int,
+    world: int,
+    style: str,
+    reshard: bool,
+    combos: list[tuple[str, str]],
+    steps: int = 10,
+    clip: bool = False,
+    atol: float = 0.0,
+    check_eval: bool = True,
+) -> list[str]:
+    """Train every (model, optimizer) combo compiled and under DDP; return the mismatches."""
+    problems: list[str] = []
+    for model_name, opt_name in combos:
+        tag = f"{model_name}/{opt_name}/{style}/reshard={reshard}/clip={clip}"
+        model = pm.build(model_name)
+        ddp = DDP(copy.deepcopy(model))
+        opt = shared.make_optimizer(opt_name, model)
+        ref_opt = shared.make_optimizer(opt_name, ddp.module)
+        fn = train_step_clip if clip else train_step
+        step = spmd.compile(parallel_mode=spmd.DataParallel(style, reshard_after_forward=reshard))(fn)
+        for i in range(steps):
+            b = pm.batch(model_name, i, rank)
+            torch.manual_seed(100 + i)
+            loss = step(model, opt, *b)
+            torch.manual_seed(100 + i)
+            ref = fn(ddp, ref_opt, *b)
+            if not (torch.equal(loss, ref) if atol == 0 else torch.allclose(loss, ref, rtol=0, atol=atol)):
+                problems.append(f"{tag}: step {i} loss {loss.item()!r} != ddp {ref.item()!r}")
+                break
+        for (n, p), (_, q) in zip(model.named_parameters(), ddp.module.named_parameters()):
+            full = _full(p)
+            if full.shape != q.shape or _diff(full, q) > atol:
+                problems.append(f"{tag}: param {n} differs from DDP by {_diff(full, q)}")
+        if check_eval:
+            model.eval()
+            ddp.eval()
+            ev = spmd.compile(parallel_mode=spmd.DataParallel(style, reshard_after_forward=reshard))(eval_step)
+            b = pm.batch(model_name, 99, rank)[:-1]
+            with torch.no_grad():  # as users evaluate; also selects nn.Transformer's inference path
+                want = ddp(*b)
+                got = ev(model, *b)
+            if _diff(got, want) > atol:
+                problems.append(f"{tag}: eval output differs from DDP by {_diff(got, want)}")
+    return problems
+
+
+def structure(rank: int, world: int, reshard: bool) -> dict[str, Any]:
+    """Collective counts of a fully_shard TinyGPT graph, per parameter."""
+    from passes import collectives as C
+    from passes.meta import GRAD_OF, PHASE, Phase
+
+    model = pm.build("tinygpt")
+    opt = shared.make_optimizer("adamw_fused", model)
+    step = spmd.compile(parallel_mode=spmd.DataParallel("fully_shard", reshard_after_forward=reshard))(train_step)
+    step(model, opt, *pm.batch("tinygpt", 0, rank))
+    gm = step.graphs["partitioned"]
+    gathers: dict[str, list[str]] = {}
+    scatters: dict[str, int] = {}
+    waits_ok = True
+    first_use_ok = True
+    for n in gm.graph.nodes:
+        if not C.is_collective(n):
+            continue
+        if len(C.waits_of(n)) != 1:
+            waits_ok = False
+        if C.kind_of(n) is C.Kind.ALL_GATHER:
+            src = n.args[0]
+            while src.op != "placeholder":
+                src = src.args[0]
+            gathers.setdefault(src.name, []).append(n.meta[PHASE].value)
+        elif C.kind_of(n) is C.Kind.REDUCE_SCATTER:
+            w = C.wait_of(n)
+            users = list(w.users)
+            name = next((u.meta.get(GRAD_OF) for u in [w, *users] if u.meta.get(GRAD_OF)), None)
+            scatters[name] = scatters.get(name, 0) + 1
+    # every use of a parameter placeholder outside the optimizer goes through a gather
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.name.startswith("p_"):
+            for u in n.users:
+                if u.meta.get(PHASE) is not Phase.OPTIMIZER and not (
+                    C.is_collective(u) or u.target is torch.ops.aten.constant_pad_nd.default
+                ):
+                    first_use_ok = False
+    params = [n for n, p in model.named_parameters()]
+    return {
+        "gathers": gathers,
+        "scatters": scatters,
+        "waits_ok": waits_ok,
+        "first_use_ok": first_use_ok,
+        "params": params,
+    }
