@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import sys
+import sysconfig
 import time
 import traceback
 from collections import defaultdict
@@ -31,6 +32,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -375,12 +377,19 @@ def _trace_error_types() -> tuple[tuple[type[BaseException], ...], tuple[type[Ba
 
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     """The innermost frame of the traceback that is the user's code (not torch, not spmd)."""
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)) + os.sep + "spmd")
-    skip_passes = os.path.dirname(os.path.dirname(__file__)) + os.sep + "passes"
+    root = os.path.dirname(os.path.dirname(__file__))
+    skip = (
+        os.path.dirname(torch.__file__),
+        root + os.sep + "spmd",
+        root + os.sep + "passes",
+        sys.prefix + os.sep + "lib",
+        # the standard library (contextlib, functools) sits outside a virtualenv's prefix
+        sysconfig.get_paths()["stdlib"],
+    )
     frames = traceback.extract_tb(exc.__traceback__)
     for fr in reversed(frames):
         f = fr.filename
-        if f.startswith(skip) or f.startswith(skip_passes) or f.startswith(sys.prefix + os.sep + "lib"):
+        if f.startswith(skip):
             continue
         if "<" in f:  # generated code
             continue
@@ -452,7 +461,11 @@ def trace_step(fn: Callable[..., Any], step_args: StepArgs, state: LiftedState) 
             stack.enter_context(_reparametrize_module(module, {**params, **buffers}, tie_weights=True))
             if optimizer is not None:
                 by_id = {id(p): params[fqns[id(p)]] for g in optimizer.param_groups for p in g["params"]}
-                st = {id(p): dict(states.get(fqns[id(p)], {})) for g in optimizer.param_groups for p in g["params"]}
+                st = {
+                    id(p): dict(states.get(fqns[id(p)], {}))
+                    for g in optimizer.param_groups
+                    for p in g["params"]
+                }
                 # Non-tensor state entries stay as they are (constants of the graph).
                 for g in optimizer.param_groups:
                     for p in g["params"]:
@@ -471,11 +484,16 @@ def trace_step(fn: Callable[..., Any], step_args: StepArgs, state: LiftedState) 
         out_box["constants"] = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
         return [x for x in out_leaves if isinstance(x, torch.Tensor)]
 
-    real = state.tensors(optimizer) + step_args.tensors
+    # A fake mode without a ShapeEnv, so that reading a tensor's value (`.item()`, `if tensor:`)
+    # or an op whose output shape depends on data (`nonzero`) raises at the user's line. make_fx's
+    # own fake mode has a ShapeEnv that turns both into unbacked symbols and traces on, into a
+    # graph whose shapes no partitioner can reason about (tests/unit/test_errors.py).
+    fake_mode = FakeTensorMode()
+    inputs = [fake_mode.from_tensor(t) for t in state.tensors(optimizer) + step_args.tensors]
     t0 = time.perf_counter()
     try:
         with fx_traceback.preserve_node_meta(), optim_utils.traceable_optimizers():
-            gm = make_fx(step, tracing_mode="fake", record_stack_traces=True)(*real)
+            gm = make_fx(step, tracing_mode="fake", record_stack_traces=True)(*inputs)
     except SpmdError:
         raise
     except Exception as exc:  # noqa: BLE001 - mapped to a precise SpmdError below
@@ -486,6 +504,9 @@ def trace_step(fn: Callable[..., Any], step_args: StepArgs, state: LiftedState) 
     input_slots = [Slot(Role.INPUT, f"input.{i}") for i in range(len(step_args.tensor_positions))]
     slots = state_slots + input_slots
     assert len(slots) == n_params + n_buffers + n_states + n_lrs + len(input_slots)
+    # make_fx names the class after its varargs wrapper, "<lambda>", which makes the dumped
+    # stage invalid Python; every other stage is a plain GraphModule.
+    gm = fx.GraphModule(gm, gm.graph, class_name="GraphModule")
     _finish_metadata(gm, slots)
     return TracedStep(
         gm=gm,
@@ -517,7 +538,13 @@ def _finish_metadata(gm: fx.GraphModule, slots: list[Slot]) -> None:
             graph.erase_node(n)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(slots), (len(placeholders), len(slots))
-    prefixes = {Role.PARAM: "p", Role.BUFFER: "b", Role.OPTIM_STATE: "s", Role.HYPERPARAM: "h", Role.INPUT: "x"}
+    prefixes = {
+        Role.PARAM: "p",
+        Role.BUFFER: "b",
+        Role.OPTIM_STATE: "s",
+        Role.HYPERPARAM: "h",
+        Role.INPUT: "x",
+    }
     for n, slot in zip(placeholders, slots):
         # Readable placeholder names in dumps: p_layers_0_weight, s_layers_0_weight_exp_avg, x_input_0.
         n._rename(prefixes[slot.role] + "_" + re.sub(r"\W", "_", slot.name))
