@@ -1,0 +1,218 @@
+"""Tiny models, optimizers and data shared by the tests.
+
+Every model is small enough that ten compiled-vs-eager steps take well under a
+second once traced. ``twin`` gives two identical copies (compiled and eager side),
+``make_optimizer`` builds the optimizers of the parity matrix by name, and
+``batch`` makes a fresh random batch per step from a seeded generator, so the two
+sides see the same data and no global RNG state is touched.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------- models
+
+
+class MLP(nn.Module):
+    """Linear layers inside a Sequential (module paths "net.0", "net.2")."""
+
+    def __init__(self, d_in: int = 8, d_hidden: int = 16, n_classes: int = 4):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, d_hidden), nn.ReLU(), nn.Linear(d_hidden, n_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self, d_in: int = 8, d_hidden: int = 16, n_classes: int = 4, p: float = 0.5):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.drop = nn.Dropout(p)
+        self.fc2 = nn.Linear(d_hidden, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(F.relu(self.fc1(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.out = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """Token + position embedding, pre-LN blocks, causal SDPA, head tied to the token embedding."""
+
+    def __init__(
+        self, vocab: int = 64, d_model: int = 32, n_layers: int = 2, n_heads: int = 4, seq: int = 16
+    ):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+class ConvBN(nn.Module):
+    """Conv -> BatchNorm2d -> ReLU -> pool -> Linear (BN running stats are buffers)."""
+
+    def __init__(self, channels: int = 3, width: int = 8, n_classes: int = 4):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+        self.fc = nn.Linear(width, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.conv(x)))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+class FrozenUnused(nn.Module):
+    """One frozen parameter (``scale``, requires_grad=False) and one unused in forward (``unused``)."""
+
+    def __init__(self, d_in: int = 8, n_classes: int = 4):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, 16)
+        self.fc2 = nn.Linear(16, n_classes)
+        self.scale = nn.Parameter(torch.full((16,), 0.5), requires_grad=False)
+        self.unused = nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.fc1(x)) * self.scale)
+
+
+# ----------------------------------------------------------------------------- data
+
+# model name -> (constructor, batch maker(generator, batch size) -> (input, target))
+_BATCH = 4
+
+
+def _classify_batch(g: torch.Generator, n: int = _BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def _image_batch(g: torch.Generator, n: int = _BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 3, 6, 6, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def _token_batch(g: torch.Generator, n: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = torch.randint(0, 64, (n, 17), generator=g)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[..., tuple[torch.Tensor, torch.Tensor]]]] = {
+    "mlp": (MLP, _classify_batch),
+    "tinygpt": (TinyGPT, _token_batch),
+    "convbn": (ConvBN, _image_batch),
+    "frozen_unused": (FrozenUnused, _classify_batch),
+    "dropout": (DropoutMLP, _classify_batch),
+}
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return MODELS[name][0]()
+
+
+def twin(model: nn.Module) -> nn.Module:
+    """An identical, independent copy (for the eager side of a parity test)."""
+    return copy.deepcopy(model)
+
+
+def batches(name: str, steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` different random batches for model ``name``."""
+    g = torch.Generator().manual_seed(seed)
+    return [MODELS[name][1](g) for _ in range(steps)]
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+# ----------------------------------------------------------------------------- optimizers
+
+
+def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizers of the parity matrix, by name."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "sgd_momentum_foreach":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=True)
+    if name == "sgd_momentum_fused":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=True)
+    if name == "sgd_nesterov_wd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2, foreach=True)
+    if name == "sgd_default":
+        return torch.optim.SGD(params, lr=0.05, foreach=False)
+    if name == "adam_fused":
+        return torch.optim.Adam(params, lr=1e-2, fused=True)
+    if name == "adamw_fused":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+    if name == "adamw_foreach":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
+    if name == "adam_two_groups":
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        return torch.optim.Adam(
+            [
+                {"params": decay, "lr": 1e-2, "weight_decay": 1e-2},
+                {"params": no_decay, "lr": 3e-3, "weight_decay": 0.0},
+            ],
+            foreach=True,
+        )
+    raise KeyError(name)
+
+
+# Optimizers whose traced math is identical to eager's (bit-for-bit); the rest take the
+# `capturable` path while tracing (see spmd/optim.py) and are compared with a tolerance.
+EXACT_OPTIMIZERS = frozenset(
+    {
+        "sgd_momentum_foreach",
+        "sgd_momentum_fused",
+        "sgd_nesterov_wd",
+        "sgd_default",
+        "adam_fused",
+        "adamw_fused",
+    }
+)
+OPTIMIZERS = (*sorted(EXACT_OPTIMIZERS), "adamw_foreach", "adam_two_groups")
+
+
+def train_step(
+    model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    """The plain single-device step every parity test compiles."""
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss

@@ -1,0 +1,219 @@
+"""Every misuse raises the right spmd.SpmdError subclass, and the message says where and what to do."""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd
+from tests import models
+
+
+def _step(model, optim, x):
+    loss = model(x).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _line_of(fn, marker: str) -> int:
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, line in enumerate(lines) if marker in line)
+
+
+class ReadsItem(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        scale = h.abs().max().item()  # marker: item
+        return h / scale
+
+
+class Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum() > 0:  # marker: branch
+            return h * 2
+        return h
+
+
+class ComparesInStdlib(nn.Module):
+    """The tensor comparison happens inside heapq (standard library), called from this file."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        biggest = heapq.nlargest(1, [h.sum(), h.mean()])[0]  # marker: stdlib
+        return h * biggest
+
+
+class Nonzero(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h[torch.nonzero(h > 0)[:, 0]]
+
+
+class Outer(nn.Module):
+    """Puts the offending module at path 'body.1'."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 8), inner)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _compile_and_call(inner: nn.Module):
+    model = Outer(inner)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    spmd.compile()(_step)(model, opt, torch.randn(4, 8))
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def test_no_module_among_arguments():
+    step = spmd.compile()(lambda x: x.sum())
+    with pytest.raises(spmd.InvalidArgumentsError, match="no nn.Module"):
+        step(torch.randn(3))
+
+
+def test_two_modules():
+    a, b = models.build("mlp"), models.build("mlp")
+    with pytest.raises(spmd.InvalidArgumentsError, match="2 nn.Modules.*exactly one"):
+        spmd.compile()(lambda m1, m2, x: m1(x).sum() + m2(x).sum())(a, b, torch.randn(2, 8))
+
+
+def test_two_modules_nested_in_a_container():
+    a, b = models.build("mlp"), models.build("mlp")
+    with pytest.raises(spmd.InvalidArgumentsError, match="exactly one"):
+        spmd.compile()(lambda ms, x: ms[0](x).sum())([a, b], torch.randn(2, 8))
+
+
+def test_two_optimizers():
+    m = models.build("mlp")
+    o1, o2 = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(spmd.InvalidArgumentsError, match="2 optimizers.*param_groups"):
+        spmd.compile()(lambda m, a, b, x: m(x).sum())(m, o1, o2, torch.randn(2, 8))
+
+
+def test_optimizer_over_another_models_parameters():
+    m, other = models.build("mlp"), models.build("mlp")
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with pytest.raises(spmd.InvalidArgumentsError, match="not a parameter of the model"):
+        spmd.compile()(_step)(m, opt, torch.randn(2, 8))
+
+
+def test_unsupported_argument_type():
+    m = models.build("mlp")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(spmd.InvalidArgumentsError, match="unsupported argument of type 'object'"):
+        spmd.compile()(lambda m, o, x, extra: _step(m, o, x))(m, opt, torch.randn(2, 8), object())
+
+
+def test_plain_python_values_are_accepted():
+    m = models.build("mlp")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    step = spmd.compile()(lambda m, o, x, cfg: _step(m, o, x * cfg["scale"]) if cfg["on"] else None)
+    out = step(m, opt, torch.randn(2, 8), {"scale": 2.0, "on": True, "name": "a", "dtype": torch.float32})
+    assert isinstance(out, torch.Tensor)
+
+
+# ----------------------------------------------------------------------------- tracing
+
+
+@pytest.mark.parametrize(
+    ("inner", "marker"),
+    [(ReadsItem, "marker: item"), (Branches, "marker: branch"), (ComparesInStdlib, "marker: stdlib")],
+    ids=["item", "branch", "via_stdlib"],
+)
+def test_data_dependent_control_flow(inner, marker):
+    with pytest.raises(spmd.DataDependentControlFlowError) as info:
+        _compile_and_call(inner())
+    msg = str(info.value)
+    assert f"{os.path.basename(__file__)}:{_line_of(inner.forward, marker)}" in msg, msg
+    assert "'body.1'" in msg, msg
+    assert "Override" in msg and "torch.where" in msg
+    assert isinstance(info.value, spmd.TraceError)
+
+
+def test_untraceable_op():
+    with pytest.raises(spmd.UntraceableOpError) as info:
+        _compile_and_call(Nonzero())
+    msg = str(info.value)
+    assert "nonzero" in msg and "'body.1'" in msg
+    assert "spmd.Override" in msg
+    assert f"{os.path.basename(__file__)}:{_line_of(Nonzero.forward, 'torch.nonzero')}" in msg, msg
+
+
+def test_failed_trace_leaves_model_and_optimizer_usable():
+    """A trace error must not leave hooks, fake tensors or the compiling flag behind."""
+    model = Outer(Branches())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params = list(model.parameters())
+    with pytest.raises(spmd.DataDependentControlFlowError):
+        spmd.compile()(_step)(model, opt, torch.randn(4, 8))
+    assert not torch.compiler.is_compiling()
+    assert list(model.parameters()) == params and opt.param_groups[0]["params"] == params
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert torch.autograd.backward.__module__ == "torch.autograd"
+    _step(model, opt, torch.randn(4, 8))  # eager still works
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def test_unknown_compile_option():
+    with pytest.raises(spmd.ConfigError, match=r"unknown option\(s\) \['dumpdir'\].*dump_dir"):
+        spmd.compile(dumpdir="/tmp/x")
+
+
+def test_unknown_data_parallel_style():
+    with pytest.raises(spmd.ConfigError) as info:
+        spmd.DataParallel("zigzag")
+    msg = str(info.value)
+    assert "'zigzag'" in msg and "'replicate'" in msg and "'fully_shard'" in msg
+
+
+def test_parallel_mode_must_be_a_parallel_mode():
+    with pytest.raises(spmd.ConfigError, match="ParallelMode"):
+        spmd.compile(parallel_mode="fully_shard")
+
+
+def test_module_override_items_must_be_overrides():
+    with pytest.raises(spmd.ConfigError, match="spmd.Override"):
+        spmd.compile(module_override=[lambda fqn, m: m])
+
+
+def test_all_errors_derive_from_spmd_error():
+    for cls in (
+        spmd.InvalidArgumentsError,
+        spmd.ConfigError,
+        spmd.TraceError,
+        spmd.DataDependentControlFlowError,
+        spmd.UntraceableOpError,
+        spmd.CacheLimitError,
+    ):
+        assert issubclass(cls, spmd.SpmdError)
