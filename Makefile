@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 NPROC   ?= 2
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo examples-smoke bench lint clean
 
 install: $(STAMP)
 
@@ -23,6 +23,14 @@ test: install
 demo: install
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_gpt.py
 
+# Every example in smoke mode (seconds each): world size 1 under python, then 2 ranks under torchrun.
+# Deliberately not a prerequisite of `test` (the suite gets its own smoke test of the examples).
+examples-smoke: install
+	$(BIN)/python examples/train_gpt.py --smoke
+	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_gpt.py --smoke
+	$(BIN)/python examples/sample.py --ckpt checkpoints/smoke --chars 80
+	$(BIN)/python examples/inspect_graphs.py --smoke
+
 bench: install
 	$(BIN)/python benchmarks/run.py
 
@@ -32,5 +40,5 @@ lint: install
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) spmd_dump bench.json .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) spmd_dump checkpoints bench.json .pytest_cache .mypy_cache .ruff_cache *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,136 @@
+"""Train a small character-level GPT on the Python standard library's own source, with spmd.
+
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py            # = make demo (fully_shard)
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --style replicate
+    python examples/train_gpt.py --smoke                                      # world size 1, a few steps
+    python examples/sample.py                                                 # generate from the checkpoint
+
+The whole train step (forward, backward, fused AdamW) is compiled into one graph per rank; every
+stage of it is written to spmd_dump/. Each rank draws its own batches, as with DDP.
+"""
+
+import argparse
+import math
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from gpt import GPT, load_text
+
+import spmd
+
+# ----------------------------------------------------------------------------- settings
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=400)  # optimizer steps
+p.add_argument("--style", default="fully_shard", choices=["fully_shard", "replicate"])  # DataParallel style
+p.add_argument("--smoke", action="store_true")  # a few steps of a tiny model (CI)
+args = p.parse_args()
+steps = 4 if args.smoke else args.steps
+d_model = 32 if args.smoke else 128  # embedding width
+n_layer = 1 if args.smoke else 3  # transformer blocks
+n_head = 4  # attention heads
+block = 64  # context length in characters
+batch = 8 if args.smoke else 32  # sequences per rank per step
+lr = 3e-3  # AdamW learning rate (cosine-decayed to lr/10)
+eval_every = 2 if args.smoke else 100  # steps between validation losses
+eval_batches = 2 if args.smoke else 8  # batches per validation loss (per rank)
+data_chars = 2_000_000  # characters of stdlib source to read (90% train, 10% validation)
+dump_dir = "spmd_dump"  # every graph stage, per rank, as readable Python
+ckpt_dir = "checkpoints/smoke" if args.smoke else "checkpoints"  # read by examples/sample.py --ckpt
+
+
+def main() -> None:
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # launched by torchrun
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    text = load_text(data_chars)
+    chars = sorted(set(text))
+    lut = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([lut[c] for c in text], dtype=torch.long)
+    n = int(0.9 * len(data))
+    train_data, val_data = data[:n], data[n:]
+
+    torch.manual_seed(0)  # same initial weights on every rank
+    model = GPT(len(chars), d_model, n_layer, n_head, block)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=True)
+    gen = torch.Generator().manual_seed(1234 + rank)  # a different batch stream per rank
+
+    def get_batch(split: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ix = torch.randint(len(split) - block - 1, (batch,), generator=gen)
+        x = torch.stack([split[i : i + block] for i in ix])
+        return x, torch.stack([split[i + 1 : i + block + 1] for i in ix])
+
+    mode = spmd.DataParallel(args.style)
+
+    @spmd.compile(parallel_mode=mode, dump_dir=dump_dir)
+    def train_step(model, optim, x, y):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    @spmd.compile(parallel_mode=mode, dump_dir=dump_dir)
+    def eval_step(model, x, y):  # forward only, on the same (sharded) state as train_step
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    def val_loss(step_fn) -> float:
+        total = torch.zeros(())
+        for _ in range(eval_batches):
+            total += step_fn(model, *get_batch(val_data)).detach()
+        if distributed:
+            dist.all_reduce(total)
+        return total.item() / (eval_batches * world)
+
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"vocab {len(chars)}, {n_params / 1e6:.2f}M params, world {world}, {args.style}")
+    # Step 0 runs eagerly (.__wrapped__ is the plain function): the first compiled call should be train_step,
+    # which distributes model *and* optimizer state (as FSDP2 wants fully_shard before the optimizer).
+    with torch.no_grad():
+        first_val = val_loss(eval_step.__wrapped__)
+    if rank == 0:
+        print(f"step 0: val loss {first_val:.3f}")
+    t0, tokens = time.perf_counter(), 0
+    for step in range(1, steps + 1):
+        for g in optim.param_groups:  # fused AdamW's lr is a graph input: a new value does not retrace
+            g["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        loss = train_step(model, optim, *get_batch(train_data))
+        tokens += batch * block * world
+        if step == 1:
+            t0, tokens = time.perf_counter(), 0  # don't count the compile in throughput
+            if rank == 0 and hasattr(train_step, "report"):
+                print(train_step.report())
+        if rank == 0:
+            tps = tokens / max(time.perf_counter() - t0, 1e-9)
+            bar = "#" * (30 * step // steps)
+            print(f"\r[{bar:<30}] {step}/{steps} loss {loss.item():.3f} {tps:,.0f} tok/s", end="", flush=True)
+        if step % eval_every == 0 or step == steps:
+            v = val_loss(eval_step)
+            if rank == 0:
+                print(f"\nstep {step}: val loss {v:.3f}")
+    if rank == 0:
+        print(f"val loss {first_val:.3f} -> {v:.3f}; {train_step.num_graphs} train graph(s); see {dump_dir}/")
+
+    os.makedirs(ckpt_dir, exist_ok=True)
+    if distributed:  # DTensor state (sharded or replicated) -> DCP writes each rank's piece
+        import torch.distributed.checkpoint as dcp
+
+        warnings.filterwarnings("ignore", "Detected an existing checkpoint")  # overwriting is intended
+        dcp.save({"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id=ckpt_dir)
+    else:
+        torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, f"{ckpt_dir}/model.pt")
+    if rank == 0:
+        meta = dict(chars="".join(chars), d_model=d_model, n_layer=n_layer, n_head=n_head, block=block)
+        torch.save(meta, f"{ckpt_dir}/meta.pt")  # what sample.py needs to rebuild the model
+        print(f"checkpoint saved to {ckpt_dir}/")
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
