@@ -149,6 +149,17 @@ class CompiledStep:
 
     def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
         step_args = tracing.split_args(args, kwargs)
+        return self._entry(step_args).exe.run(step_args)
+
+    def lower(self, *args: Any, **kwargs: Any) -> OrderedDict[str, fx.GraphModule]:
+        """Compile for these arguments without running the step; returns the graph stages.
+
+        The model and optimizer are put in their distributed form (as on a first call),
+        but no parameter is updated.
+        """
+        return self._entry(tracing.split_args(args, kwargs)).graphs
+
+    def _entry(self, step_args: tracing.StepArgs) -> _Entry:
         module, optimizer = step_args.module, step_args.optimizer
         if id(module) not in self._overridden:
             self._apply_overrides(module)
@@ -160,7 +171,7 @@ class CompiledStep:
             entry, key = self._compile(step_args)
             self._cache[key] = entry
         self._last = entry
-        return entry.exe.run(step_args)
+        return entry
 
     def _apply_overrides(self, module: nn.Module) -> None:
         if not self.module_override:

@@ -33,6 +33,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -433,6 +434,18 @@ def _raise_trace_error(exc: BaseException, module: nn.Module) -> None:
     raise TraceError(f"spmd.compile: tracing the train step failed{in_mod}{where}: {exc!r}") from exc
 
 
+def _trace_input(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
+    """The fake stand-in of a real input: full (global) shape, even for a sharded DTensor.
+
+    The traced graph has single-device semantics; partitioners make it local.
+    """
+    if isinstance(t, DTensor):
+        with mode:
+            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t._local_tensor.device)
+        return fake.requires_grad_(t.requires_grad)
+    return mode.from_tensor(t)
+
+
 def trace_step(fn: Callable[..., Any], step_args: StepArgs, state: LiftedState) -> TracedStep:
     """Trace ``fn`` over the lifted state and the argument tensors; see the module docstring."""
     module, optimizer = step_args.module, step_args.optimizer
@@ -489,7 +502,7 @@ def trace_step(fn: Callable[..., Any], step_args: StepArgs, state: LiftedState) 
     # own fake mode has a ShapeEnv that turns both into unbacked symbols and traces on, into a
     # graph whose shapes no partitioner can reason about (tests/unit/test_errors.py).
     fake_mode = FakeTensorMode()
-    inputs = [fake_mode.from_tensor(t) for t in state.tensors(optimizer) + step_args.tensors]
+    inputs = [_trace_input(t, fake_mode) for t in state.tensors(optimizer) + step_args.tensors]
     t0 = time.perf_counter()
     try:
         with fx_traceback.preserve_node_meta(), optim_utils.traceable_optimizers():

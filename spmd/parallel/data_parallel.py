@@ -113,7 +113,16 @@ class DataParallel(ParallelMode):
         device_type = p0.device.type if p0 is not None else "cpu"
         return sharding.default_mesh(device_type)
 
-    def prepare(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, args: StepArgs) -> None:
+    def distribute(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Put the model's parameters and the optimizer's state in their distributed (DTensor) form now.
+
+        The first compiled call does this by itself; call it yourself to load a checkpoint
+        (``torch.distributed.checkpoint``) into the distributed state before training.
+        Optimizer state is created (zeros) if the optimizer has none yet.
+        """
+        self.prepare(module, optimizer, None)
+
+    def prepare(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, args: StepArgs | None) -> None:
         if sharding.world_info()[1] == 1 and self.mesh is None:
             return
         if all(isinstance(p, sharding.DTensor) for p in module.parameters()):

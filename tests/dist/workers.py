@@ -136,3 +136,41 @@ def structure(rank: int, world: int, reshard: bool) -> dict[str, Any]:
         "first_use_ok": first_use_ok,
         "params": params,
     }
+
+
+def checkpoint_resume(rank: int, world: int, style: str, ckpt_dir: str) -> list[str]:
+    """Train 3 steps, save with DCP, train 3 more; a fresh model loads the checkpoint and
+    trains the same 3 steps: parameters and losses must equal the uninterrupted run."""
+    import torch.distributed.checkpoint as dcp
+
+    mode = spmd.DataParallel(style)
+    problems: list[str] = []
+
+    def fresh():
+        model = pm.build("tinygpt")
+        opt = shared.make_optimizer("adamw_fused", model)
+        step = spmd.compile(parallel_mode=mode)(train_step)
+        return model, opt, step
+
+    model, opt, step = fresh()
+    for i in range(3):
+        step(model, opt, *pm.batch("tinygpt", i, rank))
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt_dir)
+    losses = [step(model, opt, *pm.batch("tinygpt", i, rank)) for i in range(3, 6)]
+
+    model2, opt2, step2 = fresh()
+    mode.distribute(model2, opt2)
+    sd = {"model": model2.state_dict(), "optim": opt2.state_dict()}
+    dcp.load(sd, checkpoint_id=ckpt_dir)
+    model2.load_state_dict(sd["model"])
+    opt2.load_state_dict(sd["optim"])
+    losses2 = [step2(model2, opt2, *pm.batch("tinygpt", i, rank)) for i in range(3, 6)]
+    for i, (a, b) in enumerate(zip(losses, losses2)):
+        if not torch.equal(a, b):
+            problems.append(f"{style}: resumed step {i} loss {b.item()!r} != {a.item()!r}")
+    for (n, p), (_, q) in zip(model.named_parameters(), model2.named_parameters()):
+        if not torch.equal(_full(p), _full(q)):
+            problems.append(f"{style}: resumed param {n} differs by {_diff(_full(p), _full(q))}")
+        if type(p.data) is not type(q.data) or getattr(p, "placements", None) != getattr(q, "placements", None):
+            problems.append(f"{style}: {n} placements {getattr(p, 'placements', None)} vs {getattr(q, 'placements', None)}")
+    return problems

@@ -1,0 +1,122 @@
+"""Issue all-gathers ahead of their use, one FSDP unit at a time.
+
+After partitioning, each parameter's all-gather sits right before its first use,
+so every gather stalls compute. This pass groups the gathers of each unit (the
+module a parameter belongs to, e.g. ``blocks.3``) and issues the whole unit
+``forward_prefetch`` (or ``backward_prefetch``) units early: the gathers of unit
+``i`` are placed right after the first wait of unit ``i - depth``, i.e. when that
+unit starts computing, so they overlap its compute. Units closer to the start of
+a phase than ``depth`` are issued at the start of the phase. Waits are not moved
+(the partitioner put each just before its first use; see :mod:`passes.scheduling`).
+
+Why it is legal: a gather reads only its parameter shard (a placeholder, maybe
+padded), which no node writes before the optimizer phase, so it may be issued
+anywhere earlier in the same phase. The new order of collectives is a function of
+the graph alone, hence the same on every rank.
+
+Where it runs: after dedup and before bucketing, so that each unit's gathers are
+adjacent and bucketing can merge them into one collective per unit. A depth of 0
+still groups units but issues each just before its own first use. No-op (same gm
+returned) when the graph has no all-gather or nothing moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.fx as fx
+
+from passes import collectives as C
+from passes.meta import PHASE, Phase, module_of
+
+
+def default_unit_of(node: fx.Node) -> str:
+    """The FSDP unit of a collective: its module path up to the first numeric component
+    (``blocks.3.attn.qkv`` -> ``blocks.3``), else its first component (``tok_emb``)."""
+    parts = module_of(node).split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0]
+
+
+def _input_chain(coll: fx.Node) -> list[fx.Node] | None:
+    """The nodes that exist only to feed ``coll`` (pads, flattens) back to placeholders,
+    in graph order; None if ``coll`` depends on anything computed (then it cannot move)."""
+    chain: list[fx.Node] = []
+    stack = list(coll.all_input_nodes)
+    seen: set[fx.Node] = set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op == "placeholder":
+            continue
+        seen.add(n)
+        if n.op != "call_function" or len(n.users) != 1:
+            return None
+        chain.append(n)
+        stack.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(coll.graph.nodes)}
+    return sorted(chain, key=order.__getitem__)
+
+
+def _first_use(coll: fx.Node, order: dict[fx.Node, int]) -> int:
+    waits = C.waits_of(coll)
+    return min(order[w] for w in waits) if waits else order[coll]
+
+
+def prefetch_all_gathers(
+    gm: fx.GraphModule,
+    *,
+    forward_prefetch: int = 1,
+    backward_prefetch: int = 1,
+    unit_of: Callable[[fx.Node], str] | None = None,
+) -> fx.GraphModule:
+    """Group all-gathers by unit and issue each unit ``depth`` units ahead (see module doc).
+
+    Args:
+        forward_prefetch: units of look-ahead in forward (FSDP ``forward_prefetch``).
+        backward_prefetch: units of look-ahead in backward (FSDP ``BACKWARD_PRE``).
+        unit_of: maps a collective to its unit name; default :func:`default_unit_of`.
+    """
+    unit_of = unit_of or default_unit_of
+    graph = gm.graph
+    gathers = [c for c in C.collectives(graph) if C.kind_of(c) is C.Kind.ALL_GATHER]
+    if not gathers:
+        return gm
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    changed = False
+    for phase, depth in ((Phase.FORWARD, forward_prefetch), (Phase.BACKWARD, backward_prefetch)):
+        in_phase = [c for c in gathers if c.meta.get(PHASE) is phase]
+        if not in_phase:
+            continue
+        # Units in order of first use.
+        units: dict[str, list[fx.Node]] = {}
+        for c in sorted(in_phase, key=lambda c: _first_use(c, order)):
+            units.setdefault(unit_of(c), []).append(c)
+        unit_list = list(units.values())
+        movable = set(in_phase)
+        phase_start = next(
+            n for n in graph.nodes if n.op != "placeholder" and n.meta.get(PHASE) is phase and n not in movable
+        )
+        for i, members in enumerate(unit_list):
+            if i - depth >= 0 and depth > 0:
+                prev = unit_list[i - depth]
+                anchor_wait = min((w for c in prev for w in C.waits_of(c)), key=order.__getitem__)
+                anchor = anchor_wait.next
+            elif depth > 0:
+                anchor = phase_start
+            else:
+                anchor = min((w for c in members for w in C.waits_of(c)), key=order.__getitem__)
+            for c in members:
+                chain = _input_chain(c)
+                if chain is None or order[c] <= order[anchor] and all(order[n] <= order[anchor] for n in chain):
+                    continue
+                for n in [*chain, c]:
+                    anchor.prepend(n)
+                changed = True
+            order = {n: i for i, n in enumerate(graph.nodes)}
+    if not changed:
+        return gm
+    graph.lint()
+    gm.recompile()
+    return gm
