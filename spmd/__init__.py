@@ -20,6 +20,8 @@ from spmd.errors import (
     UntraceableOpError,
 )
 from spmd.parallel import DataParallel, ParallelMode
+from spmd.report import StepReport
+from spmd.simulate import simulate
 
 logging.getLogger("spmd").addHandler(logging.NullHandler())
 
@@ -36,7 +38,9 @@ __all__ = [
     "PassError",
     "RankDivergenceError",
     "SpmdError",
+    "StepReport",
     "TraceError",
     "UntraceableOpError",
     "compile",
+    "simulate",
 ]

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -23,10 +24,11 @@ import torch.nn as nn
 
 from spmd import optim as optim_utils
 from spmd import tracing
-from spmd.dump import dump_stages
+from spmd.dump import dump_report, dump_stages
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.parallel import DataParallel, ParallelMode
 from spmd.pipeline import build_pipeline
+from spmd.report import StepReport, build_report, describe_mode
 from spmd.runtime import Executable, make_executable
 
 log = logging.getLogger("spmd")
@@ -103,6 +105,11 @@ def compile(
 class _Entry:
     exe: Executable
     graphs: OrderedDict[str, fx.GraphModule]
+    # For report(): the compile's facts that the graph does not hold.
+    world_size: int = 1
+    parallel_style: str = ""
+    trace_s: float | None = None
+    compile_s: float | None = None
 
 
 class CompiledStep:
@@ -140,6 +147,15 @@ class CompiledStep:
         if self._last is None:
             raise RuntimeError("spmd: the step has not been called yet; graphs exist after the first call.")
         return self._last.graphs
+
+    def report(self, stage: str = "final") -> StepReport:
+        """The static report of the most recently run graph (``stage``: any name in ``graphs``)."""
+        if stage not in self.graphs:
+            raise ConfigError(
+                f"spmd: report(stage={stage!r}): no such stage; the stages are {list(self.graphs)}."
+            )
+        assert self._last is not None
+        return _report(self._last, stage)
 
     @property
     def num_graphs(self) -> int:
@@ -200,6 +216,7 @@ class CompiledStep:
                 "without fused=True) learning-rate value traces a new graph. Pad inputs to fixed shapes, "
                 "use fused=True optimizers, or raise cache_size_limit."
             )
+        t0 = time.perf_counter()
         module, optimizer = step_args.module, step_args.optimizer
         fresh: list[torch.Tensor] = []
         if optimizer is not None:
@@ -239,10 +256,30 @@ class CompiledStep:
             graphs["gm_transformation"] = copy_graph_module(gm)
         graphs["final"] = gm
         exe = make_executable(gm, traced, state)
-        entry = _Entry(exe=exe, graphs=graphs)
+        style, world = describe_mode(self.parallel_mode)
+        entry = _Entry(
+            exe=exe,
+            graphs=graphs,
+            world_size=world,
+            parallel_style=style,
+            trace_s=traced.trace_s,
+            compile_s=time.perf_counter() - t0,
+        )
         if self.dump_dir:
-            dump_stages(self.dump_dir, self.__name__, graphs)
+            where = dump_stages(self.dump_dir, self.__name__, graphs)
+            dump_report(where, _report(entry, "final"))
         return entry, _signature(step_args)
+
+
+def _report(entry: _Entry, stage: str) -> StepReport:
+    return build_report(
+        entry.graphs[stage],
+        world_size=entry.world_size,
+        parallel_style=entry.parallel_style,
+        stage=stage,
+        trace_s=entry.trace_s,
+        compile_s=entry.compile_s,
+    )
 
 
 def _forget_unused_state(

@@ -5,10 +5,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
 from passes.meta import MODULE, PHASE, ROLE
+
+if TYPE_CHECKING:
+    from spmd.report import StepReport
 
 log = logging.getLogger("spmd")
 
@@ -52,3 +56,11 @@ def dump_stages(dump_dir: str, step_name: str, graphs: Mapping[str, fx.GraphModu
             f.write(annotated_code(gm))
     log.info("spmd: wrote %d graph stages to %s", len(graphs), where)
     return where
+
+
+def dump_report(where: str, report: StepReport) -> None:
+    """Write ``report`` as ``report.json`` and ``report.txt`` into ``where`` (next to the stages)."""
+    with open(os.path.join(where, "report.json"), "w") as f:
+        f.write(report.to_json() + "\n")
+    with open(os.path.join(where, "report.txt"), "w") as f:
+        f.write(str(report) + "\n")

@@ -22,8 +22,9 @@ def _run(**options):
 
 
 def _check_stage_files(where, step):
-    files = sorted(os.listdir(where))
+    files = sorted(f for f in os.listdir(where) if f.endswith(".py"))
     assert files == [f"{i:02d}_{stage}.py" for i, stage in enumerate(step.graphs)]
+    assert sorted(set(os.listdir(where)) - set(files)) == ["report.json", "report.txt"]
     assert files[0] == "00_traced.py" and files[-1].endswith("_final.py")
     for name in files:
         with open(os.path.join(where, name)) as f:

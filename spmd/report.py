@@ -1,0 +1,183 @@
+"""``StepReport``: what one compiled step communicates and holds, per rank, read off its graph.
+
+Everything here is static: it is computed from a graph stage (normally ``final``)
+and its ``node.meta`` (``val`` sizes, roles, phases), never by running the step.
+Per-rank numbers are rank 0's; with uneven ``Shard(0)`` splits rank 0 holds the
+largest shard (``ceil(rows / W)`` rows), so they are the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from passes import collectives as C
+from passes.memory import estimate_peak_memory
+from passes.meta import GRAD_OF, ROLE, Role
+
+_MiB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveStats:
+    """The collectives of one kind in the step."""
+
+    count: int
+    bytes: int  # per rank, per step: the larger side of each (see passes.collectives.bytes_of)
+
+
+@dataclasses.dataclass
+class StepReport:
+    """What one rank's compiled train step communicates and holds.
+
+    All sizes are bytes per rank per step. ``collectives`` counts the collectives of
+    the reported graph stage (after bucketing, a bucket is one collective).
+    """
+
+    world_size: int
+    parallel_style: str  # "replicate", "fully_shard", ... (the parallel mode's own words)
+    collectives: dict[str, CollectiveStats]  # kind ("all_reduce", "all_gather", ...) -> stats
+    param_bytes: int  # parameters this rank holds (its shards under fully_shard)
+    grad_bytes: int  # gradients as the optimizer reads them (shards under fully_shard)
+    optim_state_bytes: int  # optimizer state this rank holds (exp_avg, exp_avg_sq, step, ...)
+    buffer_bytes: int  # module buffers (BatchNorm statistics)
+    input_bytes: int  # this rank's batch (and other tensor arguments)
+    peak_memory_bytes: int  # predicted peak of live tensors during the step (passes.memory)
+    peak_node: str  # the node running at the predicted peak
+    peak_by_phase: dict[str, int]  # phase -> predicted peak while that phase runs
+    num_nodes: int
+    num_params: int  # parameter tensors (graph inputs of role param)
+    num_grads: int  # gradients the graph produces
+    stage: str = "final"  # the graph stage reported on
+    trace_s: float | None = None  # make_fx time of the first call
+    compile_s: float | None = None  # whole first-call compile (trace, partition, passes)
+
+    @property
+    def comm_bytes(self) -> int:
+        """Bytes of every collective of the step, per rank."""
+        return sum(c.bytes for c in self.collectives.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["comm_bytes"] = self.comm_bytes
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    def __str__(self) -> str:
+        rows: list[tuple[str, str]] = [
+            ("world size", str(self.world_size)),
+            ("parallel style", self.parallel_style),
+            ("graph", f"{self.stage}: {self.num_nodes} nodes"),
+        ]
+        if self.trace_s is not None:
+            rows.append(("trace / compile", f"{self.trace_s:.2f} s / {_secs(self.compile_s)}"))
+        rows += [
+            ("params", f"{_size(self.param_bytes)}  ({self.num_params} tensors)"),
+            ("grads", f"{_size(self.grad_bytes)}  ({self.num_grads} tensors)"),
+            ("optimizer state", _size(self.optim_state_bytes)),
+            ("buffers", _size(self.buffer_bytes)),
+            ("inputs", _size(self.input_bytes)),
+            ("predicted peak", f"{_size(self.peak_memory_bytes)}  (at {self.peak_node or '-'})"),
+        ]
+        rows += [(f"  peak in {phase}", _size(b)) for phase, b in self.peak_by_phase.items()]
+        width = max(len(k) for k, _ in rows)
+        lines = [f"spmd step report (per rank, rank 0 of {self.world_size})"]
+        lines += [f"  {k:<{width}}  {v}" for k, v in rows]
+        lines.append("  collectives:")
+        if not self.collectives:
+            lines.append("    none")
+        else:
+            kw = max(len(k) for k in self.collectives)
+            lines.append(f"    {'kind':<{kw}}  {'count':>6}  {'bytes/rank':>12}")
+            for kind, c in self.collectives.items():
+                lines.append(f"    {kind:<{kw}}  {c.count:>6}  {_size(c.bytes):>12}")
+            lines.append(
+                f"    {'total':<{kw}}  {sum(c.count for c in self.collectives.values()):>6}  "
+                f"{_size(self.comm_bytes):>12}"
+            )
+        return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    if n >= _MiB:
+        return f"{n / _MiB:.2f} MiB"
+    if n >= 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n} B"
+
+
+def _secs(s: float | None) -> str:
+    return "-" if s is None else f"{s:.2f} s"
+
+
+def _nbytes(node: fx.Node) -> int:
+    """Bytes of the tensor(s) a node holds, by its ``meta["val"]`` (local shapes)."""
+    val = node.meta.get("val")
+    vals = val if isinstance(val, list | tuple) else [val]
+    return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+
+
+def build_report(
+    gm: fx.GraphModule,
+    *,
+    world_size: int,
+    parallel_style: str,
+    stage: str = "final",
+    trace_s: float | None = None,
+    compile_s: float | None = None,
+) -> StepReport:
+    """The report of one graph stage of a compiled step (see :class:`StepReport`)."""
+    by_role: dict[Role, int] = {}
+    num_params = 0
+    grads: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        role = n.meta.get(ROLE)
+        if n.op == "placeholder" and role is not None:
+            by_role[role] = by_role.get(role, 0) + _nbytes(n)
+            num_params += role is Role.PARAM
+        elif role is Role.GRAD:
+            # One per parameter; keyed by name so no stage can count a gradient twice.
+            grads[n.meta.get(GRAD_OF, n.name)] = _nbytes(n)
+    colls: dict[str, CollectiveStats] = {}
+    for n in C.collectives(gm.graph):
+        kind = C.kind_of(n).value
+        old = colls.get(kind, CollectiveStats(0, 0))
+        colls[kind] = CollectiveStats(old.count + 1, old.bytes + C.bytes_of(n))
+    mem = estimate_peak_memory(gm)
+    return StepReport(
+        world_size=world_size,
+        parallel_style=parallel_style,
+        collectives=colls,
+        param_bytes=by_role.get(Role.PARAM, 0),
+        grad_bytes=sum(grads.values()),
+        optim_state_bytes=by_role.get(Role.OPTIM_STATE, 0),
+        buffer_bytes=by_role.get(Role.BUFFER, 0),
+        input_bytes=by_role.get(Role.INPUT, 0),
+        peak_memory_bytes=mem.peak_bytes,
+        peak_node=mem.peak_node,
+        peak_by_phase={k: v.peak_bytes for k, v in mem.by_phase.items()},
+        num_nodes=len(gm.graph.nodes),
+        num_params=num_params,
+        num_grads=len(grads),
+        stage=stage,
+        trace_s=trace_s,
+        compile_s=compile_s,
+    )
+
+
+def describe_mode(parallel_mode: Any) -> tuple[str, int]:
+    """(style words, world size) of a parallel mode, for the report; call while its group exists."""
+    from spmd.parallel import sharding
+
+    style = str(getattr(parallel_mode, "parallel_style", type(parallel_mode).__name__))
+    if style == "fully_shard" and getattr(parallel_mode, "reshard_after_forward", True) is False:
+        style += " (reshard_after_forward=False)"
+    mesh = getattr(parallel_mode, "mesh", None)
+    world = mesh.size() if mesh is not None else sharding.world_info()[1]
+    return style, world

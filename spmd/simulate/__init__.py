@@ -1,0 +1,112 @@
+"""``spmd.simulate``: compile a train step for any world size on one process, and report on it.
+
+    report = spmd.simulate(train_step, model, optim, x, y, world_size=1024)
+    print(report)                    # collectives, bytes per rank, predicted peak memory
+
+The step is lowered (traced, partitioned, passed; never run) under the fake
+process group, which answers every collective instantly, so the graph rank 0 would
+run at ``world_size`` ranks is built on this one process. It works on copies of the
+arguments made as fake tensors (``FakeCopyMode``): the caller's model and optimizer
+are left as they are, and no memory is needed for the weights or the optimizer
+state, however large the model. (Build a big model under ``FakeTensorMode`` in the
+first place so that it takes no memory either; see ``spmd.models.build``.)
+
+The command line simulates the built-in models of :mod:`spmd.models`:
+
+    python -m spmd.simulate --model gpt2-small --world-size 1024 --style fully_shard
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+from torch.distributed.tensor import DTensor
+
+from spmd import tracing
+from spmd.api import CompiledStep
+from spmd.errors import ConfigError, SpmdError
+from spmd.parallel import sharding
+from spmd.report import StepReport
+
+log = logging.getLogger("spmd")
+
+__all__ = ["simulate"]
+
+
+def simulate(train_step: CompiledStep, *example_args: Any, world_size: int, **kwargs: Any) -> StepReport:
+    """The :class:`StepReport` of ``train_step`` on ``world_size`` ranks (rank 0's view).
+
+    Args:
+        train_step: a function decorated with ``spmd.compile(...)``; its parallel mode and
+            options are used (a ``mesh=`` of the mode is dropped: simulation makes its own).
+        *example_args, **kwargs: the arguments of one call, as rank 0 would pass them
+            (the model, the optimizer, rank 0's local batch). They are copied, not changed.
+        world_size: how many ranks to simulate.
+
+    Must be called with no process group initialised (it initialises the fake one and
+    destroys it afterwards). ``train_step`` itself is not changed: its graph cache and
+    ``graphs`` stay as they were, and nothing is dumped.
+    """
+    if not isinstance(train_step, CompiledStep):
+        raise ConfigError(
+            "spmd.simulate: train_step must be a function decorated with @spmd.compile(...), got "
+            f"{type(train_step).__name__}. Decorate it, e.g. spmd.simulate(spmd.compile()(fn), ...)."
+        )
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"spmd.simulate: world_size must be a positive int, got {world_size!r}.")
+    if dist.is_available() and dist.is_initialized():
+        raise SpmdError(
+            "spmd.simulate: a process group is already initialised (world size "
+            f"{dist.get_world_size()}); simulation runs under its own fake process group. Call "
+            "spmd.simulate before torch.distributed.init_process_group, or in a separate process."
+        )
+    step_args = tracing.split_args(example_args, kwargs)
+    if any(isinstance(p, DTensor) for p in step_args.module.parameters()):
+        raise ConfigError(
+            "spmd.simulate: the model's parameters are already distributed (DTensors), from a compiled "
+            "call under a real process group. Simulate with a freshly built model."
+        )
+    sim = _fresh_copy(train_step)
+    # One deepcopy of everything keeps the sharing (the optimizer holds the copied parameters).
+    with FakeCopyMode(FakeTensorMode(allow_non_fake_inputs=True)):
+        args, kwargs = copy.deepcopy((example_args, kwargs))
+    # sharding.default_mesh caches a mesh per device type; one from a destroyed group is stale.
+    saved_meshes = dict(sharding._DEFAULT_MESHES)
+    sharding._DEFAULT_MESHES.clear()
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        t0 = time.perf_counter()
+        sim.lower(*args, **kwargs)
+        report = sim.report()
+        log.info(
+            "spmd.simulate: %s at world size %d in %.2f s",
+            getattr(sim, "__name__", "step"),
+            world_size,
+            time.perf_counter() - t0,
+        )
+    finally:
+        dist.destroy_process_group()
+        sharding._DEFAULT_MESHES.clear()
+        sharding._DEFAULT_MESHES.update(saved_meshes)
+    return report
+
+
+def _fresh_copy(step: CompiledStep) -> CompiledStep:
+    """``step``'s configuration with an empty graph cache, dumping nothing."""
+    sim = copy.copy(step)
+    sim._cache = {}
+    sim._last = None
+    sim._overridden = set()
+    sim.dump_dir = None
+    mode = step.parallel_mode
+    if dataclasses.is_dataclass(mode) and getattr(mode, "mesh", None) is not None:
+        sim.parallel_mode = dataclasses.replace(mode, mesh=None)  # type: ignore[type-var]
+    return sim

@@ -1,0 +1,126 @@
+"""spmd.simulate: rank 0's report at any world size, on one process, from fake copies of the state.
+
+The model is tests.dist.workers_report.Stack sized so that three of its four parameters have a
+row count every simulated world size divides (1/N scaling is exact) and one has 3 rows (padded
+to N rows once N > 3). Expected bytes come from workers_report.expected (the padding formula).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import spmd
+from spmd import models
+from spmd.simulate.__main__ import main
+from tests.dist.workers_report import Stack, expected, stack_batch
+
+D, H, C = 1024, 2048, 3
+SIZES = [2, 8, 64, 1024]
+
+
+def _problem():
+    torch.manual_seed(0)
+    model = Stack(D, H, C)  # parameters: ln.weight (1024,), ln.bias (1024,), fc1 (2048, 1024), fc2 (3, 2048)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    return model, opt, *stack_batch(D, C, 0)
+
+
+def _step(style: str, reshard: bool = True):
+    return spmd.compile(parallel_mode=spmd.DataParallel(style, reshard_after_forward=reshard))(
+        models.train_step
+    )
+
+
+@pytest.fixture(scope="module")
+def fully_shard_reports() -> dict[int, tuple[spmd.StepReport, float]]:
+    model, opt, x, y = _problem()
+    step = _step("fully_shard")
+    out = {}
+    for n in SIZES:
+        t0 = time.perf_counter()
+        rep = spmd.simulate(step, model, opt, x, y, world_size=n)
+        out[n] = (rep, time.perf_counter() - t0)
+    print("\nsimulate(fully_shard) seconds by world size:", {n: round(s, 2) for n, (_, s) in out.items()})
+    return out
+
+
+def test_fully_shard_bytes_follow_the_formula(fully_shard_reports) -> None:
+    shapes = [tuple(p.shape) for p in Stack(D, H, C).parameters()]
+    for n, (rep, _) in fully_shard_reports.items():
+        exp = expected(shapes, n)
+        assert rep.world_size == n and rep.parallel_style == "fully_shard"
+        assert rep.param_bytes == rep.grad_bytes == exp["local"], n
+        assert rep.optim_state_bytes == 2 * exp["local"] + 4 * len(shapes)
+        assert set(rep.collectives) == {"all_gather", "reduce_scatter"}
+        assert rep.collectives["all_gather"].bytes == 2 * exp["padded"], n
+        assert rep.collectives["reduce_scatter"].bytes == exp["padded"], n
+
+
+def test_fully_shard_params_per_rank_scale_as_one_over_n(fully_shard_reports) -> None:
+    even = (D + D + H * D) * 4  # the parameters whose rows divide by every N
+    for n, (rep, _) in fully_shard_reports.items():
+        fc2_rows = -(-C // n)  # rank 0 holds ceil(3 / N) rows of fc2
+        assert rep.param_bytes == even // n + fc2_rows * H * 4
+
+
+def test_replicate_all_reduce_moves_the_gradients() -> None:
+    model, opt, x, y = _problem()
+    full = sum(p.numel() * 4 for p in model.parameters())
+    step = _step("replicate")
+    for n in (2, 1024):
+        rep = spmd.simulate(step, model, opt, x, y, world_size=n)
+        assert rep.world_size == n
+        assert set(rep.collectives) == {"all_reduce"}
+        assert rep.collectives["all_reduce"].bytes == full
+        assert rep.param_bytes == rep.grad_bytes == full
+
+
+def test_no_reshard_gathers_once() -> None:
+    model, opt, x, y = _problem()
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    rep = spmd.simulate(_step("fully_shard", reshard=False), model, opt, x, y, world_size=64)
+    assert rep.collectives["all_gather"].bytes == expected(shapes, 64)["padded"]
+    assert "reshard_after_forward=False" in rep.parallel_style
+
+
+def test_caller_state_and_step_are_untouched() -> None:
+    model, opt, x, y = _problem()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step = _step("fully_shard")
+    spmd.simulate(step, model, opt, x, y, world_size=8)
+    assert not dist.is_initialized()
+    assert step.num_graphs == 0
+    for n, p in model.named_parameters():
+        assert type(p) is torch.nn.Parameter and not isinstance(p.data, DTensor)
+        assert torch.equal(p, before[n]), n
+    assert opt.state == {} or all(not isinstance(v, DTensor) for s in opt.state.values() for v in s.values())
+    # the step still compiles and runs for real afterwards, at world size 1
+    step(model, opt, x, y)
+    assert step.report().world_size == 1
+
+
+def test_errors() -> None:
+    model, opt, x, y = _problem()
+    with pytest.raises(spmd.ConfigError, match="decorated"):
+        spmd.simulate(models.train_step, model, opt, x, y, world_size=2)
+    with pytest.raises(spmd.ConfigError, match="world_size"):
+        spmd.simulate(_step("replicate"), model, opt, x, y, world_size=0)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        with pytest.raises(spmd.SpmdError, match="already initialised"):
+            spmd.simulate(_step("replicate"), model, opt, x, y, world_size=2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cli_tiny(capsys) -> None:
+    assert main(["--model", "tiny", "--world-size", "4", "--style", "fully_shard", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["world_size"] == 4 and rep["parallel_style"] == "fully_shard"
+    assert rep["collectives"]["all_gather"]["count"] > 0 and rep["peak_memory_bytes"] > 0
