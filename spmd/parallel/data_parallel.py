@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("spmd")
 
 STYLES = ("replicate", "fully_shard")
+
+# Fused optimizer kernels whose SIMD/scalar split depends on where an element sits (see
+# _Partitioner._align_fused_optimizer), their per-parameter list arguments, and an element
+# alignment that is a multiple of every CPU vector width (AVX-512 float: 16, bf16: 32).
+_FUSED_OPTIMIZERS = {
+    torch.ops.aten._fused_adam_.default,
+    torch.ops.aten._fused_adam_.tensor_lr,
+    torch.ops.aten._fused_adamw_.default,
+    torch.ops.aten._fused_adamw_.tensor_lr,
+    torch.ops.aten._fused_sgd_.default,
+    torch.ops.aten._fused_sgd_.tensor_lr,
+}
+_PER_PARAM_LISTS = {"self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "momentum_buffer_list"}
+_ALIGN = 64
 
 # model -> names of buffers any compiled step on it mutates (see _broadcast_mutated_buffers)
 _MUTATED_BUFFERS: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
@@ -170,6 +185,7 @@ class _Partitioner:
         self._reduce_grads()
         if self.layouts:
             self._globalize_norms()
+            self._align_fused_optimizer()
         self.graph.lint()
         self.gm.recompile()
         self._refresh_vals()
@@ -335,6 +351,66 @@ class _Partitioner:
                     "supported on shards. Use DataParallel('replicate') for this step, or move the op "
                     "before loss.backward()."
                 )
+
+    def _align_fused_optimizer(self) -> None:
+        """Feed fused optimizer kernels shards that sit where the full tensor's elements sit.
+
+        CPU fused kernels (``_fused_adam_``, ``_fused_adamw_``, ``_fused_sgd_``) run a SIMD
+        loop with a scalar tail, and the two round differently (fused multiply-add). On the
+        full tensor an element takes the SIMD path iff its index is below ``n - n % V``; on a
+        shard it depends on the shard's own size. Where a shard does not start at a multiple
+        of ``_ALIGN`` elements, or ends early, its elements would round differently from
+        DDP's. Those shards are copied into a zero-padded buffer that covers the same global
+        index range rounded out to ``_ALIGN`` (up to ``n`` when the shard holds the tensor's
+        tail), the kernel runs on the buffers, and the results are copied back. Shards that
+        are aligned already (the common case: rows of a multiple of 64 elements) cost nothing.
+        """
+        for node in list(self.graph.nodes):
+            if node.op != "call_function" or node.target not in _FUSED_OPTIMIZERS:
+                continue
+            schema = node.target._schema
+            n_params = len(node.args[0])
+            per_param = [
+                i
+                for i, a in enumerate(schema.arguments)
+                if a.name in _PER_PARAM_LISTS and i < len(node.args) and len(node.args[i]) == n_params
+            ]
+            written = {i for i in per_param if schema.arguments[i].alias_info is not None}
+            written.discard(1)  # grads: scratch, nothing to copy back
+            args = [list(a) if isinstance(a, list | tuple) else a for a in node.args]
+            copy_backs: list[tuple[fx.Node, fx.Node, int, int, list[int]]] = []
+            for k, p in enumerate(node.args[0]):
+                name = p.meta.get(STATE_NAME) if isinstance(p, fx.Node) else None
+                lay = self.layouts.get(name)
+                if lay is None:
+                    continue
+                shape = self.params[name].shape
+                row = math.prod(shape[1:])
+                total, off, n_loc = lay.rows * row, lay.offset * row, lay.local_rows * row
+                if off % _ALIGN == 0 and (n_loc % _ALIGN == 0 or off + n_loc == total):
+                    continue
+                pre = off % _ALIGN
+                end = -(-(off + n_loc) // _ALIGN) * _ALIGN if off + n_loc <= total - total % _ALIGN else total
+                post = end - (off - pre) - pre - n_loc
+                with self.graph.inserting_before(node):
+                    for i in per_param:
+                        t = args[i][k]
+                        flat = self._call(aten.reshape.default, (t, [-1]), node, role=Role.UPDATE)
+                        buf = self._call(aten.constant_pad_nd.default, (flat, [pre, post]), node, role=Role.UPDATE)
+                        args[i][k] = buf
+                        if i in written:
+                            copy_backs.append((t, buf, pre, n_loc, [lay.local_rows, *shape[1:]]))
+            if not copy_backs:
+                continue
+            node.args = tuple(args)
+            anchor = node
+            for t, buf, pre, n_loc, local_shape in copy_backs:
+                with self.graph.inserting_after(anchor):
+                    piece = self._call(aten.slice.Tensor, (buf, 0, pre, pre + n_loc), node, role=Role.UPDATE)
+                with self.graph.inserting_after(piece):
+                    shaped = self._call(aten.view.default, (piece, local_shape), node, role=Role.UPDATE)
+                with self.graph.inserting_after(shaped):
+                    anchor = self._call(aten.copy_.default, (t, shaped), node, role=Role.UPDATE)
 
     def _globalize(self, norm: fx.Node, ord_: Any) -> None:
         users = list(norm.users)

@@ -71,9 +71,10 @@ def parity(
             loss = step(model, opt, *b)
             torch.manual_seed(100 + i)
             ref = fn(ddp, ref_opt, *b)
+            # Keep stepping after a mismatch: a rank that stopped early would leave the other
+            # waiting in a collective.
             if not (torch.equal(loss, ref) if atol == 0 else torch.allclose(loss, ref, rtol=0, atol=atol)):
                 problems.append(f"{tag}: step {i} loss {loss.item()!r} != ddp {ref.item()!r}")
-                break
         for (n, p), (_, q) in zip(model.named_parameters(), ddp.module.named_parameters()):
             full = _full(p)
             if full.shape != q.shape or _diff(full, q) > atol:
