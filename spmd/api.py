@@ -27,6 +27,7 @@ from spmd import tracing
 from spmd.dump import dump_report, dump_stages
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.parallel import DataParallel, ParallelMode
+from spmd.parallel.agreement import check_rank_agreement
 from spmd.pipeline import build_pipeline
 from spmd.report import StepReport, build_report, describe_mode
 from spmd.runtime import Executable, make_executable
@@ -255,6 +256,7 @@ class CompiledStep:
             gm = self.gm_transformation(gm)
             graphs["gm_transformation"] = copy_graph_module(gm)
         graphs["final"] = gm
+        check_rank_agreement(gm, step_name=self.__name__)
         exe = make_executable(gm, traced, state)
         style, world = describe_mode(self.parallel_mode)
         entry = _Entry(

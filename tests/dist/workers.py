@@ -175,3 +175,22 @@ def checkpoint_resume(rank: int, world: int, style: str, ckpt_dir: str) -> list[
         if type(p.data) is not type(q.data) or getattr(p, "placements", None) != getattr(q, "placements", None):
             problems.append(f"{style}: {n} placements {getattr(p, 'placements', None)} vs {getattr(q, 'placements', None)}")
     return problems
+
+
+def divergent(rank: int, world: int, style: str) -> str:
+    """Rank 1 builds a model with an extra layer: compiling must fail on both ranks, not hang."""
+    import time
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 16), torch.nn.ReLU()]
+    if rank == 1:
+        layers += [torch.nn.Linear(16, 16), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd.compile(parallel_mode=spmd.DataParallel(style))(train_step)
+    t0 = time.perf_counter()
+    try:
+        step(model, opt, *pm.batch("mlp", 0, rank))
+    except spmd.RankDivergenceError as exc:
+        return f"{time.perf_counter() - t0:.1f}s {exc}"
+    return "no error"
