@@ -42,7 +42,8 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """An independent copy of ``gm``'s graph (node meta copied shallowly; tensors shared)."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
+    new_output = graph.output(out)
+    new_output.meta = dict(gm.graph.output_node().meta)
     return fx.GraphModule(gm, graph)
 
 
