@@ -34,14 +34,20 @@ def world_info() -> tuple[int, int]:
     return 0, 1
 
 
-_DEFAULT_MESHES: dict[str, DeviceMesh] = {}
+_DEFAULT_MESHES: dict[tuple[str, int, int], DeviceMesh] = {}
 
 
 def default_mesh(device_type: str) -> DeviceMesh:
-    """A 1-D mesh over every rank of the default process group (made once per device type)."""
-    if device_type not in _DEFAULT_MESHES:
-        _DEFAULT_MESHES[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
-    return _DEFAULT_MESHES[device_type]
+    """A 1-D mesh over every rank of the default process group.
+
+    Made once per device type and default group: a group destroyed and initialised
+    again (tests, ``spmd.simulate``) gets a new mesh.
+    """
+    key = (device_type, id(dist.distributed_c10d._get_default_group()), dist.get_world_size())
+    if key not in _DEFAULT_MESHES:
+        _DEFAULT_MESHES.clear()  # meshes of earlier groups are dead
+        _DEFAULT_MESHES[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return _DEFAULT_MESHES[key]
 
 
 @dataclasses.dataclass(frozen=True)
