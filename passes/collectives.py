@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -73,7 +73,7 @@ def reduce_op_of(node: fx.Node) -> str | None:
 def inputs_of(node: fx.Node) -> list[fx.Node]:
     """The tensors a collective sends (one, or several for coalesced ops)."""
     first = node.args[0]
-    return list(first) if isinstance(first, list | tuple) else [first]  # type: ignore[list-item]
+    return list(first) if isinstance(first, list | tuple) else [first]  # type: ignore[arg-type,list-item]
 
 
 def collectives(graph: fx.Graph) -> list[fx.Node]:
@@ -128,16 +128,16 @@ def bytes_of(node: fx.Node) -> int:
             continue
         nbytes = v.numel() * v.element_size()
         if kind_of(node) is Kind.ALL_GATHER:
-            nbytes *= int(node.args[1])
+            nbytes *= cast(int, node.args[1])
         total += nbytes
     return total
 
 
 def group_size_of(node: fx.Node) -> int | None:
     if kind_of(node) is Kind.ALL_GATHER:
-        return int(node.args[1])
+        return cast(int, node.args[1])
     if kind_of(node) is Kind.REDUCE_SCATTER:
-        return int(node.args[2])
+        return cast(int, node.args[2])
     return None
 
 
@@ -158,14 +158,20 @@ def _finish(node: fx.Node, val: Any, like: fx.Node) -> fx.Node:
     return node
 
 
-def emit_all_reduce(graph: fx.Graph, x: fx.Node, *, reduce_op: str, group_name: str) -> tuple[fx.Node, fx.Node]:
+def emit_all_reduce(
+    graph: fx.Graph, x: fx.Node, *, reduce_op: str, group_name: str
+) -> tuple[fx.Node, fx.Node]:
     """Insert ``all_reduce(x)`` and its wait at the graph's insert point; returns (collective, wait)."""
-    coll = _finish(graph.call_function(_c10d.all_reduce.default, (x, reduce_op, group_name)), _fake_like(x), x)
+    coll = _finish(
+        graph.call_function(_c10d.all_reduce.default, (x, reduce_op, group_name)), _fake_like(x), x
+    )
     wait = _finish(graph.call_function(WAIT, (coll,)), _fake_like(x), x)
     return coll, wait
 
 
-def emit_all_gather(graph: fx.Graph, x: fx.Node, *, group_size: int, group_name: str) -> tuple[fx.Node, fx.Node]:
+def emit_all_gather(
+    graph: fx.Graph, x: fx.Node, *, group_size: int, group_name: str
+) -> tuple[fx.Node, fx.Node]:
     """Gather ``x`` from every rank, concatenated along dim 0; returns (collective, wait)."""
     v = _val(x)
     shape = None if v is None else [v.shape[0] * group_size, *v.shape[1:]]

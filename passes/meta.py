@@ -33,7 +33,7 @@ class Role(str, enum.Enum):
     ACTIVATION = "activation"  # any intermediate of forward or backward
     GRAD = "grad"  # the gradient of a parameter, as the optimizer will read it
     UPDATE = "update"  # an optimizer-phase computation
-    COMM = "comm"  # a collective or its wait, inserted by a partitioner or pass
+    COMM = "comm"  # a collective, its wait, or the copies that pack/unpack a bucket (partitioner or pass)
 
 
 class Phase(str, enum.Enum):

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 
 import torch.fx as fx
 
+from passes.bucketing import bucket_collectives
 from passes.cleanup import strip_grad_tags
+from passes.dedup import dedup_collectives
 from passes.driver import NamedPass, run_passes
+from passes.invariants import check_invariants
 from spmd.errors import PassError
 from spmd.parallel import ParallelMode
 
@@ -39,14 +43,28 @@ class Pipeline:
 
 def _checker() -> Callable[[fx.GraphModule, str], None]:
     def check(gm: fx.GraphModule, name: str) -> None:
-        gm.graph.lint()
+        check_invariants(gm)
 
     return check
 
 
 def build_pipeline(parallel_mode: ParallelMode) -> Pipeline:
     """The built-in passes, in order."""
+    options = parallel_mode.pass_options()
+    # The parallel mode's knobs, by the names the pass takes them under (absent: the pass's default).
+    names = {"bucket_cap_mb": "bucket_cap_mb", "bucket_mode": "mode", "bucket_unit_of": "unit_of"}
+    bucketing = {kw: options[name] for name, kw in names.items() if name in options}
     passes = [
+        NamedPass(
+            name="dedup_collectives",
+            fn=dedup_collectives,
+            reason="first, on the partitioner's collectives: a duplicate left in a bucket is sent twice",
+        ),
+        NamedPass(
+            name="bucket_collectives",
+            fn=functools.partial(bucket_collectives, **bucketing),
+            reason="after dedup; before any pass that moves collectives or waits, which should move buckets",
+        ),
         NamedPass(
             name="strip_grad_tags",
             fn=strip_grad_tags,

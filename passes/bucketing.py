@@ -1,0 +1,376 @@
+"""Bucket runs of adjacent collectives into one collective on a flat buffer.
+
+One collective per parameter pays the per-call latency hundreds of times a step;
+DDP and FSDP send buckets instead. This pass does the same on the graph: a run of
+collectives that are adjacent in the collective order and agree on kind, group,
+group size, reduce op, dtype and phase becomes one collective on their
+concatenation, and each member's result is cut back out of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from passes import collectives as C
+from passes.graph_utils import storage_of, written_storages
+from passes.meta import MODULE, PHASE, ROLE, Role, module_of
+
+_aten = torch.ops.aten
+
+# Ops that only reshape, view or copy their single tensor input: a member's wait may
+# feed a chain of these (the partitioner's narrow/view of a gathered parameter) before
+# the last member of the bucket; the chain moves after the bucket's wait unchanged.
+_RESHAPES = {
+    operator.getitem,
+    _aten.view.default,
+    _aten._unsafe_view.default,
+    _aten.reshape.default,
+    _aten.narrow.default,
+    _aten.slice.Tensor,
+    _aten.select.int,
+    _aten.alias.default,
+    _aten.detach.default,
+    _aten.t.default,
+    _aten.permute.default,
+    _aten.transpose.int,
+    _aten.expand.default,
+    _aten.squeeze.default,
+    _aten.squeeze.dim,
+    _aten.squeeze.dims,
+    _aten.unsqueeze.default,
+    _aten.as_strided.default,
+    _aten.split.Tensor,
+    _aten.split_with_sizes.default,
+    _aten.clone.default,
+    _aten._to_copy.default,
+}
+
+_BUCKETABLE = (C.Kind.ALL_REDUCE, C.Kind.ALL_GATHER, C.Kind.REDUCE_SCATTER)
+MODES = ("size", "module")
+
+
+def module_prefix(depth: int) -> Callable[[fx.Node], str]:
+    """A ``unit_of`` for ``mode="module"``: the first ``depth`` components of the node's module path.
+
+    ``module_prefix(2)`` maps ``layers.3.attn.qkv`` to ``layers.3`` (one transformer block,
+    the usual FSDP unit) and ``tok_emb`` to ``tok_emb``.
+    """
+    if depth < 1:
+        raise ValueError(f"module_prefix: depth must be >= 1, got {depth}")
+
+    def unit_of(node: fx.Node) -> str:
+        return ".".join(module_of(node).split(".")[:depth])
+
+    return unit_of
+
+
+def bucket_collectives(
+    gm: fx.GraphModule,
+    *,
+    bucket_cap_mb: float = 25.0,
+    mode: str = "size",
+    unit_of: Callable[[fx.Node], str] | None = None,
+) -> fx.GraphModule:
+    """Merge runs of adjacent, compatible collectives into one collective each.
+
+    Args:
+        bucket_cap_mb: ``mode="size"``: a bucket closes before it would exceed this many MiB
+            (counted as :func:`passes.collectives.bytes_of`: an all-gather's output, a
+            reduce-scatter's input). A single collective larger than the cap is its own bucket.
+        mode: ``"size"`` fills buckets up to the cap, like DDP. ``"module"`` makes one bucket per
+            unit, like FSDP: collectives of different units never share a bucket, and the cap
+            does not apply (a unit is communicated whole).
+        unit_of: ``mode="module"``: the unit a collective belongs to (default
+            ``module_prefix(2)``, applied to the collective's module path). A function rather
+            than a depth so a partitioner that knows its units (a list of wrapped module paths)
+            can pass them exactly.
+
+    Which collectives: non-coalesced all-reduce, all-gather (input of at least one dim) and
+    reduce-scatter (input dim 0 divisible by the group size) with values in meta. A run is
+    cut where the next collective differs in kind, group, group size, reduce op, dtype, phase
+    (or unit), is not bucketable, would pass the cap, or cannot legally join (below).
+
+    The rewrite, with ``W`` the group size (this layout keeps every element's value exact):
+      - all-reduce: flatten and concatenate the inputs, all-reduce, wait, split, view back;
+      - all-gather (rank ``r`` holds shard ``r`` of every tensor): concatenate the flattened
+        local shards, all-gather, wait, view as ``(W, total)``, split along dim 1, and copy
+        each piece to a contiguous tensor shaped as its original wait returned (``W`` shards
+        stacked on dim 0);
+      - reduce-scatter: view each input as ``(W, -1)``, concatenate along dim 1, flatten,
+        reduce-scatter, wait, split, view each piece as its original output.
+    Every piece is contiguous, as the wait it replaces was: downstream kernels can round
+    differently on other strides.
+    The bucket's collective goes where the run's last member was (every member's input
+    exists there), so the collective order is unchanged. Its wait goes where the run's
+    earliest member wait was, or right after the collective if that is earlier: the same
+    wait policy the partitioner (or scheduler) chose. Each member's consumers read its piece.
+
+    Why legal: collectives are never reordered across each other (only adjacent ones merge),
+    so every rank issues the same sequence; each element is reduced or gathered with the
+    same peers as before. A member joins only if (a) nothing writes its input's storage
+    between it and the bucket's position (the bucket reads inputs later than the member
+    did), and (b) nothing reads its result before the bucket's position, except a chain of
+    view/reshape/copy ops of that result alone (:data:`_RESHAPES`), which moves after the
+    bucket's wait; this also rules out members that depend on each other. Bit-for-bit
+    caveat: the reduction backend may sum a long buffer in chunks; where it sums different
+    chunks in a different rank order (ring algorithms at more than two ranks), an element's
+    rounding can depend on its offset in the buffer. At one or two ranks the result is exact.
+
+    Where: after :func:`passes.dedup.dedup_collectives` (a duplicate in a bucket is sent
+    twice) and before any pass that moves collectives or waits (prefetch/scheduling), which
+    should move buckets rather than members. No-op (the same ``gm``, untouched) when no two
+    adjacent collectives can share a bucket.
+    """
+    if mode not in MODES:
+        raise ValueError(f"bucket_collectives: mode must be one of {MODES}, got {mode!r}")
+    if mode == "size" and unit_of is not None:
+        raise ValueError('bucket_collectives: unit_of applies to mode="module" only')
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_collectives: bucket_cap_mb must be positive, got {bucket_cap_mb}")
+    unit = (unit_of or module_prefix(2)) if mode == "module" else None
+    cap = None if mode == "module" else int(bucket_cap_mb * 1024 * 1024)
+    buckets = _plan(gm.graph, cap, unit)
+    if not buckets:
+        return gm
+    for bucket in buckets:
+        _rewrite(gm.graph, bucket)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+@dataclasses.dataclass
+class _Bucket:
+    members: list[fx.Node]
+    moved: list[fx.Node]  # reshape chains of member results that sit before the last member
+    wait_before: fx.Node | None  # where the bucket's wait goes; None: right after the collective
+
+
+def _val(node: fx.Node) -> torch.Tensor | None:
+    v = node.meta.get("val")
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _key(coll: fx.Node, unit: Callable[[fx.Node], str] | None) -> tuple | None:
+    """What members of one bucket share; None if ``coll`` cannot be bucketed."""
+    if C.is_coalesced(coll) or C.kind_of(coll) not in _BUCKETABLE:
+        return None
+    if not (len(coll.users) == 1 and C.is_wait(next(iter(coll.users)))):
+        return None
+    x, out = _val(C.inputs_of(coll)[0]), _val(C.wait_of(coll))
+    if x is None or out is None:
+        return None
+    w = C.group_size_of(coll)
+    if C.kind_of(coll) is C.Kind.ALL_GATHER and x.dim() == 0:
+        return None
+    if C.kind_of(coll) is C.Kind.REDUCE_SCATTER and (x.dim() == 0 or w is None or x.shape[0] % w):
+        return None
+    return (
+        C.kind_of(coll),
+        C.group_of(coll),
+        w,
+        C.reduce_op_of(coll),
+        x.dtype,
+        coll.meta.get(PHASE),
+        unit(coll) if unit is not None else None,
+    )
+
+
+class _Run:
+    """The run being grown, with what is needed to check the next member incrementally."""
+
+    def __init__(self, order: dict[fx.Node, int], nodes: list[fx.Node], written: dict[fx.Node, set]):
+        self.order, self.nodes, self.written = order, nodes, written
+        self.members: list[fx.Node] = []
+        self.key: tuple | None = None
+        self.nbytes = 0
+        self.inputs: set = set()  # storages of the members' inputs
+
+    def start(self, coll: fx.Node, key: tuple | None) -> None:
+        self.members, self.key, self.nbytes = [coll], key, C.bytes_of(coll)
+        self.inputs = {s for s in map(storage_of, C.inputs_of(coll)) if s is not None}
+
+    def try_add(self, coll: fx.Node) -> bool:
+        """Add ``coll`` as the new last member if every member may move to its position."""
+        last = self.order[self.members[-1]]
+        here = self.order[coll]
+        if any(self.written[n] & self.inputs for n in self.nodes[last + 1 : here]):
+            return False
+        if _moved_chains(self.members, coll, self.order) is None:
+            return False
+        self.members.append(coll)
+        self.nbytes += C.bytes_of(coll)
+        self.inputs |= {s for s in map(storage_of, C.inputs_of(coll)) if s is not None}
+        return True
+
+    def bucket(self) -> _Bucket | None:
+        if len(self.members) < 2:
+            return None
+        last = self.members[-1]
+        moved = _moved_chains(self.members[:-1], last, self.order)
+        assert moved is not None
+        waits = [C.wait_of(m) for m in self.members]
+        first_wait = min(waits, key=self.order.__getitem__)
+        after = first_wait if self.order[first_wait] > self.order[last] else None
+        return _Bucket(members=list(self.members), moved=moved, wait_before=after)
+
+
+def _moved_chains(members: list[fx.Node], last: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node] | None:
+    """The nodes reading members' results before ``last``, if all may move after it; else None."""
+    limit = order[last]
+    moved: list[fx.Node] = []
+    for m in members:
+        chain = {C.wait_of(m)}
+        stack = [C.wait_of(m)]
+        while stack:
+            for user in stack.pop().users:
+                # ``last`` itself (or any member) reading the chain is a collective, not a
+                # reshape: that returns None below, as it must (the members depend on each other).
+                if order[user] > limit or user in chain:
+                    continue
+                inputs_ok = all(i in chain for i in user.all_input_nodes)
+                if user.op != "call_function" or user.target not in _RESHAPES or not inputs_ok:
+                    return None
+                chain.add(user)
+                stack.append(user)
+                moved.append(user)
+    return sorted(moved, key=order.__getitem__)
+
+
+def _plan(graph: fx.Graph, cap: int | None, unit: Callable[[fx.Node], str] | None) -> list[_Bucket]:
+    colls = C.collectives(graph)
+    keys = [_key(c, unit) for c in colls]
+    if not any(k is not None and k == k_next for k, k_next in zip(keys, keys[1:])):
+        return []
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    written = {n: written_storages(n) for n in nodes}
+    buckets: list[_Bucket] = []
+    run = _Run(order, nodes, written)
+    for coll, key in zip(colls, keys):
+        fits = cap is None or run.nbytes + C.bytes_of(coll) <= cap
+        if key is not None and key == run.key and fits and run.try_add(coll):
+            continue
+        if (b := run.bucket()) is not None:
+            buckets.append(b)
+        run.start(coll, key)
+    if (b := run.bucket()) is not None:
+        buckets.append(b)
+    return buckets
+
+
+# ----------------------------------------------------------------------------- rewriting
+
+
+def _call(
+    graph: fx.Graph, target: Any, args: tuple, meta: dict[str, Any], kwargs: dict[str, Any] | None = None
+) -> fx.Node:
+    """A node computing ``target(*args, **kwargs)``, its value evaluated on the inputs' meta values."""
+    node = graph.call_function(target, args, kwargs)
+    node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]), **(kwargs or {}))
+    node.meta.update(meta)
+    return node
+
+
+def _common_module(members: list[fx.Node]) -> str:
+    paths = [module_of(m).split(".") for m in members]
+    common = []
+    for parts in zip(*paths):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def _tensor(node: fx.Node) -> torch.Tensor:
+    val = _val(node)
+    assert val is not None, f"{node.name} has no tensor value"  # planning only takes members with values
+    return val
+
+
+def _rewrite(graph: fx.Graph, bucket: _Bucket) -> None:
+    members, last = bucket.members, bucket.members[-1]
+    ins = [C.inputs_of(m)[0] for m in members]
+    waits = [C.wait_of(m) for m in members]
+    meta = {ROLE: Role.COMM, PHASE: last.meta.get(PHASE), MODULE: _common_module(members)}
+    with graph.inserting_before(last):
+        wait = _pack_and_send(graph, last, ins, meta)
+    if bucket.wait_before is not None:
+        bucket.wait_before.prepend(wait)
+    with graph.inserting_before(wait.next):
+        pieces = _unpack(graph, last, wait, ins, waits, meta)
+    anchor = pieces[-1].next
+    for node in bucket.moved:
+        anchor.prepend(node)
+    for old, piece in zip(waits, pieces):
+        old.replace_all_uses_with(piece)
+        graph.erase_node(old)
+    for m in members:
+        graph.erase_node(m)
+
+
+def _pack_and_send(graph: fx.Graph, like: fx.Node, ins: list[fx.Node], meta: dict[str, Any]) -> fx.Node:
+    """The flat buffer of ``ins`` and the bucket's collective on it (a collective like ``like``); its wait."""
+    kind, group, op, w = C.kind_of(like), C.group_of(like), C.reduce_op_of(like), C.group_size_of(like)
+    if kind is C.Kind.REDUCE_SCATTER:
+        # Rank r's chunk of the buffer must be the concatenation of rank r's chunk of every input.
+        rows = [_call(graph, _aten.reshape.default, (x, [w, -1]), meta) for x in ins]
+        grid = _call(graph, _aten.cat.default, (rows, 1), meta)
+        flat = _call(graph, _aten.view.default, (grid, [-1]), meta)
+    else:
+        parts = [
+            x if _tensor(x).dim() == 1 else _call(graph, _aten.reshape.default, (x, [-1]), meta) for x in ins
+        ]
+        flat = _call(graph, _aten.cat.default, (parts,), meta)
+    if kind is C.Kind.ALL_REDUCE:
+        return C.emit_all_reduce(graph, flat, reduce_op=str(op), group_name=group)[1]
+    assert w is not None
+    if kind is C.Kind.ALL_GATHER:
+        return C.emit_all_gather(graph, flat, group_size=w, group_name=group)[1]
+    return C.emit_reduce_scatter(graph, flat, reduce_op=str(op), group_size=w, group_name=group)[1]
+
+
+def _unpack(
+    graph: fx.Graph,
+    like: fx.Node,
+    wait: fx.Node,
+    ins: list[fx.Node],
+    old_waits: list[fx.Node],
+    meta: dict[str, Any],
+) -> list[fx.Node]:
+    """One node per member, shaped like the member's old wait, cut from the bucket's result."""
+    outs = [_tensor(x) for x in old_waits]
+    if C.kind_of(like) is C.Kind.ALL_GATHER:
+        # The result is W rank blocks, each the concatenation of that rank's shards.
+        w, sizes = C.group_size_of(like), [_tensor(x).numel() for x in ins]
+        grid = _call(graph, _aten.view.default, (wait, [w, sum(sizes)]), meta)
+        parts = _call(graph, _aten.split_with_sizes.default, (grid, sizes, 1), meta)
+        copy = True  # a column block of the grid is strided
+    else:
+        parts = _call(graph, _aten.split_with_sizes.default, (wait, [o.numel() for o in outs]), meta)
+        copy = False
+    pieces = []
+    for i, (old, out) in enumerate(zip(old_waits, outs)):
+        part = _call(graph, operator.getitem, (parts, i), meta)
+        if copy:
+            # The member's wait returned a fresh contiguous tensor, and kernels downstream may
+            # round differently on other strides (measured: nn.Transformer's loss changed when
+            # reshape kept a one-row shard's (W, n) block as a strided view).
+            part = _call(
+                graph, _aten.clone.default, (part,), meta, {"memory_format": torch.contiguous_format}
+            )
+        piece = _call(graph, _aten.view.default, (part, list(out.shape)), meta)
+        # The piece stands for the member's wait: it keeps that node's spmd metadata (a
+        # partitioner may have marked the wait as the gradient).
+        piece.meta.update({k: v for k, v in old.meta.items() if k.startswith("spmd_")})
+        pieces.append(piece)
+    return pieces

@@ -1,0 +1,261 @@
+"""The graph invariants every pass keeps, checked; and the collective fingerprint.
+
+``check_invariants(gm)`` raises :class:`InvariantViolation` listing every broken
+rule with the node it found it on. The rules (``passes/README.md`` says why each
+matters):
+
+- ``one-wait-per-output``: a collective has exactly one ``wait_tensor`` per output
+  (coalesced: each output taken by exactly one ``getitem``, waited once).
+- ``only-wait-reads``: nothing but its wait (and, coalesced, its ``getitem``\\ s)
+  reads a collective's result; everything else reads the wait.
+- ``wait-after-collective``: a wait waits on a collective that comes before it.
+- ``val``: every placeholder and call_function node has ``node.meta["val"]``
+  (ops that return nothing, such as ``_foreach_add_``, are exempt); for
+  collectives and waits the value agrees with the op (an all-gather's output is
+  ``group_size`` times its input on dim 0, a wait returns what it waits on).
+- ``role-phase``: those nodes carry ``passes.meta`` ROLE and PHASE with a
+  :class:`~passes.meta.Role` / :class:`~passes.meta.Phase` value.
+- ``lint``: ``graph.lint()`` passes.
+
+``fingerprint(gm)`` is the sequence of collectives as every rank will issue them;
+ranks compare theirs to catch a divergent graph before it hangs in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from passes import collectives as C
+from passes.meta import PHASE, ROLE, Phase, Role, module_of
+
+# How many violations one error message lists before it summarises the rest.
+_MAX_LISTED = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    rule: str
+    node: str  # node name ("" for the whole graph)
+    message: str
+
+
+class InvariantViolation(AssertionError):
+    """A graph breaks one or more of the invariants in ``passes/README.md``."""
+
+    def __init__(self, violations: list[Violation]):
+        self.violations = violations
+        lines = [f"[{v.rule}] {v.message}" for v in violations[:_MAX_LISTED]]
+        if len(violations) > _MAX_LISTED:
+            lines.append(f"... and {len(violations) - _MAX_LISTED} more")
+        super().__init__(f"{len(violations)} graph invariant violation(s):\n  " + "\n  ".join(lines))
+
+    @property
+    def rules(self) -> set[str]:
+        return {v.rule for v in self.violations}
+
+
+def describe(node: fx.Node) -> str:
+    """One line for error messages: what the node is, its shape and module path."""
+    where = f"module {module_of(node)!r}" if module_of(node) else "root module"
+    if C.is_collective(node):
+        ins = ", ".join(_shape_str(i) for i in C.inputs_of(node))
+        extra = f" {C.reduce_op_of(node)}" if C.reduce_op_of(node) else ""
+        kind = C.kind_of(node).value + (" coalesced" if C.is_coalesced(node) else "")
+        return f"{kind}{extra} of [{ins}] on group {C.group_of(node)!r}, {where} ({node.name})"
+    if node.op == "call_function":
+        what = getattr(node.target, "__name__", str(node.target))
+        if isinstance(node.target, torch._ops.OpOverload):
+            what = str(node.target)
+        return f"{what} -> {_shape_str(node)}, {where} ({node.name})"
+    return f"{node.op} {_shape_str(node)}, {where} ({node.name})"
+
+
+def _shape_str(node: object) -> str:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if isinstance(val, torch.Tensor):
+        return f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}"
+    if isinstance(val, list | tuple):
+        return "(" + ", ".join(f"{list(v.shape)}" for v in val if isinstance(v, torch.Tensor)) + ")"
+    return "?"
+
+
+# ----------------------------------------------------------------------------- the checker
+
+
+def check_invariants(gm: fx.GraphModule) -> None:
+    """Raise :class:`InvariantViolation` if ``gm`` breaks any graph invariant."""
+    found: list[Violation] = []
+    try:
+        gm.graph.lint()
+    except Exception as exc:  # lint raises RuntimeError/AssertionError with its own text
+        found.append(Violation("lint", "", f"graph.lint() failed: {exc}"))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in gm.graph.nodes:
+        found.extend(_check_meta(node))
+        if C.is_collective(node):
+            found.extend(_check_collective(node, order))
+        elif C.is_wait(node):
+            found.extend(_check_wait(node, order))
+    if found:
+        raise InvariantViolation(found)
+
+
+def _returns_nothing(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and len(target._schema.returns) == 0
+
+
+def _check_meta(node: fx.Node) -> list[Violation]:
+    if node.op not in ("placeholder", "call_function"):
+        return []
+    out = []
+    if "val" not in node.meta and not _returns_nothing(node):
+        out.append(Violation("val", node.name, f"{describe(node)} has no meta['val']"))
+    role, phase = node.meta.get(ROLE), node.meta.get(PHASE)
+    if not isinstance(role, Role):
+        out.append(
+            Violation("role-phase", node.name, f"{describe(node)} has ROLE {role!r}, not a passes.meta.Role")
+        )
+    if not isinstance(phase, Phase):
+        out.append(
+            Violation(
+                "role-phase", node.name, f"{describe(node)} has PHASE {phase!r}, not a passes.meta.Phase"
+            )
+        )
+    return out
+
+
+def _n_outputs(coll: fx.Node) -> int:
+    return len(C.inputs_of(coll)) if C.is_coalesced(coll) else 1
+
+
+def _check_collective(coll: fx.Node, order: dict[fx.Node, int]) -> list[Violation]:
+    out: list[Violation] = []
+
+    def bad(rule: str, msg: str, node: fx.Node = coll) -> None:
+        out.append(Violation(rule, node.name, f"{describe(coll)}: {msg}"))
+
+    if not C.is_coalesced(coll):
+        waits = [u for u in coll.users if C.is_wait(u)]
+        others = [u for u in coll.users if not C.is_wait(u)]
+        if len(waits) != 1:
+            bad("one-wait-per-output", f"has {len(waits)} waits, expected 1")
+        for u in others:
+            bad("only-wait-reads", f"result read by {u.name} ({u.target}) instead of through its wait", u)
+    else:
+        by_index: dict[int, list[fx.Node]] = {}
+        for u in coll.users:
+            if u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int):
+                by_index.setdefault(u.args[1], []).append(u)
+            else:
+                bad("only-wait-reads", f"result read by {u.name} ({u.target}), not by a getitem", u)
+        for i in range(_n_outputs(coll)):
+            items = by_index.get(i, [])
+            if len(items) != 1:
+                bad("one-wait-per-output", f"output {i} is taken by {len(items)} getitems, expected 1")
+                continue
+            item = items[0]
+            waits = [u for u in item.users if C.is_wait(u)]
+            if len(waits) != 1:
+                bad("one-wait-per-output", f"output {i} ({item.name}) has {len(waits)} waits, expected 1")
+            for u in item.users:
+                if not C.is_wait(u):
+                    bad("only-wait-reads", f"output {i} read by {u.name} ({u.target}) instead of its wait", u)
+    out.extend(_check_collective_val(coll))
+    return out
+
+
+def _check_wait(wait: fx.Node, order: dict[fx.Node, int]) -> list[Violation]:
+    src = wait.args[0]
+    coll = src.args[0] if isinstance(src, fx.Node) and src.target is operator.getitem else src
+    if not (isinstance(src, fx.Node) and isinstance(coll, fx.Node) and C.is_collective(coll)):
+        return [
+            Violation(
+                "wait-after-collective", wait.name, f"{describe(wait)} waits on {src}, not a collective"
+            )
+        ]
+    out = []
+    if order[coll] >= order[wait] or order[src] >= order[wait]:
+        out.append(
+            Violation("wait-after-collective", wait.name, f"{describe(wait)} comes before {describe(coll)}")
+        )
+    wv, sv = wait.meta.get("val"), src.meta.get("val")
+    if isinstance(wv, torch.Tensor) and isinstance(sv, torch.Tensor) and not _same_type(wv, sv):
+        out.append(
+            Violation(
+                "val",
+                wait.name,
+                f"{describe(wait)} returns {_shape_str(wait)} but waits on {_shape_str(src)}",
+            )
+        )
+    return out
+
+
+def _same_type(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+
+
+def _expected_shape(coll: fx.Node, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    kind, w = C.kind_of(coll), C.group_size_of(coll)
+    if kind in (C.Kind.ALL_REDUCE, C.Kind.BROADCAST):
+        return shape
+    if not shape or w is None:
+        return None
+    if kind is C.Kind.ALL_GATHER:
+        return (shape[0] * w, *shape[1:])
+    return (shape[0] // w, *shape[1:])  # reduce-scatter
+
+
+def _check_collective_val(coll: fx.Node) -> list[Violation]:
+    val = coll.meta.get("val")
+    outs = list(val) if isinstance(val, list | tuple) else [val]
+    ins = [i.meta.get("val") if isinstance(i, fx.Node) else None for i in C.inputs_of(coll)]
+    if len(outs) != len(ins):
+        return [
+            Violation("val", coll.name, f"{describe(coll)}: {len(outs)} output values for {len(ins)} inputs")
+        ]
+    out = []
+    for i, (o, x) in enumerate(zip(outs, ins)):
+        if not (isinstance(o, torch.Tensor) and isinstance(x, torch.Tensor)):
+            continue
+        want = _expected_shape(coll, tuple(x.shape))
+        if (want is not None and tuple(o.shape) != want) or o.dtype != x.dtype:
+            out.append(
+                Violation(
+                    "val",
+                    coll.name,
+                    f"{describe(coll)}: output {i} is {str(o.dtype)}{list(o.shape)}, expected "
+                    f"{str(x.dtype)}{list(want) if want is not None else '?'}",
+                )
+            )
+    return out
+
+
+# ----------------------------------------------------------------------------- fingerprint
+
+
+def fingerprint(gm: fx.GraphModule) -> list[tuple]:
+    """The collectives in issue order, as plain comparable tuples.
+
+    Each entry is ``(index, kind, input shapes, input dtypes, group, reduce op, group size)``
+    (``kind`` ends in ``"_coalesced"`` for coalesced ops; reduce op and group size are
+    None where they do not apply). Two ranks whose fingerprints differ would hang or
+    exchange mismatched buffers; gather and compare them before the first run.
+    """
+    out = []
+    for i, coll in enumerate(C.collectives(gm.graph)):
+        vals = [x.meta.get("val") if isinstance(x, fx.Node) else None for x in C.inputs_of(coll)]
+        shapes = tuple(tuple(_dim(s) for s in v.shape) if isinstance(v, torch.Tensor) else None for v in vals)
+        dtypes = tuple(str(v.dtype) if isinstance(v, torch.Tensor) else None for v in vals)
+        kind = C.kind_of(coll).value + ("_coalesced" if C.is_coalesced(coll) else "")
+        out.append((i, kind, shapes, dtypes, C.group_of(coll), C.reduce_op_of(coll), C.group_size_of(coll)))
+    return out
+
+
+def _dim(size: object) -> int | str:
+    # A symbolic size is compared by its expression: equal expressions on every rank are fine.
+    return size if isinstance(size, int) else str(size)
