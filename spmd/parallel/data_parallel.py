@@ -321,7 +321,12 @@ class _Partitioner:
     # ---------------------------------------------------------------- optimizer region
 
     def _globalize_norms(self) -> None:
-        """Make norms over sharded gradients global: ``norm = allreduce(local_norm ** p) ** (1/p)``."""
+        """Make norms over sharded gradients global: ``norm = allreduce(local_norm ** p) ** (1/p)``.
+
+        Walks the graph from the sharded tensors (gradients, parameter and state shards)
+        through elementwise ops; a norm of a shard becomes global, and any other op on a
+        shard is an error (it would silently compute on part of the tensor).
+        """
         sharded: set[fx.Node] = set()
         for name in self.layouts:
             sharded.add(self.by_name[name])
@@ -329,7 +334,9 @@ class _Partitioner:
             if n.meta.get(ROLE) is Role.GRAD and n.meta.get(GRAD_OF) in self.layouts:
                 sharded.add(n)
         for n in list(self.graph.nodes):
-            if n.meta.get(PHASE) is not Phase.OPTIMIZER or n.op != "call_function":
+            # Gradients reach the optimizer through autograd's detach (any phase); the
+            # partitioner's own pads and collectives read shards legitimately.
+            if n.op != "call_function" or n.meta.get(ROLE) is Role.COMM:
                 continue
             ins = _inputs(n)
             if not any(i in sharded for i in ins):
@@ -414,7 +421,7 @@ class _Partitioner:
 
     def _globalize(self, norm: fx.Node, ord_: Any) -> None:
         users = list(norm.users)
-        with self.graph.inserting_after(norm):
+        with self.graph.inserting_before(norm.next):
             if ord_ in (float("inf"), "inf"):
                 coll = self._call(C._c10d.all_reduce.default, (norm, "max", self.group), norm)
                 out = self._call(C.WAIT, (coll,), norm)
