@@ -96,7 +96,9 @@ def prefetch_all_gathers(
         unit_list = list(units.values())
         movable = set(in_phase)
         phase_start = next(
-            n for n in graph.nodes if n.op != "placeholder" and n.meta.get(PHASE) is phase and n not in movable
+            n
+            for n in graph.nodes
+            if n.op != "placeholder" and n.meta.get(PHASE) is phase and n not in movable
         )
         for i, members in enumerate(unit_list):
             if i - depth >= 0 and depth > 0:
@@ -107,9 +109,17 @@ def prefetch_all_gathers(
                 anchor = phase_start
             else:
                 anchor = min((w for c in members for w in C.waits_of(c)), key=order.__getitem__)
+            # The unit's own nodes may already sit at the anchor: insert after them instead.
+            own = {n for c in members for n in [c, *(_input_chain(c) or [])]}
+            while anchor in own:
+                anchor = anchor.next
             for c in members:
                 chain = _input_chain(c)
-                if chain is None or order[c] <= order[anchor] and all(order[n] <= order[anchor] for n in chain):
+                if (
+                    chain is None
+                    or order[c] <= order[anchor]
+                    and all(order[n] <= order[anchor] for n in chain)
+                ):
                     continue
                 for n in [*chain, c]:
                     anchor.prepend(n)

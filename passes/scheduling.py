@@ -2,8 +2,10 @@
 
 ``sink_waits``: a collective runs in the background from its issue until its
 ``wait_tensor``; every node between them is overlap. Moving each wait to just
-before the first node that reads its result maximises that window. Legal because
-nothing but the wait's users depends on the wait. Run after bucketing (which
+before the first node that computes with its result maximises that window (views,
+slices and detaches that merely pass the result on move along with it). Legal
+because nothing but the wait's users depends on the wait, and the pass-through ops
+read only the wait's result, which nothing writes. Run after bucketing (which
 creates new waits). No-op when every wait already sits just before its first use.
 
 ``limit_inflight``: every collective in flight holds its unsharded buffer (an
@@ -20,25 +22,75 @@ sequence every rank issues is unchanged.
 
 from __future__ import annotations
 
+import operator
+
+import torch
 import torch.fx as fx
 
 from passes import collectives as C
 
+_aten = torch.ops.aten
+
+
+# Ops that only reinterpret or copy their one tensor input: the unpacking of a bucket,
+# the un-padding slice of a shard, autograd's detach of a gradient. They move with the
+# wait, so that "first use" means the first op that computes with the result.
+_PASS_THROUGH = {
+    operator.getitem,
+    _aten.view.default,
+    _aten._unsafe_view.default,
+    _aten.reshape.default,
+    _aten.slice.Tensor,
+    _aten.narrow.default,
+    _aten.detach.default,
+    _aten.alias.default,
+    _aten.clone.default,
+    _aten.split.Tensor,
+    _aten.split_with_sizes.default,
+    _aten.t.default,
+    _aten.permute.default,
+    _aten.transpose.int,
+}
+
+
+def _pass_through_chain(wait: fx.Node) -> list[fx.Node]:
+    """``wait`` and the pass-through ops reading only from it (transitively)."""
+    chain = [wait]
+    members = {wait}
+    stack = [wait]
+    while stack:
+        for u in stack.pop().users:
+            if u in members or u.op != "call_function" or u.target not in _PASS_THROUGH:
+                continue
+            if not all(i in members for i in u.all_input_nodes):
+                continue
+            members.add(u)
+            chain.append(u)
+            stack.append(u)
+    return chain
+
 
 def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
-    """Move every wait to just before its first user (see module doc)."""
+    """Move every wait (with its pass-through chain) to just before the first real use."""
     graph = gm.graph
     changed = False
-    order = {n: i for i, n in enumerate(graph.nodes)}
     for wait in [n for n in graph.nodes if C.is_wait(n)]:
-        if not wait.users:
-            continue
-        first = min(wait.users, key=order.__getitem__)
-        if wait.next is first:
-            continue
-        first.prepend(wait)
-        changed = True
         order = {n: i for i, n in enumerate(graph.nodes)}
+        chain = _pass_through_chain(wait)
+        members = set(chain)
+        users = [u for n in chain for u in n.users if u not in members]
+        if not users:
+            continue
+        first = min(users, key=order.__getitem__)
+        chain.sort(key=order.__getitem__)
+        if order[chain[-1]] < order[first] and chain[-1].next is first and all(
+            a.next is b for a, b in zip(chain, chain[1:])
+        ):
+            continue  # already a contiguous run right before its first use
+        for n in chain:
+            if order[n] < order[first]:
+                first.prepend(n)
+                changed = True
     if not changed:
         return gm
     graph.lint()
@@ -59,10 +111,20 @@ def inflight_profile(gm: fx.GraphModule) -> list[tuple[fx.Node, int]]:
     return out
 
 
-def limit_inflight(gm: fx.GraphModule, *, max_inflight_bytes: int | None) -> fx.GraphModule:
-    """Wait on the oldest collectives early so in-flight bytes stay within the budget."""
+def limit_inflight(gm: fx.GraphModule, *, max_inflight_bytes: int | str | None = "auto") -> fx.GraphModule:
+    """Wait on the oldest collectives early so in-flight bytes stay within the budget.
+
+    ``max_inflight_bytes="auto"`` allows twice the largest collective (one in use, one
+    prefetched, like FSDP's ``limit_all_gathers``); None means no limit.
+    """
     if max_inflight_bytes is None:
         return gm
+    if max_inflight_bytes == "auto":
+        sizes = [C.bytes_of(c) for c in C.collectives(gm.graph)]
+        if not sizes:
+            return gm
+        max_inflight_bytes = 2 * max(sizes)
+    assert isinstance(max_inflight_bytes, int)
     graph = gm.graph
     changed = False
     outstanding: dict[fx.Node, int] = {}

@@ -13,6 +13,8 @@ from passes.cleanup import strip_grad_tags
 from passes.dedup import dedup_collectives
 from passes.driver import NamedPass, run_passes
 from passes.invariants import check_invariants
+from passes.prefetch import prefetch_all_gathers
+from passes.scheduling import limit_inflight, sink_waits
 from spmd.errors import PassError
 from spmd.parallel import ParallelMode
 
@@ -49,11 +51,13 @@ def _checker() -> Callable[[fx.GraphModule, str], None]:
 
 
 def build_pipeline(parallel_mode: ParallelMode) -> Pipeline:
-    """The built-in passes, in order."""
+    """The built-in passes, in order, configured from the parallel mode's knobs."""
     options = parallel_mode.pass_options()
-    # The parallel mode's knobs, by the names the pass takes them under (absent: the pass's default).
+    # The parallel mode's knobs, by the names each pass takes them under (absent: the pass's default).
     names = {"bucket_cap_mb": "bucket_cap_mb", "bucket_mode": "mode", "bucket_unit_of": "unit_of"}
     bucketing = {kw: options[name] for name, kw in names.items() if name in options}
+    prefetch = {k: options[k] for k in ("forward_prefetch", "backward_prefetch", "unit_of") if k in options}
+    inflight = {k: options[k] for k in ("max_inflight_bytes",) if k in options}
     passes = [
         NamedPass(
             name="dedup_collectives",
@@ -61,9 +65,24 @@ def build_pipeline(parallel_mode: ParallelMode) -> Pipeline:
             reason="first, on the partitioner's collectives: a duplicate left in a bucket is sent twice",
         ),
         NamedPass(
+            name="prefetch_all_gathers",
+            fn=functools.partial(prefetch_all_gathers, **prefetch),
+            reason="before bucketing: it makes each unit's gathers adjacent, so bucketing merges them",
+        ),
+        NamedPass(
             name="bucket_collectives",
             fn=functools.partial(bucket_collectives, **bucketing),
-            reason="after dedup; before any pass that moves collectives or waits, which should move buckets",
+            reason="after dedup and prefetch; before the passes that place waits, which should see buckets",
+        ),
+        NamedPass(
+            name="sink_waits",
+            fn=sink_waits,
+            reason="after bucketing (new waits); widens every collective's overlap window",
+        ),
+        NamedPass(
+            name="limit_inflight",
+            fn=functools.partial(limit_inflight, **inflight),
+            reason="after sink_waits, which maximised in-flight bytes: pulls waits back within the budget",
         ),
         NamedPass(
             name="strip_grad_tags",

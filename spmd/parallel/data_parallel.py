@@ -86,6 +86,16 @@ class DataParallel(ParallelMode):
             gathers them again for backward (FSDP FULL_SHARD); False keeps them (SHARD_GRAD_OP).
         broadcast_buffers: broadcast buffers the step mutates (BatchNorm statistics) from rank 0
             before use, like DDP's option of the same name.
+        bucket_cap_mb: largest bucket in MiB when bucketing by size (DDP's ``bucket_cap_mb``).
+        bucket_mode: ``"module"`` (one bucket per FSDP unit: a numbered block such as
+            ``layers.3``, or a top-level module) or ``"size"`` (adjacent collectives up to
+            ``bucket_cap_mb``). Default: module for fully_shard, size for replicate.
+        forward_prefetch: all-gathers issued this many units ahead in forward (FSDP2
+            ``set_modules_to_forward_prefetch``; 0 gathers each unit at its first use).
+        backward_prefetch: the same in backward (FSDP ``BACKWARD_PRE`` with depth 1).
+        max_inflight_bytes: most unsharded bytes in flight in collectives at once (FSDP's
+            ``limit_all_gathers`` as a byte budget); ``"auto"`` = twice the largest
+            collective, None = unlimited.
     """
 
     parallel_style: str = "replicate"
@@ -94,6 +104,11 @@ class DataParallel(ParallelMode):
     mesh: Any = None
     reshard_after_forward: bool = True
     broadcast_buffers: bool = True
+    bucket_cap_mb: float = 25.0
+    bucket_mode: str | None = None
+    forward_prefetch: int = 1
+    backward_prefetch: int = 1
+    max_inflight_bytes: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.parallel_style not in STYLES:
@@ -115,6 +130,37 @@ class DataParallel(ParallelMode):
                 raise ConfigError(f"spmd.DataParallel: {knob} must be True or False, got {getattr(self, knob)!r}.")
         if self.mesh is not None and getattr(self.mesh, "ndim", None) != 1:
             raise ConfigError("spmd.DataParallel: mesh must be a 1-D DeviceMesh.")
+        if not isinstance(self.bucket_cap_mb, int | float) or self.bucket_cap_mb <= 0:
+            raise ConfigError(f"spmd.DataParallel: bucket_cap_mb must be a positive number, got {self.bucket_cap_mb!r}.")
+        if self.bucket_mode not in (None, "size", "module"):
+            raise ConfigError(
+                f"spmd.DataParallel: bucket_mode must be 'size', 'module' or None, got {self.bucket_mode!r}."
+            )
+        for knob in ("forward_prefetch", "backward_prefetch"):
+            v = getattr(self, knob)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"spmd.DataParallel: {knob} must be an int >= 0, got {v!r}.")
+        m = self.max_inflight_bytes
+        if not (m is None or m == "auto" or (isinstance(m, int) and not isinstance(m, bool) and m > 0)):
+            raise ConfigError(
+                f"spmd.DataParallel: max_inflight_bytes must be a positive int, 'auto' or None, got {m!r}."
+            )
+
+    def pass_options(self) -> dict[str, Any]:
+        from passes.prefetch import default_unit_of
+
+        mode = self.bucket_mode or ("module" if self.parallel_style == "fully_shard" else "size")
+        opts: dict[str, Any] = {
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "bucket_mode": mode,
+            "forward_prefetch": self.forward_prefetch,
+            "backward_prefetch": self.backward_prefetch,
+            "max_inflight_bytes": self.max_inflight_bytes,
+            "unit_of": default_unit_of,
+        }
+        if mode == "module":
+            opts["bucket_unit_of"] = default_unit_of
+        return opts
 
     # ------------------------------------------------------------------ state
 

@@ -38,8 +38,12 @@ def test_clip_grad_norm_replicate_bitwise() -> None:
 def test_clip_grad_norm_fully_shard() -> None:
     """fully_shard computes the global norm from per-rank partial sums of squares (all-reduced),
     so the norm is summed in a different order than DDP's: equal up to float32 rounding of the
-    clip coefficient, which moves parameters by ~1e-7 per step (tolerance 1e-5 over 10 steps)."""
-    combos = [("mlp", "sgd_momentum_foreach"), ("tinygpt", "adamw_fused"), ("uneven", "adam_fused")]
+    clip coefficient, which moves parameters by ~1e-7 per step (tolerance 1e-5 over 10 steps).
+
+    TinyGPT runs with SGD here: its attention key bias has an exactly-zero true gradient, and
+    Adam normalises whatever rounding noise sits there into steps of size lr, so one ulp in
+    the clip coefficient becomes a 1e-3 difference there (and nowhere else)."""
+    combos = [("mlp", "adamw_fused"), ("tinygpt", "sgd_momentum_foreach"), ("uneven", "adam_fused")]
     results = run_ranks(workers.parity, 2, "fully_shard", True, combos, 10, True, 1e-5, False)
     assert not [p for r in results for p in r]
 

@@ -64,7 +64,9 @@ def parity(
         opt = shared.make_optimizer(opt_name, model)
         ref_opt = shared.make_optimizer(opt_name, ddp.module)
         fn = train_step_clip if clip else train_step
-        step = spmd.compile(parallel_mode=spmd.DataParallel(style, reshard_after_forward=reshard))(fn)
+        step = spmd.compile(
+            parallel_mode=spmd.DataParallel(style, reshard_after_forward=reshard), check_invariants=True
+        )(fn)
         for i in range(steps):
             b = pm.batch(model_name, i, rank)
             torch.manual_seed(100 + i)

@@ -1,0 +1,136 @@
+"""The built-in pipeline on real partitioned graphs, compiled in one process under the fake
+process group (world size 2): collective counts, prefetch distance and the in-flight cap.
+
+A 4-block TinyGPT (units: tok, pos, blocks.0-3, ln_f; the head is tied to tok) in
+fully_shard with defaults::
+
+    forward : AG(tok) AG(pos) | AG(blocks.0) ... AG(blocks.3) AG(ln_f)   7 gathers, 1 per unit
+    backward: AG(head=tok) AG(ln_f) AG(blocks.3) ... AG(blocks.0)        6 (pos is not read)
+              RS per unit with gradients                                 7 reduce-scatters
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import spmd
+from passes import collectives as C
+from passes.meta import PHASE, Phase, module_of
+from passes.prefetch import default_unit_of
+from passes.scheduling import _pass_through_chain, inflight_profile
+from spmd.parallel import sharding
+from tests import models
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        yield
+    finally:
+        _LOWERED.clear()
+        dist.destroy_process_group()
+        sharding._DEFAULT_MESHES.clear()
+
+
+_LOWERED: dict[tuple, torch.fx.GraphModule] = {}
+
+
+def _lower(style: str, **knobs) -> torch.fx.GraphModule:
+    """The final graph for these knobs (compiled once per module run; tests only read it)."""
+    key = (style, tuple(sorted(knobs.items())))
+    if key not in _LOWERED:
+        _LOWERED[key] = _compile(style, **knobs)
+    return _LOWERED[key]
+
+
+def _compile(style: str, **knobs) -> torch.fx.GraphModule:
+    torch.manual_seed(0)
+    model = models.TinyGPT(n_layers=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    step = spmd.compile(parallel_mode=spmd.DataParallel(style, **knobs), check_invariants=True)(models.train_step)
+    x, y = models.batches("tinygpt", 1)[0]
+    return step.lower(model, opt, x, y)["final"]
+
+
+def _by(gm, kind, phase=None):
+    return [
+        c
+        for c in C.collectives(gm.graph)
+        if C.kind_of(c) is kind and (phase is None or c.meta[PHASE] is phase)
+    ]
+
+
+def test_fully_shard_counts(fake_world) -> None:
+    gm = _lower("fully_shard")
+    fwd = _by(gm, C.Kind.ALL_GATHER, Phase.FORWARD)
+    bwd = _by(gm, C.Kind.ALL_GATHER, Phase.BACKWARD)
+    rs = _by(gm, C.Kind.REDUCE_SCATTER)
+    units = ["tok", "pos", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f"]
+    assert [default_unit_of(c) for c in fwd] == units
+    # Backward gathers take the unit of their first backward reader: the tied tok/head weight
+    # is first needed by the head's backward.
+    assert [default_unit_of(c) for c in bwd] == ["head", "ln_f", "blocks.3", "blocks.2", "blocks.1", "blocks.0"]
+    assert sorted(default_unit_of(c) for c in rs) == sorted(units)
+    assert len(rs) == 7
+
+
+def test_fully_shard_noreshard_gathers_once(fake_world) -> None:
+    gm = _lower("fully_shard", reshard_after_forward=False)
+    assert len(_by(gm, C.Kind.ALL_GATHER, Phase.FORWARD)) == 7
+    assert _by(gm, C.Kind.ALL_GATHER, Phase.BACKWARD) == []
+
+
+def test_replicate_buckets_by_cap(fake_world) -> None:
+    gm = _lower("replicate")
+    assert len(_by(gm, C.Kind.ALL_REDUCE)) == 1  # the whole model is far below 25 MiB
+    n_params = sum(1 for _ in models.TinyGPT(n_layers=4).parameters())
+    tiny = _lower("replicate", bucket_cap_mb=0.01)  # 10 KiB: a handful of gradients each
+    n = len(_by(tiny, C.Kind.ALL_REDUCE))
+    assert 1 < n < n_params
+    for c in _by(tiny, C.Kind.ALL_REDUCE):
+        assert C.bytes_of(c) <= 0.01 * 2**20 or len(C.inputs_of(c)) == 1
+
+
+@pytest.mark.parametrize("phase", [Phase.FORWARD, Phase.BACKWARD])
+def test_gathers_issued_one_unit_ahead(fake_world, phase: Phase) -> None:
+    """Each unit's gather is issued before the previous unit computes with its parameters."""
+    gm = _lower("fully_shard")
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    gathers = _by(gm, C.Kind.ALL_GATHER, phase)
+    assert len(gathers) >= 6
+    for prev, cur in zip(gathers, gathers[1:]):
+        chain = set(_pass_through_chain(C.wait_of(prev)))
+        first_use = min(order[u] for n in chain for u in n.users if u not in chain)
+        assert order[cur] < first_use, (default_unit_of(prev), default_unit_of(cur))
+
+
+def test_no_prefetch_gathers_at_first_use(fake_world) -> None:
+    gm = _lower("fully_shard", forward_prefetch=0, backward_prefetch=0)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    gathers = _by(gm, C.Kind.ALL_GATHER, Phase.FORWARD)
+    for prev, cur in zip(gathers, gathers[1:]):
+        assert order[cur] > order[C.wait_of(prev)]  # never two gathers in flight
+
+
+def test_inflight_cap_honoured(fake_world) -> None:
+    gm = _lower("fully_shard", max_inflight_bytes=1)
+    for coll, inflight in inflight_profile(gm):
+        assert inflight == C.bytes_of(coll)  # alone in flight: the cap forbids any overlap
+    budget = 200_000
+    gm = _lower("fully_shard", max_inflight_bytes=budget)
+    prof = inflight_profile(gm)
+    assert max(b for _, b in prof) <= max(budget, *(C.bytes_of(c) for c, _ in prof))
+    unlimited = _lower("fully_shard", max_inflight_bytes=None)
+    assert max(b for _, b in inflight_profile(unlimited)) > budget  # the cap was binding
+
+
+def test_reduce_scatter_waits_sink_past_detach(fake_world) -> None:
+    """A gradient's wait moves past autograd's detach to its first real use (not right after issue)."""
+    gm = _lower("fully_shard", max_inflight_bytes=None)
+    for rs in _by(gm, C.Kind.REDUCE_SCATTER):
+        assert rs.next is not C.wait_of(rs)
