@@ -1,7 +1,7 @@
 """spmd: a whole-train-step SPMD compiler for PyTorch.
 
-    @spmd.compile(parallel_mode=spmd.DataParallel("fully_shard"))
-    def train_step(model, optim, x, y): ...
+@spmd.compile(parallel_mode=spmd.DataParallel("fully_shard"))
+def train_step(model, optim, x, y): ...
 """
 
 import logging

@@ -126,6 +126,7 @@ class CompiledStep:
         options: dict[str, Any],
     ):
         functools.update_wrapper(self, fn)
+        self.__name__: str = getattr(fn, "__name__", "train_step")
         self.fn = fn
         self.module_override = module_override
         self.gm_transformation = gm_transformation
@@ -224,7 +225,9 @@ class CompiledStep:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             fresh = optim_utils.ensure_state(optimizer, params)
         if self._cache:
-            log.info("spmd: new input signature for %s, tracing graph #%d", self.__name__, len(self._cache) + 1)
+            log.info(
+                "spmd: new input signature for %s, tracing graph #%d", self.__name__, len(self._cache) + 1
+            )
         state = tracing.lift_state(module, optimizer)
         traced = tracing.trace_step(self.fn, step_args, state)
         unused_fresh = _forget_unused_state(traced, optimizer, fresh, module)
@@ -318,7 +321,7 @@ def _tensor_sig(t: torch.Tensor) -> tuple[Any, ...]:
 
 def _signature(step_args: tracing.StepArgs) -> Hashable:
     """Everything the traced graph bakes in: argument shapes and values, model and optimizer structure."""
-    arg_sig = []
+    arg_sig: list[Any] = []
     for x in step_args.leaves:
         if isinstance(x, torch.Tensor):
             arg_sig.append(_tensor_sig(x))
@@ -327,7 +330,7 @@ def _signature(step_args: tracing.StepArgs) -> Hashable:
         else:
             arg_sig.append((type(x), x))
     module, optimizer = step_args.module, step_args.optimizer
-    model_sig = tuple(m.training for m in module.modules())
+    model_sig: tuple[Any, ...] = tuple(m.training for m in module.modules())
     model_sig += tuple((n, id(p), *_tensor_sig(p)) for n, p in module.named_parameters())
     model_sig += tuple((n, *_tensor_sig(b)) for n, b in module.named_buffers())
     optim_sig: tuple[Any, ...] = ()

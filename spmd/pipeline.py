@@ -34,11 +34,15 @@ class Pipeline:
         names = {p.name for p in self.passes}
         unknown = sorted(set(disabled) - names)
         if unknown:
-            raise PassError(f"spmd: disabled_passes names unknown passes {unknown}; the passes are {sorted(names)}.")
+            raise PassError(
+                f"spmd: disabled_passes names unknown passes {unknown}; the passes are {sorted(names)}."
+            )
         from passes.driver import PassFailure
 
         try:
-            return run_passes(gm, self.passes, disabled=disabled, check=_checker() if check else None, record=record)
+            return run_passes(
+                gm, self.passes, disabled=disabled, check=_checker() if check else None, record=record
+            )
         except PassFailure as exc:
             raise PassError(str(exc)) from exc
 

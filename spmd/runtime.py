@@ -55,4 +55,6 @@ class Executable:
 
 
 def make_executable(gm: fx.GraphModule, traced: tracing.TracedStep, state: tracing.LiftedState) -> Executable:
-    return Executable(gm=gm, slots=list(traced.slots), out_spec=traced.out_spec, out_constants=traced.out_constants)
+    return Executable(
+        gm=gm, slots=list(traced.slots), out_spec=traced.out_spec, out_constants=traced.out_constants
+    )

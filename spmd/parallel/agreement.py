@@ -44,7 +44,7 @@ def check_rank_agreement(gm: fx.GraphModule, *, step_name: str, timeout_s: float
     # Every rank compiles its graphs in the same order, so the n-th compile of a step
     # name is the same compile everywhere; a rank that compiles an extra graph times out.
     prefix = f"spmd/agree/{step_name}/{next(_ROUND)}"
-    store.set(f"{prefix}/{rank}", pickle.dumps((digest, fp, where)))
+    store.set(f"{prefix}/{rank}", pickle.dumps((digest, fp, where)))  # type: ignore[arg-type]
     keys = [f"{prefix}/{r}" for r in range(world)]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))

@@ -32,7 +32,6 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -123,15 +122,20 @@ class DataParallel(ParallelMode):
             )
         if not isinstance(self.input_batch_dim, int) or self.input_batch_dim < 0:
             raise ConfigError(
-                f"spmd.DataParallel: input_batch_dim must be a non-negative int, got {self.input_batch_dim!r}."
+                "spmd.DataParallel: input_batch_dim must be a non-negative int, "
+                f"got {self.input_batch_dim!r}."
             )
         for knob in ("reshard_after_forward", "broadcast_buffers"):
             if not isinstance(getattr(self, knob), bool):
-                raise ConfigError(f"spmd.DataParallel: {knob} must be True or False, got {getattr(self, knob)!r}.")
+                raise ConfigError(
+                    f"spmd.DataParallel: {knob} must be True or False, got {getattr(self, knob)!r}."
+                )
         if self.mesh is not None and getattr(self.mesh, "ndim", None) != 1:
             raise ConfigError("spmd.DataParallel: mesh must be a 1-D DeviceMesh.")
         if not isinstance(self.bucket_cap_mb, int | float) or self.bucket_cap_mb <= 0:
-            raise ConfigError(f"spmd.DataParallel: bucket_cap_mb must be a positive number, got {self.bucket_cap_mb!r}.")
+            raise ConfigError(
+                f"spmd.DataParallel: bucket_cap_mb must be a positive number, got {self.bucket_cap_mb!r}."
+            )
         if self.bucket_mode not in (None, "size", "module"):
             raise ConfigError(
                 f"spmd.DataParallel: bucket_mode must be 'size', 'module' or None, got {self.bucket_mode!r}."
@@ -183,7 +187,9 @@ class DataParallel(ParallelMode):
         """
         self.prepare(module, optimizer, None)
 
-    def prepare(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, args: StepArgs | None) -> None:
+    def prepare(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer | None, args: StepArgs | None
+    ) -> None:
         if sharding.world_info()[1] == 1 and self.mesh is None:
             return
         if all(isinstance(p, sharding.DTensor) for p in module.parameters()):
@@ -434,8 +440,8 @@ class _Partitioner:
             copy_backs: list[tuple[fx.Node, fx.Node, int, int, list[int]]] = []
             for k, p in enumerate(node.args[0]):
                 name = p.meta.get(STATE_NAME) if isinstance(p, fx.Node) else None
-                lay = self.layouts.get(name)
-                if lay is None:
+                lay = self.layouts.get(name) if name is not None else None
+                if name is None or lay is None:
                     continue
                 shape = self.params[name].shape
                 row = math.prod(shape[1:])
@@ -449,7 +455,9 @@ class _Partitioner:
                     for i in per_param:
                         t = args[i][k]
                         flat = self._call(aten.reshape.default, (t, [-1]), node, role=Role.UPDATE)
-                        buf = self._call(aten.constant_pad_nd.default, (flat, [pre, post]), node, role=Role.UPDATE)
+                        buf = self._call(
+                            aten.constant_pad_nd.default, (flat, [pre, post]), node, role=Role.UPDATE
+                        )
                         args[i][k] = buf
                         if i in written:
                             copy_backs.append((t, buf, pre, n_loc, [lay.local_rows, *shape[1:]]))
@@ -510,7 +518,13 @@ def _elementwise(n: fx.Node) -> bool:
     name = t._schema.name
     if torch.Tag.pointwise in t.tags or "_foreach_" in name or "_fused_" in name:
         return True
-    return t in (aten.clone.default, aten.detach.default, aten.copy_.default, aten.zero_.default, aten.fill_.Scalar)
+    return t in (
+        aten.clone.default,
+        aten.detach.default,
+        aten.copy_.default,
+        aten.zero_.default,
+        aten.fill_.Scalar,
+    )
 
 
 def _derived_only_from(root: fx.Node) -> list[fx.Node]:

@@ -73,10 +73,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
             try:
                 rank, status, payload = q.get(timeout=min(left, 1.0))
             except queue.Empty:
-                if errors or any(p.exitcode not in (None, 0) for p in procs):
-                    # A rank died without reporting (or another failed): give the rest a moment.
-                    if all(p.exitcode is not None for p in procs):
-                        break
+                # A rank died without reporting (or another failed): stop once all have exited.
+                failed = errors or any(p.exitcode not in (None, 0) for p in procs)
+                if failed and all(p.exitcode is not None for p in procs):
+                    break
                 continue
             if status == "ok":
                 results[rank] = pickle.loads(payload)

@@ -84,7 +84,9 @@ def parity(
         if check_eval:
             model.eval()
             ddp.eval()
-            ev = spmd.compile(parallel_mode=spmd.DataParallel(style, reshard_after_forward=reshard))(eval_step)
+            ev = spmd.compile(parallel_mode=spmd.DataParallel(style, reshard_after_forward=reshard))(
+                eval_step
+            )
             b = pm.batch(model_name, 99, rank)[:-1]
             with torch.no_grad():  # as users evaluate; also selects nn.Transformer's inference path
                 want = ddp(*b)
@@ -101,7 +103,9 @@ def structure(rank: int, world: int, reshard: bool) -> dict[str, Any]:
 
     model = pm.build("tinygpt")
     opt = shared.make_optimizer("adamw_fused", model)
-    step = spmd.compile(parallel_mode=spmd.DataParallel("fully_shard", reshard_after_forward=reshard))(train_step)
+    step = spmd.compile(parallel_mode=spmd.DataParallel("fully_shard", reshard_after_forward=reshard))(
+        train_step
+    )
     step(model, opt, *pm.batch("tinygpt", 0, rank))
     gm = step.graphs["partitioned"]
     gathers: dict[str, list[str]] = {}
@@ -174,8 +178,11 @@ def checkpoint_resume(rank: int, world: int, style: str, ckpt_dir: str) -> list[
     for (n, p), (_, q) in zip(model.named_parameters(), model2.named_parameters()):
         if not torch.equal(_full(p), _full(q)):
             problems.append(f"{style}: resumed param {n} differs by {_diff(_full(p), _full(q))}")
-        if type(p.data) is not type(q.data) or getattr(p, "placements", None) != getattr(q, "placements", None):
-            problems.append(f"{style}: {n} placements {getattr(p, 'placements', None)} vs {getattr(q, 'placements', None)}")
+        if type(p.data) is not type(q.data) or getattr(p, "placements", None) != getattr(
+            q, "placements", None
+        ):
+            ours, theirs = getattr(p, "placements", None), getattr(q, "placements", None)
+            problems.append(f"{style}: {n} placements {ours} vs {theirs}")
     return problems
 
 

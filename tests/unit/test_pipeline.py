@@ -18,7 +18,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmd
 from passes import collectives as C
-from passes.meta import PHASE, Phase, module_of
+from passes.meta import PHASE, Phase
 from passes.prefetch import default_unit_of
 from passes.scheduling import _pass_through_chain, inflight_profile
 from spmd.parallel import sharding
@@ -52,7 +52,9 @@ def _compile(style: str, **knobs) -> torch.fx.GraphModule:
     torch.manual_seed(0)
     model = models.TinyGPT(n_layers=4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    step = spmd.compile(parallel_mode=spmd.DataParallel(style, **knobs), check_invariants=True)(models.train_step)
+    step = spmd.compile(parallel_mode=spmd.DataParallel(style, **knobs), check_invariants=True)(
+        models.train_step
+    )
     x, y = models.batches("tinygpt", 1)[0]
     return step.lower(model, opt, x, y)["final"]
 
@@ -74,7 +76,14 @@ def test_fully_shard_counts(fake_world) -> None:
     assert [default_unit_of(c) for c in fwd] == units
     # Backward gathers take the unit of their first backward reader: the tied tok/head weight
     # is first needed by the head's backward.
-    assert [default_unit_of(c) for c in bwd] == ["head", "ln_f", "blocks.3", "blocks.2", "blocks.1", "blocks.0"]
+    assert [default_unit_of(c) for c in bwd] == [
+        "head",
+        "ln_f",
+        "blocks.3",
+        "blocks.2",
+        "blocks.1",
+        "blocks.0",
+    ]
     assert sorted(default_unit_of(c) for c in rs) == sorted(units)
     assert len(rs) == 7
 
