@@ -143,3 +143,14 @@ def test_reduce_scatter_waits_sink_past_detach(fake_world) -> None:
     gm = _lower("fully_shard", max_inflight_bytes=None)
     for rs in _by(gm, C.Kind.REDUCE_SCATTER):
         assert rs.next is not C.wait_of(rs)
+
+
+def test_resharding_lowers_predicted_peak(fake_world) -> None:
+    """With reshard_after_forward the gathered parameters die after forward and are gathered
+    again in backward; without it they live through backward: the predicted peak shows it."""
+    from passes.memory import estimate_peak_memory
+
+    reshard = estimate_peak_memory(_lower("fully_shard")).peak_bytes
+    keep = estimate_peak_memory(_lower("fully_shard", reshard_after_forward=False)).peak_bytes
+    replicate = estimate_peak_memory(_lower("replicate")).peak_bytes
+    assert reshard < keep < replicate
