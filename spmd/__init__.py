@@ -20,6 +20,7 @@ from spmd.errors import (
     UntraceableOpError,
 )
 from spmd.parallel import DataParallel, ParallelMode
+from spmd.parallel.sharding import full_state_dict
 from spmd.report import StepReport
 from spmd.simulate import simulate
 
@@ -42,5 +43,6 @@ __all__ = [
     "TraceError",
     "UntraceableOpError",
     "compile",
+    "full_state_dict",
     "simulate",
 ]

@@ -95,6 +95,8 @@ class DataParallel(ParallelMode):
         max_inflight_bytes: most unsharded bytes in flight in collectives at once (FSDP's
             ``limit_all_gathers`` as a byte budget); ``"auto"`` = twice the largest
             collective, None = unlimited.
+        sync_module_states: broadcast rank 0's parameters and buffers to every rank when the
+            model is first distributed (FSDP's ``sync_module_states``; DDP always does it).
     """
 
     parallel_style: str = "replicate"
@@ -108,6 +110,7 @@ class DataParallel(ParallelMode):
     forward_prefetch: int = 1
     backward_prefetch: int = 1
     max_inflight_bytes: int | str | None = "auto"
+    sync_module_states: bool = False
 
     def __post_init__(self) -> None:
         if self.parallel_style not in STYLES:
@@ -125,7 +128,7 @@ class DataParallel(ParallelMode):
                 "spmd.DataParallel: input_batch_dim must be a non-negative int, "
                 f"got {self.input_batch_dim!r}."
             )
-        for knob in ("reshard_after_forward", "broadcast_buffers"):
+        for knob in ("reshard_after_forward", "broadcast_buffers", "sync_module_states"):
             if not isinstance(getattr(self, knob), bool):
                 raise ConfigError(
                     f"spmd.DataParallel: {knob} must be True or False, got {getattr(self, knob)!r}."
@@ -194,6 +197,8 @@ class DataParallel(ParallelMode):
             return
         if all(isinstance(p, sharding.DTensor) for p in module.parameters()):
             return
+        if self.sync_module_states:
+            sharding.broadcast_module_states(module)
         if optimizer is not None:
             # State is created on the full tensors, then sharded with them.
             optim_utils.ensure_state(optimizer, [p for g in optimizer.param_groups for p in g["params"]])

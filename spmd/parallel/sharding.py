@@ -133,3 +133,27 @@ def distribute_state(
             new_params.append(np_)
         g["params"] = new_params
     return len(new_of)
+
+
+def broadcast_module_states(module: nn.Module) -> None:
+    """Overwrite every plain parameter and buffer with rank 0's value (in place)."""
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            if not isinstance(t, DTensor):
+                dist.broadcast(t.data, src=0)
+
+
+def full_state_dict(module: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The model's state dict with every DTensor gathered to a full, plain tensor.
+
+    A collective: every rank must call it. With ``rank0_only`` (default) the other ranks
+    get an empty dict, as FSDP's ``FULL_STATE_DICT`` with ``rank0_only=True``. The result
+    loads into the plain, undistributed model with ``load_state_dict``.
+    """
+    rank = world_info()[0]
+    out: dict[str, torch.Tensor] = {}
+    for k, v in module.state_dict().items():
+        full = v.full_tensor() if isinstance(v, DTensor) else v
+        if not rank0_only or rank == 0:
+            out[k] = full.detach().clone()
+    return out

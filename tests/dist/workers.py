@@ -203,3 +203,34 @@ def divergent(rank: int, world: int, style: str) -> str:
     except spmd.RankDivergenceError as exc:
         return f"{time.perf_counter() - t0:.1f}s {exc}"
     return "no error"
+
+
+def sync_and_export(rank: int, world: int, style: str) -> list[str]:
+    """Different initial values on every rank + sync_module_states=True train like DDP, which
+    starts from rank 0's values; spmd.full_state_dict then loads into a plain model on rank 0."""
+    problems: list[str] = []
+    ref_model = pm.build("mlp")  # rank 0's values, seed 0 on every rank
+    torch.manual_seed(1000 + rank)  # a different init on every rank
+    model = pm.MODELS["mlp"][0]()
+    if rank == 1 and all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters())):
+        problems.append("test bug: ranks did not start from different values")
+    ddp = DDP(copy.deepcopy(model))  # DDP broadcasts rank 0's values at construction
+    opt = shared.make_optimizer("adamw_fused", model)
+    ref_opt = shared.make_optimizer("adamw_fused", ddp.module)
+    mode = spmd.DataParallel(style, sync_module_states=True)
+    step = spmd.compile(parallel_mode=mode)(train_step)
+    for i in range(5):
+        b = pm.batch("mlp", i, rank)
+        loss, ref = step(model, opt, *b), train_step(ddp, ref_opt, *b)
+        if not torch.equal(loss, ref):
+            problems.append(f"{style}: step {i} loss {loss.item()!r} != ddp {ref.item()!r}")
+    sd = spmd.full_state_dict(model)
+    if rank == 0:
+        plain = pm.MODELS["mlp"][0]()
+        plain.load_state_dict(sd)
+        for (n, p), (_, q) in zip(plain.named_parameters(), ddp.module.named_parameters()):
+            if type(p.data) is not torch.Tensor or not torch.equal(p, q):
+                problems.append(f"{style}: full_state_dict {n} differs from DDP")
+    elif sd:
+        problems.append("full_state_dict returned values on rank 1 with rank0_only=True")
+    return problems
