@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 NPROC   ?= 2
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install test demo examples-smoke bench lint clean
+.PHONY: install test demo examples-smoke bench bench-quick lint clean
 
 install: $(STAMP)
 
@@ -31,8 +31,13 @@ examples-smoke: install
 	$(BIN)/python examples/sample.py --ckpt checkpoints/smoke --chars 80
 	$(BIN)/python examples/inspect_graphs.py --smoke
 
+# spmd vs DDP and FSDP2 on 2 gloo ranks (1 thread each): prints tables, writes bench.json. ~10 min on 2 cores.
 bench: install
 	$(BIN)/python benchmarks/run.py
+
+# The same harness on small models with a few steps: a smoke run (a few minutes).
+bench-quick: install
+	$(BIN)/python benchmarks/run.py --quick
 
 lint: install
 	$(BIN)/ruff check spmd passes tests examples benchmarks

@@ -1,0 +1,106 @@
+"""The two benchmark models, their per-rank batches, and the blocks FSDP2 wraps.
+
+* ``overhead``: many tiny residual MLP blocks. Each step is a few hundred small ops and,
+  sharded per block, dozens of small collectives: per-op and per-collective overhead
+  (Python hooks, launches) dominates. This is where a whole-step graph should win most.
+* ``gpt``: the GPT of ``examples/gpt.py`` (token + position embeddings, pre-norm blocks,
+  untied head). Matmuls dominate; communication should hide behind them.
+
+Every variant builds its model with the same seed (same initial weights) and feeds rank
+``r`` the same batches (seeded by ``r``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from gpt import GPT  # noqa: E402
+
+
+class ResBlock(nn.Module):
+    """``x + fc2(gelu(fc1(ln(x))))``."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class ResMLP(nn.Module):
+    """A stack of residual MLP blocks and a linear classifier."""
+
+    def __init__(self, n_blocks: int, d: int, hidden: int, n_classes: int):
+        super().__init__()
+        self.blocks = nn.Sequential(*[ResBlock(d, hidden) for _ in range(n_blocks)])
+        self.head = nn.Linear(d, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One benchmark model: how to build it, its batches, and its loss."""
+
+    name: str
+    description: str  # for the table header
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The submodules FSDP2 shards one by one (then the root), as one would per transformer block."""
+        return list(model.blocks)  # type: ignore[arg-type]
+
+
+def _xent(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, -2), y.flatten())
+
+
+def get(name: str, quick: bool = False) -> Spec:
+    """The spec of model ``name``; ``quick`` shrinks it (same structure) for smoke runs."""
+    if name == "overhead":
+        n, d, batch, classes = (24, 64, 32, 64) if not quick else (24, 32, 16, 16)
+        return Spec(
+            name="overhead",
+            description=f"ResMLP {n} blocks x d_model {d} (hidden {4 * d}), batch {batch} per rank",
+            build=lambda: ResMLP(n, d, 4 * d, classes),
+            batch=lambda g: (
+                torch.randn(batch, d, generator=g),
+                torch.randint(classes, (batch,), generator=g),
+            ),
+            loss=_xent,
+        )
+    if name == "gpt":
+        layers, d, heads, vocab, seq, batch = (
+            (4, 256, 8, 8192, 128, 8) if not quick else (2, 64, 4, 512, 32, 4)
+        )
+
+        def tokens(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+            t = torch.randint(vocab, (batch, seq + 1), generator=g)
+            return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+        return Spec(
+            name="gpt",
+            description=(
+                f"GPT {layers} layers x d_model {d}, {heads} heads, vocab {vocab}, seq {seq}, "
+                f"batch {batch} per rank"
+            ),
+            build=lambda: GPT(vocab, d, layers, heads, seq),
+            batch=tokens,
+            loss=_xent,
+        )
+    raise KeyError(f"unknown model {name!r}; the models are {MODELS}")
+
+
+MODELS = ("overhead", "gpt")

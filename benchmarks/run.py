@@ -1,0 +1,352 @@
+"""spmd against DDP and FSDP2: step time, peak memory, communication and compile time, in one run.
+
+    python benchmarks/run.py            # = make bench: both models, every variant (~10 min on 2 cores)
+    python benchmarks/run.py --quick    # = make bench-quick: small models, few steps (smoke)
+    python benchmarks/run.py --models gpt --variants no_comm,fsdp2,spmd_fully_shard
+
+Each model runs as one ``torchrun --standalone --nproc_per_node=2`` job (gloo, OMP_NUM_THREADS=1 and
+one torch thread per rank) that builds every variant with the same initial weights and per-rank
+data and times them in interleaved rounds (``worker.py``; how each number is measured:
+``measure.py``). Variants:
+
+    no_comm                     each rank trains alone, eager: the lower bound
+    ddp                         DistributedDataParallel, defaults
+    fsdp2                       fully_shard on every block, then the root, defaults
+    spmd_replicate              spmd.DataParallel("replicate")
+    spmd_fully_shard            spmd.DataParallel("fully_shard", reshard_after_forward=True)
+    spmd_fully_shard_noreshard  spmd.DataParallel("fully_shard", reshard_after_forward=False)
+
+Prints one table per model with ratios to fsdp2 and to no_comm, the issue's targets, and (for
+spmd_fully_shard) the predicted comparison with inductor's overlap scheduler (``overlap.py``);
+writes every record to ``bench.json``. A variant that fails is shown as ``error: <line>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from worker import VARIANTS  # noqa: E402
+
+MODELS = ("overhead", "gpt")
+NPROC = 2
+MiB = 1024 * 1024
+
+# ----------------------------------------------------------------------------- settings
+p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+p.add_argument("--quick", action="store_true", help="small models, few steps: a smoke run")
+p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
+p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the variants")
+p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 24, quick 4)")
+p.add_argument("--out", default=os.path.join(ROOT, "bench.json"), help="where to write the records")
+p.add_argument("--timeout", type=int, default=None, help="seconds per torchrun job (default 900, quick 300)")
+args = p.parse_args()
+steps = args.steps or (4 if args.quick else 24)  # the median is over at least 20
+rounds = 2 if args.quick else 4  # interleaved rounds the timed steps are split into
+warmup = 1 if args.quick else 3  # untimed steps after each variant's first call
+timeout = args.timeout or (300 if args.quick else 900)
+
+
+def torchrun(model: str, variants: list[str], log_path: str) -> tuple[list[dict[str, Any]] | None, str]:
+    """Run one worker job; return (its records or None, the tail of its stderr)."""
+    fd, out = tempfile.mkstemp(suffix=".json", prefix=f"bench_{model}_")
+    os.close(fd)
+    os.unlink(out)
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "torchrun"),
+        "--standalone",
+        f"--nproc_per_node={NPROC}",
+        os.path.join(HERE, "worker.py"),
+        f"--model={model}",
+        f"--variants={','.join(variants)}",
+        f"--steps={steps}",
+        f"--rounds={rounds}",
+        f"--warmup={warmup}",
+        f"--out={out}",
+    ]
+    if args.quick:
+        cmd.append("--quick")
+    if "spmd_fully_shard" in variants:
+        cmd.append("--overlap")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(log_path, "a") as log:
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        try:
+            subprocess.run(cmd, cwd=ROOT, env=env, stderr=log, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            log.write(f"\nbench: timed out after {timeout} s\n")
+    with open(log_path) as f:
+        tail = f.read()[-20000:]
+    if not os.path.exists(out):
+        return None, tail
+    with open(out) as f:
+        records = json.load(f)
+    os.unlink(out)
+    return records, tail
+
+
+def last_error(stderr: str) -> str:
+    """The last exception line of a log, without torchrun's ``[rankN]:`` prefix."""
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln).strip() for ln in stderr.splitlines()]
+    errs = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt|Failure)\b", ln)]
+    errs += [ln for ln in lines if "timed out" in ln]
+    return "error: " + (errs[-1] if errs else "job failed (see log)")[:160]
+
+
+def run_model(model: str, variants: list[str], log_path: str) -> list[dict[str, Any]]:
+    print(f"== {model}: {', '.join(variants)}", flush=True)
+    records, tail = torchrun(model, variants, log_path)
+    if records is not None:
+        return records
+    # The job died (a crash that took a rank down, or a hang): isolate each variant in its own job.
+    print(f"   the {model} job failed ({last_error(tail)}); running each variant alone", flush=True)
+    out = []
+    for v in variants:
+        recs, tail = torchrun(model, [v], log_path)
+        if recs:
+            out.extend(recs)
+        else:
+            out.append({"model": model, "variant": v, "error": last_error(tail), "step_ms": None})
+            out[-1].update(peak_mem_bytes=None, comm_bytes=None, collectives=None, compile_s=None)
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def _spread(r: dict[str, Any]) -> str:
+    """Interquartile range of the step times, relative to the median: the noise of that number."""
+    if r.get("step_ms_p75") is None or not r.get("step_ms"):
+        return "-"
+    return f"{100 * (r['step_ms_p75'] - r['step_ms_p25']) / r['step_ms']:.0f}%"
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / MiB:.2f}"
+
+
+def min_comm_bytes(rec: dict[str, Any]) -> int | None:
+    """The least a variant's semantics must communicate per rank per step (larger-side bytes).
+
+    P = parameter bytes, B = bytes of the parameters autograd saves for backward. replicate:
+    all-reduce every gradient (P). FULL_SHARD: gather every parameter for forward, gather
+    again those backward reads, reduce-scatter every gradient (2P + B). SHARD_GRAD_OP: 2P.
+    FSDP2 as configured here keeps the root's parameters from forward to backward:
+    2P + B - (B of the root).
+    """
+    P, B = rec.get("param_bytes"), rec.get("bwd_param_bytes")
+    if P is None or B is None:
+        return None
+    return {
+        "no_comm": 0,
+        "ddp": P,
+        "spmd_replicate": P,
+        "fsdp2": 2 * P + B - rec.get("bwd_root_param_bytes", 0),
+        "spmd_fully_shard": 2 * P + B,
+        "spmd_fully_shard_noreshard": 2 * P,
+    }.get(rec["variant"])
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    by = {r["variant"]: r for r in records}
+    fsdp2, base = by.get("fsdp2", {}).get("step_ms"), by.get("no_comm", {}).get("step_ms")
+    head = (
+        "variant",
+        "step ms",
+        "IQR",
+        "x fsdp2",
+        "x no_comm",
+        "peak MiB",
+        "pred MiB",
+        "comm MiB",
+        "min MiB",
+        "wire MiB",
+        "colls",
+        "compile s",
+    )
+    rows = []
+    for r in records:
+        if r.get("error"):
+            rows.append((r["variant"], r["error"][:120]))
+            continue
+        rows.append(
+            (
+                r["variant"],
+                f"{r['step_ms']:.1f}",
+                _spread(r),
+                _ratio(r["step_ms"], fsdp2),
+                _ratio(r["step_ms"], base),
+                _mib(r.get("peak_mem_bytes")),
+                _mib(r.get("report", {}).get("predicted_peak_bytes")),
+                _mib(r.get("comm_bytes")),
+                _mib(min_comm_bytes(r)),
+                _mib(r.get("wire_bytes")),
+                str(r.get("collectives")),
+                f"{r['compile_s']:.1f}",
+            )
+        )
+    return markdown(head, rows)
+
+
+def markdown(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    full = [r for r in rows if len(r) == len(head)]
+    w = [max([len(h)] + [len(r[i]) for r in full]) for i, h in enumerate(head)]
+    out = ["| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(head)) + " |"]
+    out.append(
+        "|" + "|".join("-" * (x + 2) if i == 0 else "-" * (x + 1) + ":" for i, x in enumerate(w)) + "|"
+    )
+    for r in rows:
+        if len(r) == len(head):
+            cells = [r[0].ljust(w[0])] + [c.rjust(w[i]) for i, c in enumerate(r) if i > 0]
+            out.append("| " + " | ".join(cells) + " |")
+        else:  # an error: the variant, then the message across the row
+            out.append(f"| {r[0].ljust(w[0])} | {r[1]} |" + " |" * (len(head) - 2))
+    return "\n".join(out)
+
+
+def overlap_table(rec: dict[str, Any]) -> str:
+    ov = rec.get("overlap")
+    if not ov:
+        return ""
+    if "error" in ov:
+        return f"overlap vs inductor: {ov['error']}"
+    head = ("graph", "colls", "comm MiB", "compute ms", "comm ms", "exposed ms", "step ms", "peak MiB")
+    rows = []
+    for key, label in (
+        ("spmd_partitioned", "spmd partitioned (no passes)"),
+        ("spmd_final", "spmd final"),
+        ("inductor", "inductor schedule_overlap_bucketing(partitioned)"),
+    ):
+        pr = ov.get(key, {})
+        if "error" in pr:
+            rows.append((label, pr["error"]))
+            continue
+        rows.append(
+            (
+                label,
+                str(pr["collectives"]),
+                _mib(pr["comm_bytes"]),
+                f"{pr['compute_ms']:.1f}",
+                f"{pr['comm_ms']:.1f}",
+                f"{pr['exposed_comm_ms']:.1f}",
+                f"{pr['step_ms']:.1f}",
+                _mib(pr["peak_mem_bytes"]),
+            )
+        )
+    return "predicted by the cost model of benchmarks/overlap.py (spmd_fully_shard):\n" + markdown(head, rows)
+
+
+def targets(model: str, records: list[dict[str, Any]]) -> list[str]:
+    """The "Measurement" issue's targets for this model, each with the measured value."""
+    by = {r["variant"]: r for r in records if not r.get("error")}
+    step = lambda v: by.get(v, {}).get("step_ms")  # noqa: E731
+    checks: list[tuple[str, float | None, float]] = []
+    if model == "overhead":
+        checks += [("spmd_fully_shard / fsdp2 step", _div(step("spmd_fully_shard"), step("fsdp2")), 0.25)]
+        checks += [("spmd_fully_shard / no_comm step", _div(step("spmd_fully_shard"), step("no_comm")), 1.5)]
+    if model == "gpt":
+        checks += [("spmd_fully_shard / no_comm step", _div(step("spmd_fully_shard"), step("no_comm")), 1.05)]
+        checks += [("spmd_replicate / no_comm step", _div(step("spmd_replicate"), step("no_comm")), 1.03)]
+    mem = lambda v: by.get(v, {}).get("peak_mem_bytes")  # noqa: E731
+    checks += [("spmd_fully_shard / fsdp2 peak memory", _div(mem("spmd_fully_shard"), mem("fsdp2")), 0.9)]
+    lines = []
+    for name, val, bound in checks:
+        verdict = "n/a" if val is None else ("met" if val <= bound else "NOT met")
+        lines.append(
+            f"  {name:<38} {'-' if val is None else f'{val:.2f}':>6}  (target <= {bound})  {verdict}"
+        )
+    for v in ("spmd_replicate", "spmd_fully_shard", "spmd_fully_shard_noreshard"):
+        if v in by:
+            got, least = by[v].get("comm_bytes"), min_comm_bytes(by[v])
+            verdict = "met" if got == least else "NOT met"
+            lines.append(
+                f"  {v + ' comm bytes = minimum':<38} {_mib(got):>6}  (minimum {_mib(least)} MiB)  {verdict}"
+            )
+    return lines
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def main() -> None:
+    models = [m for m in args.models.split(",") if m]
+    variants = [v for v in args.variants.split(",") if v]
+    bad = [m for m in models if m not in MODELS] + [v for v in variants if v not in VARIANTS]
+    if bad:
+        sys.exit(f"unknown model/variant {bad}; models: {', '.join(MODELS)}; variants: {', '.join(VARIANTS)}")
+    log_path = os.path.join(tempfile.gettempdir(), f"spmd_bench_{os.getpid()}.log")
+    started = datetime.datetime.now()
+    run_info = {
+        "date": started.strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{os.cpu_count()} cores, {platform.machine()}, {platform.system()}",
+        "ranks": NPROC,
+        "backend": "gloo",
+        "threads_per_rank": 1,
+        "steps": steps,
+        "quick": args.quick,
+    }
+    try:
+        import torch
+
+        run_info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    all_records: list[dict[str, Any]] = []
+    for model in models:
+        recs = run_model(model, variants, log_path)
+        for r in recs:
+            r["run"] = run_info
+        all_records.extend(recs)
+    with open(args.out, "w") as f:
+        json.dump(all_records, f, indent=1)
+
+    took = (datetime.datetime.now() - started).total_seconds()
+    print()
+    print(
+        f"spmd bench, {run_info['date']}: {NPROC} ranks (gloo, 1 thread each) on {run_info['machine']}, "
+        f"torch {run_info.get('torch', '?')}; median of {steps} timed steps{' (quick)' if args.quick else ''}"
+    )
+    for model in models:
+        recs = [r for r in all_records if r["model"] == model]
+        desc = next((r["description"] for r in recs if r.get("description")), model)
+        print(f"\n### {model}: {desc}\n")
+        print(table(recs))
+        print("\ntargets:")
+        print("\n".join(targets(model, recs)))
+        fs = next((r for r in recs if r["variant"] == "spmd_fully_shard" and r.get("overlap")), None)
+        if fs:
+            print()
+            print(overlap_table(fs))
+    print(
+        "\nIQR: interquartile range of the step times over the median; "
+        "peak MiB: MemTracker over one step (DDP's C++ gradient buckets not seen); "
+        "pred MiB: spmd report(); "
+        "comm MiB: per rank per step, larger side of each collective (profiler); min MiB: least the "
+        "variant's semantics need; wire MiB: bytes written to sockets (/proc/self/io); colls: collective "
+        "launches per step; compile s: first call minus a step."
+    )
+    errors = [r for r in all_records if r.get("error")]
+    print(f"\nwrote {args.out} ({len(all_records)} records) in {took:.0f} s; worker log: {log_path}")
+    if errors:
+        print(f"{len(errors)} variant(s) failed; tracebacks in {log_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""One rank of one benchmark model: every variant, timed in interleaved rounds. Run by run.py.
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/worker.py --model gpt --out /tmp/gpt.json
+
+Per variant: build the model (same seed), wrap it, make fused AdamW, and call the step once
+(for spmd: trace + partition + passes + one step); then ``warmup`` steps. Timing runs in
+rounds: each round gives every live variant, in turn, one untimed step (after the switch
+from another variant) and ``steps / rounds`` timed ones, so machine noise falls on all
+variants alike. Afterwards, per variant and outside the timed steps: one step under the
+profiler (collectives) and one under MemTracker (peak memory); see ``measure.py``. Rank 0
+writes the records as JSON to ``--out``.
+
+A variant that raises is recorded as ``error: <line>`` (traceback on stderr) and dropped;
+the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import measure  # noqa: E402
+import models  # noqa: E402
+
+VARIANTS = ("no_comm", "ddp", "fsdp2", "spmd_replicate", "spmd_fully_shard", "spmd_fully_shard_noreshard")
+
+
+@dataclasses.dataclass
+class Variant:
+    name: str
+    model: nn.Module | None = None
+    optim: torch.optim.Optimizer | None = None
+    step: Callable[..., Any] | None = None
+    first_call_s: float = 0.0
+    times: list[float] = dataclasses.field(default_factory=list)
+    wchar: int = 0
+    wchar_steps: int = 0
+    error: str | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
+    torch.manual_seed(0)  # same initial weights for every variant
+    model = spec.build()
+
+    def train_step(model, optim, x, y):  # noqa: ANN001, ANN202  (the plain single-device step)
+        loss = spec.loss(model(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    step: Callable[..., Any] = train_step
+    if name == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    elif name == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in spec.blocks(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif name.startswith("spmd_"):
+        import spmd
+
+        mode = {
+            "spmd_replicate": spmd.DataParallel("replicate"),
+            "spmd_fully_shard": spmd.DataParallel("fully_shard", reshard_after_forward=True),
+            "spmd_fully_shard_noreshard": spmd.DataParallel("fully_shard", reshard_after_forward=False),
+        }[name]
+        step = spmd.compile(parallel_mode=mode)(train_step)
+    elif name != "no_comm":
+        raise KeyError(f"unknown variant {name!r}; the variants are {VARIANTS}")
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    return Variant(name, model, optim, step)
+
+
+def one_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return "error: " + (text[0] if text else type(exc).__name__)[:160]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True, choices=models.MODELS)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--steps", type=int, default=20)  # timed steps per variant
+    p.add_argument("--rounds", type=int, default=4)  # interleaved rounds the timed steps are split into
+    p.add_argument("--warmup", type=int, default=3)  # untimed steps after the first call
+    p.add_argument("--quick", action="store_true")  # smaller models
+    p.add_argument("--overlap", action="store_true")  # item 4: compare with inductor's scheduler
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = models.get(args.model, quick=args.quick)
+    gen = torch.Generator().manual_seed(1000 + rank)  # rank r's data, the same for every variant
+    batches = [spec.batch(gen) for _ in range(4)]
+    it = [0]
+
+    def run(v: Variant) -> Any:
+        x, y = batches[it[0] % len(batches)]
+        it[0] += 1
+        return v.step(v.model, v.optim, x, y)  # type: ignore[misc]
+
+    def fail(v: Variant, exc: BaseException, where: str) -> None:
+        v.error = one_line(exc)
+        print(f"[rank {rank}] {args.model}/{v.name} failed in {where}:", file=sys.stderr)
+        traceback.print_exc()
+        v.model = v.optim = v.step = None
+
+    def agree(vs: list[Variant]) -> None:
+        """Drop, on every rank, the variants that failed on any rank (keeps the ranks in step)."""
+        errs: list[dict[str, str | None]] = [{} for _ in range(world)]
+        dist.all_gather_object(errs, {v.name: v.error for v in vs})
+        for v in vs:
+            for e in errs:
+                if e.get(v.name) and not v.error:
+                    v.error = e[v.name]
+                    v.model = v.optim = v.step = None
+
+    variants: list[Variant] = []
+    for name in args.variants.split(","):
+        v = Variant(name)
+        variants.append(v)
+        try:
+            v = variants[-1] = make_variant(name, spec, world)
+            dist.barrier()
+            t0 = time.perf_counter()
+            run(v)
+            v.first_call_s = time.perf_counter() - t0
+            for _ in range(args.warmup):
+                run(v)
+        except Exception as exc:  # noqa: BLE001
+            fail(v, exc, "setup")
+        agree(variants)
+        if rank == 0:
+            print(
+                f"  {args.model}/{name}: ready ({v.error or f'first call {v.first_call_s:.2f} s'})",
+                flush=True,
+            )
+
+    per_round = math.ceil(args.steps / args.rounds)
+    for r in range(args.rounds):
+        for v in variants:
+            if v.error:
+                continue
+            gc.collect()
+            dist.barrier()
+            try:
+                run(v)  # untimed: the first step after switching variants
+                w0 = measure.written_bytes()
+                for _ in range(per_round):
+                    t0 = time.perf_counter()
+                    run(v)
+                    v.times.append(time.perf_counter() - t0)
+                v.wchar += measure.written_bytes() - w0
+                v.wchar_steps += per_round
+            except Exception as exc:  # noqa: BLE001
+                fail(v, exc, f"timing round {r}")
+            agree(variants)
+        if rank == 0:
+            print(f"  {args.model}: round {r + 1}/{args.rounds} done", flush=True)
+
+    for v in variants:
+        if v.error:
+            continue
+        try:
+            dist.barrier()
+            comms = measure.count_comms(lambda v=v: run(v), world if v.name != "no_comm" else 1)
+            dist.barrier()
+            v.extra["peak_mem_bytes"] = measure.peak_memory(lambda v=v: run(v), v.model, v.optim)
+            v.extra.update(
+                collectives=comms.launches,
+                comm_bytes=comms.bytes,
+                comm_by_kind=comms.by_kind,
+                backend_ops=comms.backend_ops,
+            )
+            if v.name.startswith("spmd_"):
+                rep = v.step.report()  # type: ignore[union-attr]
+                v.extra["report"] = {
+                    "collectives": sum(c.count for c in rep.collectives.values()),
+                    "comm_bytes": rep.comm_bytes,
+                    "by_kind": {k: [c.count, c.bytes] for k, c in rep.collectives.items()},
+                    "predicted_peak_bytes": rep.peak_memory_bytes,
+                    "compile_s": rep.compile_s,
+                }
+        except Exception as exc:  # noqa: BLE001
+            fail(v, exc, "measurement")
+        agree(variants)
+        if rank == 0:
+            print(f"  {args.model}/{v.name}: measured", flush=True)
+
+    overlap: dict[str, Any] | None = None
+    fs = next((v for v in variants if v.name == "spmd_fully_shard" and not v.error), None)
+    if args.overlap and fs is not None:
+        overlap = run_overlap(fs, rank, world)
+
+    # What the sharding semantics must send (run.py's "min" column): parameter bytes, those
+    # outside the FSDP2-wrapped blocks, and those backward reads (gathered again under FULL_SHARD).
+    fresh = spec.build()
+    nbytes = {n: p.numel() * p.element_size() for n, p in fresh.named_parameters()}
+    in_blocks = {id(p) for b in spec.blocks(fresh) for p in b.parameters()}
+    root = {n for n, p in fresh.named_parameters() if id(p) not in in_blocks}
+    saved = measure.params_saved_for_backward(fresh, lambda m: spec.loss(m(batches[0][0]), batches[0][1]))
+    sizes = {
+        "param_bytes": sum(nbytes.values()),  # the whole model, unsharded
+        "root_param_bytes": sum(nbytes[n] for n in root),  # outside the blocks FSDP2 wraps one by one
+        "bwd_param_bytes": sum(nbytes[n] for n in saved),  # saved for backward by autograd
+        "bwd_root_param_bytes": sum(nbytes[n] for n in saved & root),
+    }
+    times: list[dict[str, list[float]]] = [{} for _ in range(world)]
+    dist.all_gather_object(times, {v.name: v.times for v in variants})
+    wire: list[dict[str, float]] = [{} for _ in range(world)]
+    dist.all_gather_object(wire, {v.name: v.wchar / max(v.wchar_steps, 1) for v in variants})
+    if rank == 0:
+        records = []
+        for v in variants:
+            rec: dict[str, Any] = {"model": args.model, "variant": v.name, "description": spec.description}
+            rec.update(sizes)
+            if v.error:
+                rec.update(error=v.error, step_ms=None, peak_mem_bytes=None, comm_bytes=None)
+                rec.update(collectives=None, compile_s=None)
+            else:
+                # A step takes as long as its slowest rank; the median over steps resists noise.
+                per_step = [max(t[v.name][i] for t in times) for i in range(len(v.times))]
+                step_s = statistics.median(per_step)
+                rec["step_ms"] = step_s * 1e3
+                rec["step_ms_min"] = min(per_step) * 1e3
+                q = statistics.quantiles(per_step, n=4) if len(per_step) > 1 else [step_s] * 3
+                rec["step_ms_p25"], rec["step_ms_p75"] = q[0] * 1e3, q[2] * 1e3
+                rec["timed_steps"] = len(per_step)
+                rec["wire_bytes"] = int(max(w[v.name] for w in wire))
+                rec.update(v.extra)
+                rec["compile_s"] = max(v.first_call_s - step_s, 0.0) if v.name.startswith("spmd_") else 0.0
+                if v.name == "spmd_fully_shard" and overlap is not None:
+                    rec["overlap"] = overlap
+            records.append(rec)
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_overlap(v: Variant, rank: int, world: int) -> dict[str, Any] | None:
+    """Item 4 (see overlap.py): calibrate on all ranks, analyse on rank 0."""
+    try:
+        import overlap
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"unavailable: {one_line(exc)}"}
+    try:
+        comm = overlap.calibrate_comm(dist.group.WORLD.group_name, world)  # type: ignore[union-attr]
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"unavailable: calibration {one_line(exc)}"}
+    result: dict[str, Any] | None = None
+    if rank == 0:
+        try:
+            flops, bw, overhead = overlap.calibrate_compute()
+            cost = overlap.CostModel(flops_per_s=flops, bytes_per_s=bw, op_overhead_s=overhead, comm=comm)
+            result = overlap.compare(dict(v.step.graphs), cost)  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            result = {"error": f"unavailable: {one_line(exc)}"}
+    dist.barrier()
+    return result
+
+
+if __name__ == "__main__":
+    main()
