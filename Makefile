@@ -30,6 +30,7 @@ examples-smoke: install
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_gpt.py --smoke
 	$(BIN)/python examples/sample.py --ckpt checkpoints/smoke --chars 80
 	$(BIN)/python examples/inspect_graphs.py --smoke
+	$(BIN)/python examples/override_moe.py --smoke
 
 # spmd vs DDP and FSDP2 on 2 gloo ranks (1 thread each): prints tables, writes bench.json. ~10 min on 2 cores.
 bench: install

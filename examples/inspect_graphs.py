@@ -73,7 +73,8 @@ def main() -> None:
     print(f"\ndump: {where}/")
     for f in sorted(os.listdir(where)):
         print(f"  {f}")
-    with open(os.path.join(where, sorted(os.listdir(where))[-1])) as f:
+    stages = sorted(f for f in os.listdir(where) if f.endswith(".py"))  # the report sits beside them
+    with open(os.path.join(where, stages[-1])) as f:
         lines = [ln.rstrip() for ln in f if "# forward" in ln or "# optimizer" in ln]
     print("  e.g. " + lines[0].strip()[:140])
 
