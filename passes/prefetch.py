@@ -51,7 +51,8 @@ def _input_chain(coll: fx.Node) -> list[fx.Node] | None:
         if n in seen or n.op == "placeholder":
             continue
         seen.add(n)
-        if n.op != "call_function" or len(n.users) != 1:
+        # Communication is computed too: moving it would carry another collective and its wait along.
+        if n.op != "call_function" or len(n.users) != 1 or C.is_collective(n) or C.is_wait(n):
             return None
         chain.append(n)
         stack.extend(n.all_input_nodes)
@@ -94,7 +95,9 @@ def prefetch_all_gathers(
         for c in sorted(in_phase, key=lambda c: _first_use(c, order)):
             units.setdefault(unit_of(c), []).append(c)
         unit_list = list(units.values())
-        movable = set(in_phase)
+        # The phase starts at its first node that stays put: skipping the input chains too keeps
+        # the units issued at the start in order (else unit 1 lands before unit 0's pad).
+        movable = set(in_phase) | {n for c in in_phase for n in _input_chain(c) or []}
         phase_start = next(
             n
             for n in graph.nodes

@@ -82,15 +82,13 @@ def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
         if not users:
             continue
         first = min(users, key=order.__getitem__)
-        chain.sort(key=order.__getitem__)
-        if order[chain[-1]] < order[first] and chain[-1].next is first and all(
-            a.next is b for a, b in zip(chain, chain[1:])
-        ):
+        # Members after ``first`` (a view read only later) stay where they are.
+        before = sorted((n for n in chain if order[n] < order[first]), key=order.__getitem__)
+        if before[-1].next is first and all(a.next is b for a, b in zip(before, before[1:])):
             continue  # already a contiguous run right before its first use
-        for n in chain:
-            if order[n] < order[first]:
-                first.prepend(n)
-                changed = True
+        for n in before:
+            first.prepend(n)
+        changed = True
     if not changed:
         return gm
     graph.lint()
