@@ -13,8 +13,9 @@ from passes.cleanup import strip_grad_tags
 from passes.dedup import dedup_collectives
 from passes.driver import NamedPass, run_passes
 from passes.invariants import check_invariants
-from passes.prefetch import prefetch_all_gathers
+from passes.prefetch import default_unit_of, prefetch_all_gathers
 from passes.scheduling import limit_inflight, sink_waits
+from passes.units import assign_units
 from spmd.errors import PassError
 from spmd.parallel import ParallelMode
 
@@ -62,11 +63,20 @@ def build_pipeline(parallel_mode: ParallelMode) -> Pipeline:
     bucketing = {kw: options[name] for name, kw in names.items() if name in options}
     prefetch = {k: options[k] for k in ("forward_prefetch", "backward_prefetch", "unit_of") if k in options}
     inflight = {k: options[k] for k in ("max_inflight_bytes",) if k in options}
+    units = {
+        "unit_of": options.get("base_unit_of", default_unit_of),
+        "min_unit_bytes": options.get("min_unit_bytes", 0),
+    }
     passes = [
         NamedPass(
             name="dedup_collectives",
             fn=dedup_collectives,
             reason="first, on the partitioner's collectives: a duplicate left in a bucket is sent twice",
+        ),
+        NamedPass(
+            name="assign_units",
+            fn=functools.partial(assign_units, **units),
+            reason="after dedup (sizes of what is really sent); prefetch and bucketing read the units",
         ),
         NamedPass(
             name="prefetch_all_gathers",

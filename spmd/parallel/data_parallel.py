@@ -97,6 +97,9 @@ class DataParallel(ParallelMode):
             collective, None = unlimited.
         sync_module_states: broadcast rank 0's parameters and buffers to every rank when the
             model is first distributed (FSDP's ``sync_module_states``; DDP always does it).
+        min_unit_mb: neighbouring units smaller than this are merged into one communication
+            unit (one gather, one reduce-scatter), so stacks of tiny blocks do not pay a
+            collective's latency per block; larger blocks stay units of their own.
     """
 
     parallel_style: str = "replicate"
@@ -111,6 +114,7 @@ class DataParallel(ParallelMode):
     backward_prefetch: int = 1
     max_inflight_bytes: int | str | None = "auto"
     sync_module_states: bool = False
+    min_unit_mb: float = 1.0
 
     def __post_init__(self) -> None:
         if self.parallel_style not in STYLES:
@@ -139,6 +143,10 @@ class DataParallel(ParallelMode):
             raise ConfigError(
                 f"spmd.DataParallel: bucket_cap_mb must be a positive number, got {self.bucket_cap_mb!r}."
             )
+        if not isinstance(self.min_unit_mb, int | float) or self.min_unit_mb < 0:
+            raise ConfigError(
+                f"spmd.DataParallel: min_unit_mb must be a number >= 0, got {self.min_unit_mb!r}."
+            )
         if self.bucket_mode not in (None, "size", "module"):
             raise ConfigError(
                 f"spmd.DataParallel: bucket_mode must be 'size', 'module' or None, got {self.bucket_mode!r}."
@@ -155,18 +163,22 @@ class DataParallel(ParallelMode):
 
     def pass_options(self) -> dict[str, Any]:
         from passes.prefetch import default_unit_of
+        from passes.units import unit_from_meta
 
         mode = self.bucket_mode or ("module" if self.parallel_style == "fully_shard" else "size")
+        unit_of = unit_from_meta(default_unit_of)
         opts: dict[str, Any] = {
             "bucket_cap_mb": self.bucket_cap_mb,
             "bucket_mode": mode,
             "forward_prefetch": self.forward_prefetch,
             "backward_prefetch": self.backward_prefetch,
             "max_inflight_bytes": self.max_inflight_bytes,
-            "unit_of": default_unit_of,
+            "base_unit_of": default_unit_of,
+            "unit_of": unit_of,
+            "min_unit_bytes": int(self.min_unit_mb * 2**20),
         }
         if mode == "module":
-            opts["bucket_unit_of"] = default_unit_of
+            opts["bucket_unit_of"] = unit_of
         return opts
 
     # ------------------------------------------------------------------ state

@@ -41,7 +41,12 @@ _LOWERED: dict[tuple, torch.fx.GraphModule] = {}
 
 
 def _lower(style: str, **knobs) -> torch.fx.GraphModule:
-    """The final graph for these knobs (compiled once per module run; tests only read it)."""
+    """The final graph for these knobs (compiled once per module run; tests only read it).
+
+    Units are not merged unless a test asks (``min_unit_mb``): the block structure is
+    what most tests look at.
+    """
+    knobs.setdefault("min_unit_mb", 0)
     key = (style, tuple(sorted(knobs.items())))
     if key not in _LOWERED:
         _LOWERED[key] = _compile(style, **knobs)
@@ -154,3 +159,16 @@ def test_resharding_lowers_predicted_peak(fake_world) -> None:
     keep = estimate_peak_memory(_lower("fully_shard", reshard_after_forward=False)).peak_bytes
     replicate = estimate_peak_memory(_lower("replicate")).peak_bytes
     assert reshard < keep < replicate
+
+
+def test_tiny_units_merge_by_default(fake_world) -> None:
+    """With the default min_unit_mb (1 MiB) the whole tiny model is one unit: one gather per
+    phase and one reduce-scatter; with a threshold of about two blocks, blocks pair up."""
+    gm = _lower("fully_shard", min_unit_mb=1.0)
+    assert len(_by(gm, C.Kind.ALL_GATHER, Phase.FORWARD)) == 1
+    assert len(_by(gm, C.Kind.ALL_GATHER, Phase.BACKWARD)) == 1
+    assert len(_by(gm, C.Kind.REDUCE_SCATTER)) == 1
+    per_block = C.bytes_of(_by(_lower("fully_shard"), C.Kind.ALL_GATHER, Phase.FORWARD)[2])  # blocks.0
+    paired = _lower("fully_shard", min_unit_mb=1.5 * per_block / 2**20)
+    n = len(_by(paired, C.Kind.ALL_GATHER, Phase.FORWARD))
+    assert 2 < n < 7, n
