@@ -37,7 +37,7 @@ batch = 8 if args.smoke else 32  # sequences per rank per step
 lr = 3e-3  # AdamW learning rate (cosine-decayed to lr/10)
 eval_every = 2 if args.smoke else 100  # steps between validation losses
 eval_batches = 2 if args.smoke else 8  # batches per validation loss (per rank)
-data_chars = 2_000_000  # characters of stdlib source to read (90% train, 10% validation)
+data_chars = 200_000 if args.smoke else 2_000_000  # characters of stdlib source (90% train, 10% val)
 dump_dir = "spmd_dump"  # every graph stage, per rank, as readable Python
 ckpt_dir = "checkpoints/smoke" if args.smoke else "checkpoints"  # read by examples/sample.py --ckpt
 

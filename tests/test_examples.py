@@ -4,7 +4,7 @@ Each script runs as a subprocess in a temporary working directory (the examples 
 spmd_dump/ and checkpoints/ relative to it, so nothing lands in the repository), with
 OMP_NUM_THREADS=1 and a hard deadline that kills the whole process group (torchrun and
 its ranks). The asserts check the exit code and the lines a user would look for.
-About 30 s in all on an idle 2-core machine, most of it process start-up and tracing.
+37 s in all on 2 shared cores (load ~3), most of it process start-up and tracing.
 """
 
 from __future__ import annotations
