@@ -9,6 +9,7 @@ import logging
 from spmd.api import CompiledStep, Override, compile
 from spmd.errors import (
     CacheLimitError,
+    CollectiveError,
     ConfigError,
     DataDependentControlFlowError,
     InvalidArgumentsError,
@@ -28,6 +29,7 @@ logging.getLogger("spmd").addHandler(logging.NullHandler())
 
 __all__ = [
     "CacheLimitError",
+    "CollectiveError",
     "CompiledStep",
     "ConfigError",
     "DataDependentControlFlowError",

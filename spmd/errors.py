@@ -43,5 +43,9 @@ class RankDivergenceError(SpmdError):
     """Ranks compiled different collective sequences; running them would hang."""
 
 
+class CollectiveError(SpmdError):
+    """A collective failed or timed out while a compiled step ran: a peer rank died or diverged."""
+
+
 class PassError(SpmdError):
     """A graph pass failed or broke a graph invariant."""

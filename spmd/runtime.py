@@ -1,17 +1,43 @@
-"""Run a compiled graph on the real model, optimizer and batch."""
+"""Run a compiled graph on the real model, optimizer and batch.
+
+Two checks guard the run. Before it, the model's module structure must still be the
+one the graph was traced from: the cache key covers parameters, buffers, modes and
+the optimizer, but a parameter-free submodule swapped for another (``ReLU`` ->
+``GELU``) or a replaced ``forward`` leaves it unchanged, and running the old graph
+would silently compute the old model (:class:`ModelChangedError`). During it, a
+collective that fails or times out (a peer rank died, hung or diverged) surfaces
+from the backend as a bare ``RuntimeError`` deep in generated code; it is re-raised
+as :class:`CollectiveError` naming the collective and what to do.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+import traceback
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
+import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from passes import collectives as C
 from passes.meta import Role
 from spmd import tracing
+from spmd.errors import CollectiveError, ModelChangedError
 from spmd.parallel.sharding import local
+
+# Backend errors of a broken or timed-out collective, where the failing op is not
+# identifiable from the traceback (e.g. raised by a later op on a poisoned group).
+_BACKEND_FAILURE = re.compile(r"gloo|nccl|c10d|ProcessGroup|Connection (reset|closed)|timed out", re.I)
+
+
+def module_structure(module: nn.Module) -> tuple[tuple[str, type, Any], ...]:
+    """What the graph bakes in about the module tree beyond its state: each submodule's
+    path, its class and an instance-level ``forward`` override, if any."""
+    return tuple((name, type(m), m.__dict__.get("forward")) for name, m in module.named_modules())
 
 
 @dataclasses.dataclass
@@ -22,6 +48,9 @@ class Executable:
     slots: list[tracing.Slot]
     out_spec: pytree.TreeSpec
     out_constants: list[Any]
+    # The module structure the graph was traced from; recorded at the first run, which
+    # follows the trace with nothing in between.
+    structure: tuple[tuple[str, type, Any], ...] | None = None
 
     def inputs(self, step_args: tracing.StepArgs) -> list[torch.Tensor]:
         module, optimizer = step_args.module, step_args.optimizer
@@ -45,13 +74,88 @@ class Executable:
                 flat.append(tensors[int(slot.name.rsplit(".", 1)[1])])
         return flat
 
+    def check_structure(self, module: nn.Module) -> None:
+        """Raise :class:`ModelChangedError` if the module tree is not the traced one."""
+        now = module_structure(module)
+        if self.structure is None:
+            self.structure = now
+            return
+        if now == self.structure:
+            return
+        raise ModelChangedError(
+            f"spmd: the model changed after this step was compiled: {_first_change(self.structure, now)}. "
+            "The compiled graph would still compute the old model. spmd retraces by itself when "
+            "parameters, buffers, requires_grad, train/eval mode, optimizer param_groups or input "
+            "shapes change, but not when a submodule without parameters is swapped or a forward is "
+            "replaced: compile a new step (spmd.compile(...)(train_step)) after such a change, or make "
+            "the change before the first call."
+        )
+
     def run(self, step_args: tracing.StepArgs) -> Any:
+        self.check_structure(step_args.module)
         flat = [local(t) for t in self.inputs(step_args)]
-        with torch.no_grad():
-            outs = self.gm(*flat)
+        try:
+            with torch.no_grad():
+                outs = self.gm(*flat)
+        except RuntimeError as exc:
+            node = _failing_node(exc, self.gm)
+            is_comm = node is not None and (C.is_collective(node) or C.is_wait(node))
+            if not (is_comm or isinstance(exc, dist.DistError) or _BACKEND_FAILURE.search(str(exc))):
+                raise
+            raise CollectiveError(_collective_message(exc, self.gm, node if is_comm else None)) from exc
         it = iter(outs)
         leaves = [next(it) if c is None else c for c in self.out_constants]
         return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+def _first_change(old: tuple[tuple[str, type, Any], ...], new: tuple[tuple[str, type, Any], ...]) -> str:
+    before, after = {n: (t, f) for n, t, f in old}, {n: (t, f) for n, t, f in new}
+    for name in [n for n, _, _ in old] + [n for n, _, _ in new]:
+        where = f"module {name!r}" if name else "the root module"
+        if name not in after:
+            return f"{where} ({before[name][0].__name__}) was removed"
+        if name not in before:
+            return f"{where} ({after[name][0].__name__}) was added"
+        (t0, f0), (t1, f1) = before[name], after[name]
+        if t0 is not t1:
+            return f"{where} is now {t1.__name__} (was {t0.__name__})"
+        if f0 is not f1 and f0 != f1:
+            return f"{where} ({t1.__name__}) has a different forward"
+    return "the module tree was reordered"
+
+
+def _failing_node(exc: BaseException, gm: fx.GraphModule) -> fx.Node | None:
+    """The graph node whose line of generated code raised ``exc``, if any."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for fr in reversed(traceback.extract_tb(exc.__traceback__)):
+        if not fr.filename.startswith("<eval_with_key>"):
+            continue
+        m = re.match(r"\s*(\w+)\s*=", fr.line or "")
+        if m and m.group(1) in nodes:
+            return nodes[m.group(1)]
+    return None
+
+
+def _collective_message(exc: BaseException, gm: fx.GraphModule, node: fx.Node | None) -> str:
+    from passes.invariants import describe
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    what = "a collective"
+    if node is not None:
+        coll = C.collective_of(node) if C.is_wait(node) else node
+        order = C.collectives(gm.graph)
+        num = f" (collective #{order.index(coll)} of {len(order)})" if coll in order else ""
+        what = f"the collective {describe(coll)}{num}"
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (
+        f"spmd: rank {rank}: {what} failed or timed out while running the compiled step: "
+        f"{first_line}. A peer rank probably died (look for its error, or an exit by a signal such as "
+        "the out-of-memory killer) or diverged (skipped a step, or called a different compiled step "
+        "or a different number of steps). The model and optimizer state on this rank may be partly "
+        "updated: restart from the last checkpoint. If the peers are only slow (a long first compile, "
+        "a checkpoint, uneven work), raise the collective timeout: "
+        "torch.distributed.init_process_group(..., timeout=datetime.timedelta(seconds=...))."
+    )
 
 
 def make_executable(gm: fx.GraphModule, traced: tracing.TracedStep, state: tracing.LiftedState) -> Executable:

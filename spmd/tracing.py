@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import re
@@ -23,6 +24,7 @@ import sys
 import sysconfig
 import time
 import traceback
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -43,6 +45,7 @@ from spmd import optim as optim_utils
 from spmd.errors import (
     DataDependentControlFlowError,
     InvalidArgumentsError,
+    ModelChangedError,
     SpmdError,
     TraceError,
     UntraceableOpError,
@@ -110,6 +113,79 @@ def split_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs:
     return StepArgs(leaves, spec, modules[0], optims[0] if optims else None, tensor_positions)
 
 
+def _argument_names(fn: Callable[..., Any], step_args: StepArgs) -> list[str]:
+    """A readable name per leaf of the step's arguments: ``x``, ``batch[1]``, ``cfg['scale']``."""
+    args, kwargs = pytree.tree_unflatten(step_args.leaves, step_args.spec)
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    var = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), None)
+    names = []
+    for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        top, key, rest = path[0], path[1], pytree.keystr(path[2:])
+        if getattr(top, "idx", 0) == 1:
+            names.append(f"{getattr(key, 'key', key)}{rest}")
+            continue
+        i = getattr(key, "idx", 0)
+        if i < len(positional):
+            names.append(f"{positional[i]}{rest}")
+        elif var is not None:
+            names.append(f"{var}[{i - len(positional)}]{rest}")
+        else:
+            names.append(f"argument {i}{rest}")
+    return names
+
+
+def check_devices(fn: Callable[..., Any], step_args: StepArgs, state: LiftedState) -> None:
+    """Raise :class:`InvalidArgumentsError` if the step's tensors are not all on one device.
+
+    The device is the parameters'. Buffers, optimizer state and argument tensors must be
+    on it too; 0-d tensors may stay on the CPU (as torch allows, e.g. Adam's ``step``).
+    A mismatch would otherwise surface as a fake-tensor error deep inside the trace.
+    """
+    param_devices: dict[torch.device, list[str]] = defaultdict(list)
+    for n, p in state.params:
+        param_devices[p.device].append(n)
+    if len(param_devices) > 1:
+        where = "; ".join(f"{_few(names)} on {d}" for d, names in param_devices.items())
+        raise InvalidArgumentsError(
+            f"spmd.compile: the model's parameters are on different devices ({where}). spmd compiles one "
+            "device's step: move the whole model with model.to(device) before building the optimizer."
+        )
+    home = next(iter(param_devices), None)
+    if home is None:  # a model without parameters: the first argument tensor decides
+        home = next((t.device for t in step_args.tensors if t.dim() > 0), None)
+    if home is None:
+        return
+
+    def off(t: torch.Tensor) -> bool:
+        return t.device != home and not (t.dim() == 0 and t.device.type == "cpu")
+
+    stray = [f"buffer {n!r} on {b.device}" for n, b in state.buffers if off(b)]
+    stray += [f"optimizer state {n}.{k} on {t.device}" for n, k, t in state.optim_states if off(t)]
+    if any(off(t) for t in step_args.tensors):
+        names = _argument_names(fn, step_args)
+        for i in step_args.tensor_positions:
+            t = step_args.leaves[i]
+            if off(t):
+                desc = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+                stray.append(f"argument {names[i]} ({desc}) on {t.device}")
+    if stray:
+        raise InvalidArgumentsError(
+            f"spmd.compile: the train step's tensors are on different devices: the model's parameters "
+            f"are on {home}, but not {_few(stray, 4)}. Move the batch to the model's device before calling "
+            f"the step (x = x.to({str(home)!r})), or move the model (model.to(device)) before building "
+            "the optimizer and compiling."
+        )
+
+
+def _few(items: list[str], n: int = 3) -> str:
+    shown = ", ".join(items[:n])
+    return shown + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
 def _is_constant(x: Any) -> bool:
     return x is None or isinstance(x, bool | int | float | str | torch.dtype | torch.device)
 
@@ -161,6 +237,12 @@ def lr_tensor(lr: float | torch.Tensor) -> torch.Tensor:
     return torch.tensor(lr, dtype=torch.float64)
 
 
+# model -> {id(param): (weakref to it, its name)} for every parameter ever lifted from it
+_LIFTED_PARAMS: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[weakref.ref, str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def param_fqns(module: nn.Module) -> dict[int, str]:
     """id(parameter) -> its first fully qualified name (tied weights map to one name)."""
     return {id(p): n for n, p in module.named_parameters()}
@@ -174,14 +256,24 @@ def lift_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Li
     lr_groups: list[int] = []
     if optimizer is not None:
         fqns = param_fqns(module)
+        known = _LIFTED_PARAMS.get(module, {})
         for g in optimizer.param_groups:
             for p in g["params"]:
-                if id(p) not in fqns:
-                    raise InvalidArgumentsError(
-                        f"spmd.compile: the optimizer holds a parameter of shape {tuple(p.shape)} that is "
-                        "not a parameter of the model passed to the train step. Build the optimizer from "
-                        "model.parameters() of that same model."
+                if id(p) in fqns:
+                    continue
+                ref, old_name = known.get(id(p), (None, ""))
+                if ref is not None and ref() is p:
+                    raise ModelChangedError(
+                        f"spmd.compile: parameter {old_name!r} was removed from the model (or replaced by "
+                        "another tensor) after the step was compiled, but the optimizer still holds it. "
+                        "Rebuild the optimizer from model.parameters() after changing the model (or drop "
+                        "the old parameter from optimizer.param_groups)."
                     )
+                raise InvalidArgumentsError(
+                    f"spmd.compile: the optimizer holds a parameter of shape {tuple(p.shape)} that is "
+                    "not a parameter of the model passed to the train step. Build the optimizer from "
+                    "model.parameters() of that same model."
+                )
         for p in [p for g in optimizer.param_groups for p in g["params"]]:
             for k, v in optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
@@ -189,6 +281,9 @@ def lift_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Li
         lr_groups = [
             i for i, g in enumerate(optimizer.param_groups) if optim_utils.lr_is_liftable(optimizer, g)
         ]
+    # Remember what was lifted, so that a parameter later removed from the model but still
+    # held by the optimizer is reported as a model change rather than a foreign parameter.
+    _LIFTED_PARAMS.setdefault(module, {}).update((id(p), (weakref.ref(p), n)) for n, p in params)
     return LiftedState(params, buffers, optim_states, lr_groups)
 
 
@@ -449,6 +544,7 @@ def _trace_input(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
 def trace_step(fn: Callable[..., Any], step_args: StepArgs, state: LiftedState) -> TracedStep:
     """Trace ``fn`` over the lifted state and the argument tensors; see the module docstring."""
     module, optimizer = step_args.module, step_args.optimizer
+    check_devices(fn, step_args, state)
     state_slots = state.slots()
     n_params, n_buffers = len(state.params), len(state.buffers)
     n_states, n_lrs = len(state.optim_states), len(state.lr_groups)

@@ -1,7 +1,7 @@
 """``spmd.simulate``: compile a train step for any world size on one process, and report on it.
 
-    report = spmd.simulate(train_step, model, optim, x, y, world_size=1024)
-    print(report)                    # collectives, bytes per rank, predicted peak memory
+    >>> report = spmd.simulate(train_step, model, optim, x, y, world_size=1024)
+    >>> print(report)                # collectives, bytes per rank, predicted peak memory
 
 The step is lowered (traced, partitioned, passed; never run) under the fake
 process group, which answers every collective instantly, so the graph rank 0 would

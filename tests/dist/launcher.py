@@ -5,10 +5,15 @@ process group over loopback, calls ``fn(rank, world_size, *args)`` and returns t
 per-rank results. Any rank's exception is re-raised with its traceback; if the ranks
 do not finish within ``timeout`` seconds every process is killed and the test fails
 (a hang never blocks the suite).
+
+Fault tests pass ``pg_timeout`` (seconds, the process group's collective timeout) and
+``may_die`` (ranks allowed to exit without a result, e.g. one that SIGKILLs itself);
+such a rank's result is ``None``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -16,7 +21,7 @@ import pickle
 import queue
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 
@@ -26,7 +31,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, args: tuple[Any, ...]) -> None:
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    q: Any,
+    args: tuple[Any, ...],
+    pg_timeout: float = 60,
+) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -38,7 +51,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, arg
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=60),
+            timeout=datetime.timedelta(seconds=pg_timeout),
         )
         out = fn(rank, world, *args)
         # Pickle here: a result that cannot be pickled must fail loudly, not vanish in the
@@ -55,33 +68,52 @@ class RankFailure(AssertionError):
     pass
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 240) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout: float = 240,
+    pg_timeout: float = 60,
+    may_die: Collection[int] = (),
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, q, args)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, q, args, pg_timeout))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    reported: set[int] = set()
+
+    def take(item: tuple[int, str, Any]) -> None:
+        rank, status, payload = item
+        reported.add(rank)
+        if status == "ok":
+            results[rank] = pickle.loads(payload)
+        else:
+            errors.append(f"rank {rank}:\n{payload}")
+
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
     try:
-        while len(results) + len(errors) < world_size:
+        while len(reported) < world_size:
             left = (deadline - datetime.datetime.now()).total_seconds()
             if left <= 0:
                 raise RankFailure(f"ranks did not finish within {timeout} s (finished: {sorted(results)})")
             try:
-                rank, status, payload = q.get(timeout=min(left, 1.0))
+                take(q.get(timeout=min(left, 1.0)))
             except queue.Empty:
-                # A rank died without reporting (or another failed): stop once all have exited.
-                failed = errors or any(p.exitcode not in (None, 0) for p in procs)
-                if failed and all(p.exitcode is not None for p in procs):
+                # A rank died without reporting (or another failed): stop once all have exited,
+                # after collecting what the others sent just before exiting.
+                if all(p.exitcode is not None for p in procs):
+                    with contextlib.suppress(queue.Empty):
+                        while len(reported) < world_size:
+                            take(q.get(timeout=1.0))
                     break
                 continue
-            if status == "ok":
-                results[rank] = pickle.loads(payload)
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -90,7 +122,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
                 p.join()
     if errors:
         raise RankFailure("\n".join(errors))
-    if len(results) < world_size:
+    missing = [r for r in range(world_size) if r not in results and r not in may_die]
+    if missing:
         codes = [p.exitcode for p in procs]
-        raise RankFailure(f"ranks exited without a result (exit codes {codes})")
-    return [results[r] for r in range(world_size)]
+        raise RankFailure(f"ranks {missing} exited without a result (exit codes {codes})")
+    return [results.get(r) for r in range(world_size)]
