@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,7 +59,9 @@ warmup = 1 if args.quick else 3  # untimed steps after each variant's first call
 timeout = args.timeout or (300 if args.quick else 900)
 
 
-def torchrun(model: str, variants: list[str], log_path: str) -> tuple[list[dict[str, Any]] | None, str]:
+def torchrun(
+    model: str, variants: list[str], log_path: str, limit: int = timeout
+) -> tuple[list[dict[str, Any]] | None, str]:
     """Run one worker job; return (its records or None, the tail of its stderr)."""
     fd, out = tempfile.mkstemp(suffix=".json", prefix=f"bench_{model}_")
     os.close(fd)
@@ -83,10 +86,12 @@ def torchrun(model: str, variants: list[str], log_path: str) -> tuple[list[dict[
     with open(log_path, "a") as log:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
+        job = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=log)
         try:
-            subprocess.run(cmd, cwd=ROOT, env=env, stderr=log, timeout=timeout, check=False)
+            job.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            log.write(f"\nbench: timed out after {timeout} s\n")
+            stop(job)
+            log.write(f"\nbench: timed out after {limit} s\n")
     with open(log_path) as f:
         tail = f.read()[-20000:]
     if not os.path.exists(out):
@@ -95,6 +100,44 @@ def torchrun(model: str, variants: list[str], log_path: str) -> tuple[list[dict[
         records = json.load(f)
     os.unlink(out)
     return records, tail
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes started by ``pid``, transitively (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def stop(job: subprocess.Popen) -> None:
+    """End a timed-out torchrun and its ranks: SIGTERM (torchrun stops its workers), then SIGKILL.
+
+    Ranks left behind by a killed torchrun hang on its store forever, burning a core.
+    """
+    ranks = _descendants(job.pid)
+    job.terminate()
+    try:
+        job.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.wait()
+    for pid in ranks:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def last_error(stderr: str) -> str:
@@ -114,7 +157,7 @@ def run_model(model: str, variants: list[str], log_path: str) -> list[dict[str, 
     print(f"   the {model} job failed ({last_error(tail)}); running each variant alone", flush=True)
     out = []
     for v in variants:
-        recs, tail = torchrun(model, [v], log_path)
+        recs, tail = torchrun(model, [v], log_path, limit=max(timeout // 2, 60))
         if recs:
             out.extend(recs)
         else:
