@@ -18,38 +18,10 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
-from passes.graph_utils import storage_of, written_storages
+from passes.graph_utils import PASS_THROUGH_OPS, storage_of, written_storages
 from passes.meta import MODULE, PHASE, ROLE, Role, module_of
 
 _aten = torch.ops.aten
-
-# Ops that only reshape, view or copy their single tensor input: a member's wait may
-# feed a chain of these (the partitioner's narrow/view of a gathered parameter) before
-# the last member of the bucket; the chain moves after the bucket's wait unchanged.
-_RESHAPES = {
-    operator.getitem,
-    _aten.view.default,
-    _aten._unsafe_view.default,
-    _aten.reshape.default,
-    _aten.narrow.default,
-    _aten.slice.Tensor,
-    _aten.select.int,
-    _aten.alias.default,
-    _aten.detach.default,
-    _aten.t.default,
-    _aten.permute.default,
-    _aten.transpose.int,
-    _aten.expand.default,
-    _aten.squeeze.default,
-    _aten.squeeze.dim,
-    _aten.squeeze.dims,
-    _aten.unsqueeze.default,
-    _aten.as_strided.default,
-    _aten.split.Tensor,
-    _aten.split_with_sizes.default,
-    _aten.clone.default,
-    _aten._to_copy.default,
-}
 
 _BUCKETABLE = (C.Kind.ALL_REDUCE, C.Kind.ALL_GATHER, C.Kind.REDUCE_SCATTER)
 MODES = ("size", "module")
@@ -116,7 +88,7 @@ def bucket_collectives(
     same peers as before. A member joins only if (a) nothing writes its input's storage
     between it and the bucket's position (the bucket reads inputs later than the member
     did), and (b) nothing reads its result before the bucket's position, except a chain of
-    view/reshape/copy ops of that result alone (:data:`_RESHAPES`), which moves after the
+    view/reshape/copy ops of that result alone (:data:`PASS_THROUGH_OPS`), which moves after the
     bucket's wait; this also rules out members that depend on each other. Bit-for-bit
     caveat: the reduction backend may sum a long buffer in chunks; where it sums different
     chunks in a different rank order (ring algorithms at more than two ranks), an element's
@@ -238,7 +210,7 @@ def _moved_chains(members: list[fx.Node], last: fx.Node, order: dict[fx.Node, in
                 if order[user] > limit or user in chain:
                     continue
                 inputs_ok = all(i in chain for i in user.all_input_nodes)
-                if user.op != "call_function" or user.target not in _RESHAPES or not inputs_ok:
+                if user.op != "call_function" or user.target not in PASS_THROUGH_OPS or not inputs_ok:
                     return None
                 chain.add(user)
                 stack.append(user)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -60,3 +62,35 @@ def storage_of(node: fx.Node) -> StorageWeakRef | None:
 def written_storages(node: fx.Node) -> set[StorageWeakRef]:
     """The storages ``node`` writes in place (through any view of them)."""
     return {s for s in map(storage_of, mutated_nodes(node)) if s is not None}
+
+
+_aten = torch.ops.aten
+
+# Ops that only reshape, view or copy their single tensor input. A chain of them that reads
+# a collective's result (a bucket's unpacking, the un-padding slice of a shard, autograd's
+# detach of a gradient) can move together with that result's wait: bucketing moves such
+# chains after a bucket's wait, and sink_waits moves them with the wait they hang from.
+PASS_THROUGH_OPS = {
+    operator.getitem,
+    _aten.view.default,
+    _aten._unsafe_view.default,
+    _aten.reshape.default,
+    _aten.narrow.default,
+    _aten.slice.Tensor,
+    _aten.select.int,
+    _aten.alias.default,
+    _aten.detach.default,
+    _aten.t.default,
+    _aten.permute.default,
+    _aten.transpose.int,
+    _aten.expand.default,
+    _aten.squeeze.default,
+    _aten.squeeze.dim,
+    _aten.squeeze.dims,
+    _aten.unsqueeze.default,
+    _aten.as_strided.default,
+    _aten.split.Tensor,
+    _aten.split_with_sizes.default,
+    _aten.clone.default,
+    _aten._to_copy.default,
+}

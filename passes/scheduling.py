@@ -22,35 +22,13 @@ sequence every rank issues is unchanged.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes.graph_utils import PASS_THROUGH_OPS
 
 _aten = torch.ops.aten
-
-
-# Ops that only reinterpret or copy their one tensor input: the unpacking of a bucket,
-# the un-padding slice of a shard, autograd's detach of a gradient. They move with the
-# wait, so that "first use" means the first op that computes with the result.
-_PASS_THROUGH = {
-    operator.getitem,
-    _aten.view.default,
-    _aten._unsafe_view.default,
-    _aten.reshape.default,
-    _aten.slice.Tensor,
-    _aten.narrow.default,
-    _aten.detach.default,
-    _aten.alias.default,
-    _aten.clone.default,
-    _aten.split.Tensor,
-    _aten.split_with_sizes.default,
-    _aten.t.default,
-    _aten.permute.default,
-    _aten.transpose.int,
-}
 
 
 def _pass_through_chain(wait: fx.Node) -> list[fx.Node]:
@@ -60,7 +38,7 @@ def _pass_through_chain(wait: fx.Node) -> list[fx.Node]:
     stack = [wait]
     while stack:
         for u in stack.pop().users:
-            if u in members or u.op != "call_function" or u.target not in _PASS_THROUGH:
+            if u in members or u.op != "call_function" or u.target not in PASS_THROUGH_OPS:
                 continue
             if not all(i in members for i in u.all_input_nodes):
                 continue
