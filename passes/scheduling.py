@@ -22,13 +22,10 @@ sequence every rank issues is unchanged.
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from passes import collectives as C
 from passes.graph_utils import PASS_THROUGH_OPS
-
-_aten = torch.ops.aten
 
 
 def _pass_through_chain(wait: fx.Node) -> list[fx.Node]:
