@@ -147,15 +147,27 @@ def _collective_message(exc: BaseException, gm: fx.GraphModule, node: fx.Node | 
         num = f" (collective #{order.index(coll)} of {len(order)})" if coll in order else ""
         what = f"the collective {describe(coll)}{num}"
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    now = _pg_timeout_s()
+    current = f" (now {now:g} s)" if now is not None else ""
     return (
         f"spmd: rank {rank}: {what} failed or timed out while running the compiled step: "
         f"{first_line}. A peer rank probably died (look for its error, or an exit by a signal such as "
         "the out-of-memory killer) or diverged (skipped a step, or called a different compiled step "
         "or a different number of steps). The model and optimizer state on this rank may be partly "
         "updated: restart from the last checkpoint. If the peers are only slow (a long first compile, "
-        "a checkpoint, uneven work), raise the collective timeout: "
+        f"a checkpoint, uneven work), raise the collective timeout{current}: "
         "torch.distributed.init_process_group(..., timeout=datetime.timedelta(seconds=...))."
     )
+
+
+def _pg_timeout_s() -> float | None:
+    """The default process group's collective timeout, when the backend exposes it."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        device = dist.distributed_c10d._get_pg_default_device(pg)
+        return pg._get_backend(device).options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001 - private API: the message just leaves the value out
+        return None
 
 
 def make_executable(gm: fx.GraphModule, traced: tracing.TracedStep, state: tracing.LiftedState) -> Executable:
