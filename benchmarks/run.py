@@ -292,7 +292,10 @@ def overlap_table(rec: dict[str, Any]) -> str:
                 _mib(pr["peak_mem_bytes"]),
             )
         )
-    return "predicted by the cost model of benchmarks/overlap.py (spmd_fully_shard):\n" + markdown(head, rows)
+    text = "predicted by the cost model of benchmarks/overlap.py (spmd_fully_shard):\n" + markdown(head, rows)
+    for failure in ov.get("inductor", {}).get("failed_first", []):
+        text += f"\n(inductor first failed with {failure})"
+    return text
 
 
 def targets(model: str, records: list[dict[str, Any]]) -> list[str]:
