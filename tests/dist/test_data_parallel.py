@@ -24,6 +24,7 @@ ROTATION = {
 }
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "style,reshard,combos",
     [
@@ -36,7 +37,7 @@ ROTATION = {
 def test_bitwise_parity_with_ddp(style: str, reshard: bool, combos: list[tuple[str, str]]) -> None:
     """Every step's local loss, the final (gathered) parameters and an eval step's output equal
     DDP's bit for bit, with different data on each rank."""
-    results = run_ranks(workers.parity, 2, style, reshard, combos, timeout=400)
+    results = run_ranks(workers.parity, 2, style, reshard, combos, timeout=540)
     problems = [p for r in results for p in r]
     assert not problems, "\n".join(problems)
 
