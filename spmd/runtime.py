@@ -164,10 +164,11 @@ def _pg_timeout_s() -> float | None:
     """The default process group's collective timeout, when the backend exposes it."""
     try:
         pg = dist.distributed_c10d._get_default_group()
-        device = dist.distributed_c10d._get_pg_default_device(pg)
-        return pg._get_backend(device).options._timeout.total_seconds()
+        for device in pg._device_types:
+            return pg._get_backend(device).options._timeout.total_seconds()
     except Exception:  # noqa: BLE001 - private API: the message just leaves the value out
-        return None
+        pass
+    return None
 
 
 def make_executable(gm: fx.GraphModule, traced: tracing.TracedStep, state: tracing.LiftedState) -> Executable:
