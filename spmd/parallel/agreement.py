@@ -12,11 +12,10 @@ rank that never gets here produces a timeout error, not a hang.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
-import itertools
 import logging
 import pickle
+import time
 
 import torch.distributed as dist
 import torch.fx as fx
@@ -27,11 +26,17 @@ from spmd.errors import RankDivergenceError
 
 log = logging.getLogger("spmd")
 
-_ROUND = itertools.count()
-
 
 def check_rank_agreement(gm: fx.GraphModule, *, step_name: str, timeout_s: float = 30.0) -> None:
-    """Raise :class:`RankDivergenceError` unless all ranks compiled the same collective sequence."""
+    """Raise :class:`RankDivergenceError` unless all ranks compiled the same collective sequence.
+
+    Agreement is keyed by the fingerprint, not by how many graphs a rank compiled: a rank
+    that retraces alone (its last batch is smaller) but issues the same collectives finds
+    the others' matching fingerprints already published and goes on at once. Each
+    publication also takes a number from a store counter; a rank still waiting that sees
+    another rank publish a *different* sequence after its own declares divergence, and
+    posts it so that every waiting rank raises the same error within a poll interval.
+    """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     if dist.get_backend() == "fake":
@@ -39,40 +44,52 @@ def check_rank_agreement(gm: fx.GraphModule, *, step_name: str, timeout_s: float
     rank, world = dist.get_rank(), dist.get_world_size()
     fp = fingerprint(gm)
     where = [describe(c) for c in C.collectives(gm.graph)]
-    digest = hashlib.sha256(repr(fp).encode()).hexdigest()
+    digest = hashlib.sha256(repr(fp).encode()).hexdigest()[:32]
     store = dist.distributed_c10d._get_default_store()
-    # Every rank compiles its graphs in the same order, so the n-th compile of a step
-    # name is the same compile everywhere; a rank that compiles an extra graph times out.
-    prefix = f"spmd/agree/{step_name}/{next(_ROUND)}"
-    store.set(f"{prefix}/{rank}", pickle.dumps((digest, fp, where)))  # type: ignore[arg-type]
-    keys = [f"{prefix}/{r}" for r in range(world)]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except Exception as exc:  # noqa: BLE001 - store timeouts surface as several types
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        raise RankDivergenceError(
-            f"spmd: rank {rank} compiled {step_name!r} but rank(s) {missing} did not reach the same "
-            f"compilation within {timeout_s:.0f} s. The ranks are running different code paths (or one "
-            "crashed); running the step would hang. Make every rank call the same compiled steps with "
-            "the same model and argument structure."
-        ) from exc
-    theirs = {r: pickle.loads(store.get(k)) for r, k in enumerate(keys)}
-    ref_digest, ref_fp, ref_where = theirs[0]
-    bad = sorted(r for r, (d, _, _) in theirs.items() if d != ref_digest)
-    if not bad:
-        log.debug("spmd: %d ranks agree on %d collectives of %s", world, len(fp), step_name)
-        return
-    other = bad[0]
-    _, o_fp, o_where = theirs[other]
-    i = next((i for i, (a, b) in enumerate(zip(ref_fp, o_fp)) if a != b), min(len(ref_fp), len(o_fp)))
+    prefix = f"spmd/agree/{step_name}"
+    seq = store.add(f"{prefix}/clock", 1)
+    store.set(f"{prefix}/fp/{digest}/{rank}", "1")
+    store.set(f"{prefix}/latest/{rank}", pickle.dumps((seq, digest, fp, where)))  # type: ignore[arg-type]
+    mine = [f"{prefix}/fp/{digest}/{r}" for r in range(world)]
+    abort = f"{prefix}/abort"
+    deadline = time.monotonic() + timeout_s
+    while not store.check(mine):
+        if store.check([abort]):
+            raise RankDivergenceError(store.get(abort).decode())
+        for r in range(world):
+            key = f"{prefix}/latest/{r}"
+            if r == rank or not store.check([key]):
+                continue
+            their_seq, their_digest, their_fp, their_where = pickle.loads(store.get(key))
+            if their_digest != digest and their_seq > seq:
+                msg = _divergence_message(step_name, (rank, fp, where), (r, their_fp, their_where))
+                store.set(abort, msg)
+                raise RankDivergenceError(msg)
+        if time.monotonic() > deadline:
+            missing = [r for r, k in enumerate(mine) if not store.check([k])]
+            raise RankDivergenceError(
+                f"spmd: rank {rank} compiled {step_name!r} but rank(s) {missing} did not compile the same "
+                f"collective sequence within {timeout_s:.0f} s. The ranks are running different code paths "
+                "(or one crashed); running the step would hang. Make every rank call the same compiled "
+                "steps with the same model and argument structure."
+            )
+        time.sleep(0.1)
+    log.debug("spmd: %d ranks agree on %d collectives of %s", world, len(fp), step_name)
 
-    def show(entries: list, where: list[str], i: int) -> str:
+
+def _divergence_message(
+    step_name: str, a: tuple[int, list, list[str]], b: tuple[int, list, list[str]]
+) -> str:
+    (ra, fa, wa), (rb, fb, wb) = sorted([a, b], key=lambda x: x[0])
+    i = next((i for i, (x, y) in enumerate(zip(fa, fb)) if x != y), min(len(fa), len(fb)))
+
+    def show(entries: list, where: list[str]) -> str:
         return where[i] if i < len(entries) else "(no collective: its sequence ended)"
 
-    raise RankDivergenceError(
+    return (
         f"spmd: ranks compiled different collective sequences for {step_name!r} "
-        f"({len(ref_fp)} collectives on rank 0, {len(o_fp)} on rank {other}). First difference at "
-        f"collective #{i}: rank 0 issues {show(ref_fp, ref_where, i)}; rank {other} issues "
-        f"{show(o_fp, o_where, i)}. Running this step would hang or mix up buffers. Check that every "
-        "rank builds the same model (same layers, shapes, dtypes) and takes the same code path in the step."
+        f"({len(fa)} collectives on rank {ra}, {len(fb)} on rank {rb}). First difference at "
+        f"collective #{i}: rank {ra} issues {show(fa, wa)}; rank {rb} issues {show(fb, wb)}. Running this "
+        "step would hang or mix up buffers. Check that every rank builds the same model (same layers, "
+        "shapes, dtypes) and takes the same code path in the step."
     )

@@ -7,10 +7,8 @@ fused Adam/AdamW, whose math is identical). Each test spawns its ranks once.
 
 from __future__ import annotations
 
-import pytest
-
 from tests.dist import workers_reliability as w
-from tests.dist.launcher import RankFailure, run_ranks
+from tests.dist.launcher import run_ranks
 
 
 def _ok(results: list[list[str]]) -> None:
@@ -29,14 +27,6 @@ def test_uneven_local_batches_match_ddp() -> None:
     _ok(run_ranks(w.uneven, 2, [4, 3], combos, timeout=200))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RankFailure,  # a wrong result instead (plain AssertionError) fails the test
-    reason="A retrace on one rank only (its last batch is smaller) waits in the compile-time "
-    "agreement check for a compile the other rank never does: RankDivergenceError there (within "
-    "the check's 30 s), a CollectiveError on the other. spmd/parallel/agreement.py keys rounds by compile "
-    "count; keying them by the collective fingerprint would let equal sequences agree.",
-)
 def test_last_batch_smaller_on_one_rank_matches_ddp() -> None:
     """The end of an epoch: three batches of 4 everywhere, then 3 samples on rank 1 only, so
     rank 1 traces a new graph (same collectives) while rank 0 reuses its own."""

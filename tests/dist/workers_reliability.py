@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
 from tests import models as shared
-from tests.random_models import RandomMLP
 from tests.dist.workers import train_step
+from tests.random_models import RandomMLP
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
