@@ -15,10 +15,10 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import spmd  # noqa: E402
+from spmd import models as spmd_models  # noqa: E402
 from tests.models import TinyGPT  # noqa: E402  (token+pos embedding, pre-LN blocks, SDPA, tied head)
 
 # ----------------------------------------------------------------------------- settings
@@ -55,14 +55,7 @@ optim = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=T
 n_params = sum(p.numel() for p in model.parameters())
 
 
-@spmd.compile()
-def train_step(model, optim, idx, targets):
-    logits = model(idx)
-    loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+train_step = spmd.compile()(spmd_models.train_step)  # next-token loss, backward, optimizer step
 
 
 def batch():
