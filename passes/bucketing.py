@@ -3,7 +3,7 @@
 One collective per parameter pays the per-call latency hundreds of times a step;
 DDP and FSDP send buckets instead. This pass does the same on the graph: a run of
 collectives that are adjacent in the collective order and agree on kind, group,
-group size, reduce op, dtype and phase becomes one collective on their
+group size, reduce op, dtype, phase and micro-batch becomes one collective on their
 concatenation, and each member's result is cut back out of it.
 """
 
@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from passes import collectives as C
 from passes.graph_utils import PASS_THROUGH_OPS, storage_of, written_storages
-from passes.meta import MODULE, PHASE, ROLE, Role, module_of
+from passes.meta import MICROBATCH, MODULE, PHASE, ROLE, Role, module_of
 
 _aten = torch.ops.aten
 
@@ -65,7 +65,7 @@ def bucket_collectives(
 
     Which collectives: non-coalesced all-reduce, all-gather (input of at least one dim) and
     reduce-scatter (input dim 0 divisible by the group size) with values in meta. A run is
-    cut where the next collective differs in kind, group, group size, reduce op, dtype, phase
+    cut where the next collective differs in kind, group, group size, reduce op, dtype, phase, micro-batch
     (or unit), is not bucketable, would pass the cap, or cannot legally join (below).
 
     The rewrite, with ``W`` the group size (this layout keeps every element's value exact):
@@ -153,6 +153,7 @@ def _key(coll: fx.Node, unit: Callable[[fx.Node], str] | None) -> tuple | None:
         C.reduce_op_of(coll),
         x.dtype,
         coll.meta.get(PHASE),
+        coll.meta.get(MICROBATCH, 0),
         unit(coll) if unit is not None else None,
     )
 
@@ -273,7 +274,12 @@ def _rewrite(graph: fx.Graph, bucket: _Bucket) -> None:
     members, last = bucket.members, bucket.members[-1]
     ins = [C.inputs_of(m)[0] for m in members]
     waits = [C.wait_of(m) for m in members]
-    meta = {ROLE: Role.COMM, PHASE: last.meta.get(PHASE), MODULE: _common_module(members)}
+    meta = {
+        ROLE: Role.COMM,
+        PHASE: last.meta.get(PHASE),
+        MODULE: _common_module(members),
+        MICROBATCH: last.meta.get(MICROBATCH, 0),
+    }
     with graph.inserting_before(last):
         wait = _pack_and_send(graph, last, ins, meta)
     if bucket.wait_before is not None:

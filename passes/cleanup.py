@@ -6,6 +6,7 @@ import torch
 import torch.fx as fx
 
 from passes.graph_utils import is_mutated
+from passes.meta import GRAD_OF, ROLE, Role
 from passes.ops import TAG_GRAD
 
 
@@ -23,15 +24,29 @@ def strip_grad_tags(gm: fx.GraphModule) -> fx.GraphModule:
     if not tags:
         return gm
     for n in tags:
-        if is_mutated(n):
-            n.target = torch.ops.aten.clone.default
-            n.args = (n.args[0],)
-            continue
-        src = n.args[0]
-        for k in (k for k in n.meta if k.startswith("spmd_")):
-            src.meta[k] = n.meta[k]
-        n.replace_all_uses_with(src)
-        gm.graph.erase_node(n)
+        strip_grad_tag(gm.graph, n, keep_meta=True)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def strip_grad_tag(graph: fx.Graph, n: fx.Node, *, keep_meta: bool = False) -> None:
+    """Replace one tag by its input, or by a clone of it where the tag is written in place.
+
+    ``keep_meta`` moves the tag's ``spmd_*`` metadata (its gradient role) to the node
+    that takes its place.
+    """
+    if is_mutated(n):
+        n.target = torch.ops.aten.clone.default
+        n.args = (n.args[0],)
+        if not keep_meta:
+            n.meta.pop(GRAD_OF, None)
+            n.meta[ROLE] = Role.ACTIVATION
+        return
+    src = n.args[0]
+    assert isinstance(src, fx.Node)
+    if keep_meta:
+        for k in (k for k in n.meta if k.startswith("spmd_")):
+            src.meta[k] = n.meta[k]
+    n.replace_all_uses_with(src)
+    graph.erase_node(n)

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from passes import collectives as C
 from passes.graph_utils import storage_of, written_storages
-from passes.meta import PHASE
+from passes.meta import MICROBATCH, PHASE
 
 
 def dedup_collectives(gm: fx.GraphModule) -> fx.GraphModule:
@@ -36,7 +36,9 @@ def dedup_collectives(gm: fx.GraphModule) -> fx.GraphModule:
 
     Phase is part of the identity on purpose: with ``reshard_after_forward`` the
     partitioner gathers a parameter in forward and again in backward; merging them
-    would keep the full parameter alive across the step (SHARD_GRAD_OP memory).
+    would keep the full parameter alive across the step (SHARD_GRAD_OP memory). The
+    micro-batch is part of it for the same reason: a step that accumulates gradients
+    gathers each parameter again for every micro-batch.
 
     Where: right after the partitioner, before bucketing (a bucket holding the same
     tensor twice sends it twice). No-op (the same ``gm``, untouched) when no two
@@ -75,7 +77,13 @@ def _freeze(arg: Any) -> Any:
 
 
 def _identity(coll: fx.Node) -> tuple:
-    return (coll.target, _freeze(coll.args), _freeze(coll.kwargs), coll.meta.get(PHASE))
+    return (
+        coll.target,
+        _freeze(coll.args),
+        _freeze(coll.kwargs),
+        coll.meta.get(PHASE),
+        coll.meta.get(MICROBATCH),
+    )
 
 
 def _outputs(coll: fx.Node) -> list[tuple[fx.Node | None, fx.Node]]:

@@ -13,8 +13,8 @@ matters):
   (ops that return nothing, such as ``_foreach_add_``, are exempt); for
   collectives and waits the value agrees with the op (an all-gather's output is
   ``group_size`` times its input on dim 0, a wait returns what it waits on).
-- ``role-phase``: those nodes carry ``passes.meta`` ROLE and PHASE with a
-  :class:`~passes.meta.Role` / :class:`~passes.meta.Phase` value.
+- ``role-phase``: those nodes carry ``passes.meta`` ROLE, PHASE and MICROBATCH with a
+  :class:`~passes.meta.Role`, a :class:`~passes.meta.Phase` and an int >= 0.
 - ``lint``: ``graph.lint()`` passes.
 
 ``fingerprint(gm)`` is the sequence of collectives as every rank will issue them;
@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
-from passes.meta import PHASE, ROLE, Phase, Role, module_of
+from passes.meta import MICROBATCH, PHASE, ROLE, Phase, Role, module_of
 
 # How many violations one error message lists before it summarises the rest.
 _MAX_LISTED = 20
@@ -125,6 +125,11 @@ def _check_meta(node: fx.Node) -> list[Violation]:
             Violation(
                 "role-phase", node.name, f"{describe(node)} has PHASE {phase!r}, not a passes.meta.Phase"
             )
+        )
+    micro = node.meta.get(MICROBATCH)
+    if not isinstance(micro, int) or micro < 0:
+        out.append(
+            Violation("role-phase", node.name, f"{describe(node)} has MICROBATCH {micro!r}, not an int >= 0")
         )
     return out
 

@@ -20,6 +20,10 @@ MODULE = "spmd_module"
 STATE_NAME = "spmd_state_name"
 # On a gradient node: the fully qualified name of the parameter it is the gradient of.
 GRAD_OF = "spmd_grad_of"
+# Which forward/backward pass of the step a node belongs to: 0, 1, ... for a step that
+# accumulates gradients over micro-batches (one ``backward`` each), 0 otherwise. Optimizer
+# nodes carry the number of backward calls.
+MICROBATCH = "spmd_microbatch"
 
 
 class Role(str, enum.Enum):
@@ -57,10 +61,11 @@ def module_of(node: fx.Node) -> str:
     return node.meta.get(MODULE, "")
 
 
-def set_meta(node: fx.Node, *, role: Role, phase: Phase, module: str = "") -> None:
+def set_meta(node: fx.Node, *, role: Role, phase: Phase, module: str = "", microbatch: int = 0) -> None:
     node.meta[ROLE] = role
     node.meta[PHASE] = phase
     node.meta[MODULE] = module
+    node.meta[MICROBATCH] = microbatch
 
 
 def copy_meta(dst: fx.Node, src: fx.Node, *, role: Role | None = None) -> None:
@@ -68,3 +73,4 @@ def copy_meta(dst: fx.Node, src: fx.Node, *, role: Role | None = None) -> None:
     dst.meta[ROLE] = role if role is not None else src.meta.get(ROLE, Role.ACTIVATION)
     dst.meta[PHASE] = src.meta.get(PHASE, Phase.FORWARD)
     dst.meta[MODULE] = src.meta.get(MODULE, "")
+    dst.meta[MICROBATCH] = src.meta.get(MICROBATCH, 0)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch.fx as fx
 
 from passes import collectives as C
-from passes.meta import PHASE, Phase, module_of
+from passes.meta import MICROBATCH, PHASE, Phase, module_of
 
 
 def default_unit_of(node: fx.Node) -> str:
@@ -84,52 +84,61 @@ def prefetch_all_gathers(
     gathers = [c for c in C.collectives(graph) if C.kind_of(c) is C.Kind.ALL_GATHER]
     if not gathers:
         return gm
-    order = {n: i for i, n in enumerate(graph.nodes)}
     changed = False
-    for phase, depth in ((Phase.FORWARD, forward_prefetch), (Phase.BACKWARD, backward_prefetch)):
-        in_phase = [c for c in gathers if c.meta.get(PHASE) is phase]
-        if not in_phase:
-            continue
-        # Units in order of first use.
-        units: dict[str, list[fx.Node]] = {}
-        for c in sorted(in_phase, key=lambda c: _first_use(c, order)):
-            units.setdefault(unit_of(c), []).append(c)
-        unit_list = list(units.values())
-        # The phase starts at its first node that stays put: skipping the input chains too keeps
-        # the units issued at the start in order (else unit 1 lands before unit 0's pad).
-        movable = set(in_phase) | {n for c in in_phase for n in _input_chain(c) or []}
-        phase_start = next(
-            n
-            for n in graph.nodes
-            if n.op != "placeholder" and n.meta.get(PHASE) is phase and n not in movable
-        )
-        for i, members in enumerate(unit_list):
-            if i - depth >= 0 and depth > 0:
-                prev = unit_list[i - depth]
-                anchor_wait = min((w for c in prev for w in C.waits_of(c)), key=order.__getitem__)
-                anchor = anchor_wait.next
-            elif depth > 0:
-                anchor = phase_start
-            else:
-                anchor = min((w for c in members for w in C.waits_of(c)), key=order.__getitem__)
-            # The unit's own nodes may already sit at the anchor: insert after them instead.
-            own = {n for c in members for n in [c, *(_input_chain(c) or [])]}
-            while anchor in own:
-                anchor = anchor.next
-            for c in members:
-                chain = _input_chain(c)
-                if (
-                    chain is None
-                    or order[c] <= order[anchor]
-                    and all(order[n] <= order[anchor] for n in chain)
-                ):
-                    continue
-                for n in [*chain, c]:
-                    anchor.prepend(n)
-                changed = True
-            order = {n: i for i, n in enumerate(graph.nodes)}
+    segments = sorted({c.meta.get(MICROBATCH, 0) for c in gathers})
+    for micro in segments:
+        for phase, depth in ((Phase.FORWARD, forward_prefetch), (Phase.BACKWARD, backward_prefetch)):
+            changed |= _prefetch_segment(graph, gathers, phase, micro, depth, unit_of)
     if not changed:
         return gm
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _prefetch_segment(
+    graph: fx.Graph,
+    gathers: list[fx.Node],
+    phase: Phase,
+    micro: int,
+    depth: int,
+    unit_of: Callable[[fx.Node], str],
+) -> bool:
+    """Prefetch the gathers of one phase of one micro-batch; whether anything moved."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    changed = False
+    in_segment = lambda n: n.meta.get(PHASE) is phase and n.meta.get(MICROBATCH, 0) == micro  # noqa: E731
+    in_phase = [c for c in gathers if in_segment(c)]
+    if not in_phase:
+        return False
+    # Units in order of first use.
+    units: dict[str, list[fx.Node]] = {}
+    for c in sorted(in_phase, key=lambda c: _first_use(c, order)):
+        units.setdefault(unit_of(c), []).append(c)
+    unit_list = list(units.values())
+    # The phase starts at its first node that stays put: skipping the input chains too keeps
+    # the units issued at the start in order (else unit 1 lands before unit 0's pad).
+    movable = set(in_phase) | {n for c in in_phase for n in _input_chain(c) or []}
+    phase_start = next(n for n in graph.nodes if n.op != "placeholder" and in_segment(n) and n not in movable)
+    for i, members in enumerate(unit_list):
+        if i - depth >= 0 and depth > 0:
+            prev = unit_list[i - depth]
+            anchor_wait = min((w for c in prev for w in C.waits_of(c)), key=order.__getitem__)
+            anchor = anchor_wait.next
+        elif depth > 0:
+            anchor = phase_start
+        else:
+            anchor = min((w for c in members for w in C.waits_of(c)), key=order.__getitem__)
+        # The unit's own nodes may already sit at the anchor: insert after them instead.
+        own = {n for c in members for n in [c, *(_input_chain(c) or [])]}
+        while anchor in own:
+            anchor = anchor.next
+        for c in members:
+            chain = _input_chain(c)
+            if chain is None or order[c] <= order[anchor] and all(order[n] <= order[anchor] for n in chain):
+                continue
+            for n in [*chain, c]:
+                anchor.prepend(n)
+            changed = True
+        order = {n: i for i, n in enumerate(graph.nodes)}
+    return changed

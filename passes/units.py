@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch.fx as fx
 
 from passes import collectives as C
-from passes.meta import PHASE
+from passes.meta import MICROBATCH, PHASE
 
 UNIT = "spmd_unit"
 
@@ -54,7 +54,7 @@ def assign_units(
 
     streams: dict[tuple, list[fx.Node]] = {}
     for c in colls:
-        streams.setdefault((C.kind_of(c), c.meta.get(PHASE)), []).append(c)
+        streams.setdefault((C.kind_of(c), c.meta.get(PHASE), c.meta.get(MICROBATCH, 0)), []).append(c)
     for members in streams.values():
         # Blocks in the order the step needs them, with their sizes.
         blocks: dict[str, list[fx.Node]] = {}

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from passes.meta import MODULE, PHASE, ROLE
+from passes.meta import MICROBATCH, MODULE, PHASE, ROLE, Phase
 
 if TYPE_CHECKING:
     from spmd.report import StepReport
@@ -24,15 +24,22 @@ def _rank() -> int:
 
 
 def annotated_code(gm: fx.GraphModule) -> str:
-    """``gm``'s Python with a ``# phase | role | module`` comment on each line that computes a node."""
+    """``gm``'s Python with a ``# phase | role | module`` comment on each line that computes a node
+    (``# micro-batch i phase | ...`` in a step that accumulates gradients)."""
     code = gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
     notes = {}
+    # Steps that accumulate over micro-batches say which forward/backward each line is in.
+    multi_micro = any(
+        n.meta.get(MICROBATCH, 0) > 0 and n.meta.get(PHASE) is not Phase.OPTIMIZER for n in gm.graph.nodes
+    )
     for n in gm.graph.nodes:
         if n.op in ("call_function", "call_method", "call_module", "placeholder"):
             phase, role = n.meta.get(PHASE), n.meta.get(ROLE)
             if phase is None and role is None:
                 continue
             note = f"{getattr(phase, 'value', phase)} | {getattr(role, 'value', role)}"
+            if multi_micro and phase is not Phase.OPTIMIZER:
+                note = f"micro-batch {n.meta.get(MICROBATCH, 0)} {note}"
             if n.meta.get(MODULE):
                 note += f" | {n.meta[MODULE]}"
             notes[n.name] = note

@@ -104,7 +104,7 @@ class Executable:
                 raise
             raise CollectiveError(_collective_message(exc, self.gm, node if is_comm else None)) from exc
         it = iter(outs)
-        leaves = [next(it) if c is None else c for c in self.out_constants]
+        leaves = [next(it) if c is tracing.TENSOR_OUT else c for c in self.out_constants]
         return pytree.tree_unflatten(leaves, self.out_spec)
 
 

@@ -39,7 +39,8 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
-from passes.meta import GRAD_OF, MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
+from passes.cleanup import strip_grad_tag
+from passes.meta import GRAD_OF, MICROBATCH, MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
 from passes.ops import TAG_GRAD, tag_grad
 from spmd import optim as optim_utils
 from spmd.errors import (
@@ -56,6 +57,9 @@ log = logging.getLogger("spmd")
 _CUSTOM = "custom"  # node.meta key that make_fx copies from fx_traceback.current_meta
 _PHASE_KEY = "spmd_phase"
 _MODULE_KEY = "spmd_module"
+_MICROBATCH_KEY = "spmd_microbatch"
+# Marks where a graph output goes among the step's (otherwise constant) output leaves.
+TENSOR_OUT = object()
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -383,6 +387,13 @@ def _autograd_nodes(roots: list[Any]) -> list[Any]:
     return out
 
 
+def _nodes_after(graph: fx.Graph, node: fx.Node) -> Iterator[fx.Node]:
+    n = node.next
+    while n.op != "root":
+        yield n
+        n = n.next
+
+
 @contextlib.contextmanager
 def _backward_phases() -> Iterator[list[int]]:
     """Mark nodes made inside ``torch.autograd.backward`` as backward (and after it as optimizer).
@@ -392,12 +403,18 @@ def _backward_phases() -> Iterator[list[int]]:
     """
     real_backward = torch.autograd.backward
     calls: list[int] = []
+    ends: list[fx.Node] = []  # the last graph node of each backward call
 
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         roots = [t.grad_fn for t in pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor)]
         mode = get_proxy_mode()
-        seq_modules = _seq_nr_modules(mode.tracer.graph) if mode is not None else {}
+        graph = mode.tracer.graph if mode is not None else None
+        if ends and graph is not None:
+            # Another backward: what ran since the last one is the next micro-batch's forward.
+            for n in _nodes_after(graph, ends[-1]):
+                n.meta.setdefault(_CUSTOM, {})[_PHASE_KEY] = Phase.FORWARD
+        seq_modules = _seq_nr_modules(graph) if graph is not None else {}
         handles = []
         for fn in _autograd_nodes(roots):
             path = seq_modules.get(fn._sequence_nr())
@@ -413,7 +430,10 @@ def _backward_phases() -> Iterator[list[int]]:
         finally:
             for h in handles:
                 h.remove()
-            _annotate(**{_PHASE_KEY: Phase.OPTIMIZER, _MODULE_KEY: ""})
+            if graph is not None:
+                ends.append(next(reversed(graph.nodes)))
+            # Until another backward shows that a micro-batch follows, the optimizer runs.
+            _annotate(**{_PHASE_KEY: Phase.OPTIMIZER, _MODULE_KEY: "", _MICROBATCH_KEY: len(calls)})
 
     torch.autograd.backward = backward  # type: ignore[assignment]
     try:
@@ -424,17 +444,23 @@ def _backward_phases() -> Iterator[list[int]]:
 
 @contextlib.contextmanager
 def _grad_tags(params: dict[str, torch.Tensor], got_grad: set[str]) -> Iterator[None]:
-    """Wrap each parameter's gradient in ``spmd::tag_grad`` as autograd produces it."""
+    """Wrap each parameter's gradient in ``spmd::tag_grad`` once autograd has accumulated it.
+
+    The tag goes on ``p.grad`` after accumulation, so a step that runs several
+    micro-batches (several ``backward`` calls before ``optimizer.step``) tags the
+    running sum each time; the partitioner reduces only the last tag of a parameter,
+    the fully accumulated gradient (DDP's ``no_sync`` for all but the last micro-batch).
+    """
     handles = []
     for name, p in params.items():
         if not p.requires_grad:
             continue
 
-        def hook(grad: torch.Tensor, name: str = name) -> torch.Tensor:
+        def hook(p: torch.Tensor, name: str = name) -> None:
             got_grad.add(name)
-            return tag_grad(grad, name)
+            p.grad = tag_grad(p.grad, name)
 
-        handles.append(p.register_hook(hook))
+        handles.append(p.register_post_accumulate_grad_hook(hook))
     try:
         yield
     finally:
@@ -450,7 +476,7 @@ class TracedStep:
     gm: fx.GraphModule
     slots: list[Slot]  # state slots, then one per tensor argument
     out_spec: pytree.TreeSpec
-    out_constants: list[Any]  # non-tensor output leaves (None where a tensor goes)
+    out_constants: list[Any]  # non-tensor output leaves (TENSOR_OUT where a tensor goes)
     grads: list[str]  # parameters that received a gradient
     trace_s: float
 
@@ -585,12 +611,12 @@ def trace_step(fn: Callable[..., Any], step_args: StepArgs, state: LiftedState) 
             stack.enter_context(_grad_tags(params, got_grad))
             stack.enter_context(_module_paths(module))
             calls = stack.enter_context(_backward_phases())
-            _annotate(**{_PHASE_KEY: Phase.FORWARD, _MODULE_KEY: ""})
+            _annotate(**{_PHASE_KEY: Phase.FORWARD, _MODULE_KEY: "", _MICROBATCH_KEY: 0})
             out = fn(*args, **kwargs)
             out_box["backward_calls"] = len(calls)
         out_leaves, out_spec = pytree.tree_flatten(out)
         out_box["spec"] = out_spec
-        out_box["constants"] = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
+        out_box["constants"] = [TENSOR_OUT if isinstance(x, torch.Tensor) else x for x in out_leaves]
         return [x for x in out_leaves if isinstance(x, torch.Tensor)]
 
     # A fake mode without a ShapeEnv, so that reading a tensor's value (`.item()`, `if tensor:`)
@@ -663,14 +689,17 @@ def _finish_metadata(gm: fx.GraphModule, slots: list[Slot]) -> None:
         n.meta[STATE_NAME] = slot.name
         n.meta[MODULE] = slot.name.rsplit(".", 1)[0] if slot.role is Role.PARAM else ""
     param_nodes = {n.meta[STATE_NAME]: n for n in placeholders if n.meta[ROLE] is Role.PARAM}
-    phase = Phase.FORWARD
+    phase, micro = Phase.FORWARD, 0
     for n in graph.nodes:
         if n.op == "placeholder":
+            n.meta[MICROBATCH] = 0
             continue
         custom = n.meta.get(_CUSTOM, {})
         phase = custom.get(_PHASE_KEY, phase)
+        micro = custom.get(_MICROBATCH_KEY, micro)
         n.meta[PHASE] = phase
         n.meta[MODULE] = custom.get(_MODULE_KEY, "")
+        n.meta[MICROBATCH] = micro
         if n.op == "output":
             n.meta[ROLE] = Role.ACTIVATION
         elif n.target is TAG_GRAD:
@@ -683,6 +712,11 @@ def _finish_metadata(gm: fx.GraphModule, slots: list[Slot]) -> None:
             n.meta[ROLE] = Role.UPDATE
         else:
             n.meta[ROLE] = Role.ACTIVATION
+    # With gradient accumulation a parameter's gradient is tagged after every backward;
+    # only the last tag, on the fully accumulated gradient, is the one to reduce.
+    last_tag = {n.args[1]: n for n in graph.nodes if n.target is TAG_GRAD}
+    for n in [n for n in graph.nodes if n.target is TAG_GRAD and last_tag[n.args[1]] is not n]:
+        strip_grad_tag(graph, n)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()

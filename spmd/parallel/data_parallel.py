@@ -38,7 +38,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from passes import collectives as C
 from passes.graph_utils import mutated_nodes
-from passes.meta import GRAD_OF, PHASE, ROLE, STATE_NAME, Phase, Role, copy_meta
+from passes.meta import GRAD_OF, MICROBATCH, PHASE, ROLE, STATE_NAME, Phase, Role, copy_meta
 from passes.ops import TAG_GRAD
 from spmd import optim as optim_utils
 from spmd.errors import ConfigError, TraceError
@@ -311,10 +311,20 @@ class _Partitioner:
         return full
 
     def _gather_param(self, name: str) -> None:
+        """Gather the parameter for each micro-batch's forward (and backward) that reads it.
+
+        A step that accumulates gradients over k micro-batches gathers per micro-batch, as
+        FSDP does, so no more than one micro-batch's gathered parameters live at once.
+        """
         p = self.by_name[name]
-        users = [u for u in p.users if u.meta.get(PHASE) is not Phase.OPTIMIZER]
-        if not users:
-            return
+        by_micro: dict[int, list[fx.Node]] = {}
+        for u in p.users:
+            if u.meta.get(PHASE) is not Phase.OPTIMIZER:
+                by_micro.setdefault(u.meta.get(MICROBATCH, 0), []).append(u)
+        for micro in sorted(by_micro):
+            self._gather_for(p, name, by_micro[micro])
+
+    def _gather_for(self, p: fx.Node, name: str, users: list[fx.Node]) -> None:
         fwd = [u for u in users if u.meta.get(PHASE) is Phase.FORWARD]
         bwd = [u for u in users if u.meta.get(PHASE) is Phase.BACKWARD]
         reshard = self.dp.reshard_after_forward and fwd

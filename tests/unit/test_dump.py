@@ -57,3 +57,23 @@ def test_no_dump_without_option(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _run()
     assert os.listdir(tmp_path) == []
+
+
+def test_micro_batches_are_named_in_the_dump() -> None:
+    """A step that accumulates over micro-batches says which one each line belongs to."""
+    from spmd.dump import annotated_code
+
+    def accumulate(model, optim, x, y):
+        for xb, yb in zip(x.chunk(2), y.chunk(2)):
+            models.loss_fn(model(xb), yb).backward()
+        optim.step()
+        optim.zero_grad()
+
+    model = models.build("mlp")
+    step = spmd.compile()(accumulate)
+    assert step(model, models.make_optimizer("adamw_fused", model), *models.batches("mlp", 1)[0]) is None
+    code = annotated_code(step.graphs["traced"])
+    assert "# micro-batch 0 forward | activation | net.0" in code
+    assert "# micro-batch 1 backward | grad | net.2" in code
+    assert "# optimizer | update" in code
+    assert "micro-batch" not in annotated_code(_run().graphs["traced"])

@@ -18,7 +18,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmd
 from passes import collectives as C
-from passes.meta import PHASE, Phase
+from passes.meta import GRAD_OF, MICROBATCH, PHASE, ROLE, Phase, Role
 from passes.prefetch import default_unit_of
 from passes.scheduling import _pass_through_chain, inflight_profile
 from spmd.parallel import sharding
@@ -172,3 +172,48 @@ def test_tiny_units_merge_by_default(fake_world) -> None:
     paired = _lower("fully_shard", min_unit_mb=1.5 * per_block / 2**20)
     n = len(_by(paired, C.Kind.ALL_GATHER, Phase.FORWARD))
     assert 2 < n < 7, n
+
+
+def _accumulating_step(model, optim, x, y):
+    """Two micro-batches; the second uses a parameter outside any module call first."""
+    for xb, yb in zip(x.chunk(2), y.chunk(2)):
+        reg = 1e-4 * model.tok.weight.square().sum()
+        loss = models.loss_fn(model(xb), yb) / 2 + reg
+        loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_accumulation_one_reduction_and_gathers_per_micro_batch(fake_world) -> None:
+    """k micro-batches: every gradient is reduce-scattered once, after the last backward, as
+    often as in a one-micro-batch step; parameters are gathered again for each micro-batch
+    (so no two micro-batches' gathered copies are alive at once); everything between two
+    backward calls is forward."""
+
+    def compile_(fn):
+        torch.manual_seed(0)
+        model = models.TinyGPT(n_layers=2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        step = spmd.compile(
+            parallel_mode=spmd.DataParallel("fully_shard", min_unit_mb=0), check_invariants=True
+        )(fn)
+        x, y = models.batches("tinygpt", 1)[0]
+        return step.lower(model, opt, x, y), model
+
+    graphs, model = compile_(_accumulating_step)
+    plain = compile_(models.train_step)[0]["final"]
+    traced, gm = graphs["traced"], graphs["final"]
+
+    grads = [n for n in traced.graph.nodes if n.meta.get(ROLE) is Role.GRAD]
+    assert sorted(n.meta[GRAD_OF] for n in grads) == sorted(n for n, _ in model.named_parameters())
+    assert {n.meta[MICROBATCH] for n in grads} == {1}
+    second_fwd = [n for n in traced.graph.nodes if n.meta[MICROBATCH] == 1 and n.meta[PHASE] is Phase.FORWARD]
+    assert any(a.name == "p_tok_weight" for n in second_fwd for a in n.all_input_nodes)  # `reg`
+
+    rs = _by(gm, C.Kind.REDUCE_SCATTER)
+    assert len(rs) == len(_by(plain, C.Kind.REDUCE_SCATTER))
+    assert [c.meta[MICROBATCH] for c in rs] == [1] * len(rs)
+    fwd_ag = _by(gm, C.Kind.ALL_GATHER, Phase.FORWARD)
+    per_micro = [sum(c.meta[MICROBATCH] == m for c in fwd_ag) for m in (0, 1)]
+    assert per_micro[0] == per_micro[1] == len(_by(plain, C.Kind.ALL_GATHER, Phase.FORWARD))
