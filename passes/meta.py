@@ -20,6 +20,11 @@ MODULE = "spmd_module"
 STATE_NAME = "spmd_state_name"
 # On a gradient node: the fully qualified name of the parameter it is the gradient of.
 GRAD_OF = "spmd_grad_of"
+# On a dtype cast the tracer made for mixed precision: what it casts for compute, the fully
+# qualified name of a parameter or buffer, or INPUT_CAST for a floating forward input of the
+# root module. Partitioners find a parameter's compute copy by it (and cast before gathering).
+CAST_OF = "spmd_cast_of"
+INPUT_CAST = "<forward input>"
 
 
 class Role(str, enum.Enum):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from passes.meta import MODULE, PHASE, ROLE
+from passes.meta import CAST_OF, MODULE, PHASE, ROLE
 
 if TYPE_CHECKING:
     from spmd.report import StepReport
@@ -24,7 +24,8 @@ def _rank() -> int:
 
 
 def annotated_code(gm: fx.GraphModule) -> str:
-    """``gm``'s Python with a ``# phase | role | module`` comment on each line that computes a node."""
+    """``gm``'s Python with a ``# phase | role | module`` comment on each line that computes a node
+    (and ``| cast of <name>`` on mixed-precision casts)."""
     code = gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
     notes = {}
     for n in gm.graph.nodes:
@@ -35,6 +36,8 @@ def annotated_code(gm: fx.GraphModule) -> str:
             note = f"{getattr(phase, 'value', phase)} | {getattr(role, 'value', role)}"
             if n.meta.get(MODULE):
                 note += f" | {n.meta[MODULE]}"
+            if n.meta.get(CAST_OF):  # a mixed-precision compute cast
+                note += f" | cast of {n.meta[CAST_OF]}"
             notes[n.name] = note
     out = []
     for line in code.splitlines():
