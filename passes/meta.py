@@ -24,6 +24,11 @@ GRAD_OF = "spmd_grad_of"
 # accumulates gradients over micro-batches (one ``backward`` each), 0 otherwise. Optimizer
 # nodes carry the number of backward calls.
 MICROBATCH = "spmd_microbatch"
+# On a dtype cast the tracer made for mixed precision: what it casts for compute, the fully
+# qualified name of a parameter or buffer, or INPUT_CAST for a floating forward input of the
+# root module. Partitioners find a parameter's compute copy by it (and cast before gathering).
+CAST_OF = "spmd_cast_of"
+INPUT_CAST = "<forward input>"
 
 
 class Role(str, enum.Enum):

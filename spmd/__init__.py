@@ -20,7 +20,7 @@ from spmd.errors import (
     TraceError,
     UntraceableOpError,
 )
-from spmd.parallel import DataParallel, ParallelMode
+from spmd.parallel import DataParallel, MixedPrecision, ParallelMode
 from spmd.parallel.sharding import full_state_dict
 from spmd.report import StepReport
 from spmd.simulate import simulate
@@ -35,6 +35,7 @@ __all__ = [
     "DataDependentControlFlowError",
     "DataParallel",
     "InvalidArgumentsError",
+    "MixedPrecision",
     "ModelChangedError",
     "Override",
     "ParallelMode",

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from passes.meta import MICROBATCH, MODULE, PHASE, ROLE, Phase
+from passes.meta import CAST_OF, MICROBATCH, MODULE, PHASE, ROLE, Phase
 
 if TYPE_CHECKING:
     from spmd.report import StepReport
@@ -25,7 +25,8 @@ def _rank() -> int:
 
 def annotated_code(gm: fx.GraphModule) -> str:
     """``gm``'s Python with a ``# phase | role | module`` comment on each line that computes a node
-    (``# micro-batch i phase | ...`` in a step that accumulates gradients)."""
+    (``# micro-batch i phase | ...`` in a step that accumulates gradients, and
+    ``| cast of <name>`` on mixed-precision casts)."""
     code = gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
     notes = {}
     # Steps that accumulate over micro-batches say which forward/backward each line is in.
@@ -42,6 +43,8 @@ def annotated_code(gm: fx.GraphModule) -> str:
                 note = f"micro-batch {n.meta.get(MICROBATCH, 0)} {note}"
             if n.meta.get(MODULE):
                 note += f" | {n.meta[MODULE]}"
+            if n.meta.get(CAST_OF):  # a mixed-precision compute cast
+                note += f" | cast of {n.meta[CAST_OF]}"
             notes[n.name] = note
     out = []
     for line in code.splitlines():

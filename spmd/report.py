@@ -178,6 +178,16 @@ def describe_mode(parallel_mode: Any) -> tuple[str, int]:
     style = str(getattr(parallel_mode, "parallel_style", type(parallel_mode).__name__))
     if style == "fully_shard" and getattr(parallel_mode, "reshard_after_forward", True) is False:
         style += " (reshard_after_forward=False)"
+    mp = getattr(parallel_mode, "mixed_precision", None)
+    if mp is not None:
+        dtypes = {
+            "param": mp.param_dtype,
+            "reduce": mp.gradient_reduce_dtype,
+            "buffer": mp.buffer_dtype,
+        }
+        style += ", mixed precision " + " ".join(
+            f"{k}={str(v).removeprefix('torch.')}" for k, v in dtypes.items() if v is not None
+        )
     mesh = getattr(parallel_mode, "mesh", None)
     world = mesh.size() if mesh is not None else sharding.world_info()[1]
     return style, world

@@ -40,7 +40,8 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
 from passes.cleanup import strip_grad_tag
-from passes.meta import GRAD_OF, MICROBATCH, MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
+from passes.graph_utils import mutated_nodes
+from passes.meta import CAST_OF, GRAD_OF, INPUT_CAST, MICROBATCH, MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
 from passes.ops import TAG_GRAD, tag_grad
 from spmd import optim as optim_utils
 from spmd.errors import (
@@ -60,6 +61,7 @@ _MODULE_KEY = "spmd_module"
 _MICROBATCH_KEY = "spmd_microbatch"
 # Marks where a graph output goes among the step's (otherwise constant) output leaves.
 TENSOR_OUT = object()
+_CAST_KEY = "spmd_cast_of"
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -192,6 +194,23 @@ def _few(items: list[str], n: int = 3) -> str:
 
 def _is_constant(x: Any) -> bool:
     return x is None or isinstance(x, bool | int | float | str | torch.dtype | torch.device)
+
+
+# ----------------------------------------------------------------------------- compute casts
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeCasts:
+    """The dtypes the traced step computes in (mixed precision); ``None``: as stored.
+
+    The parallel mode decides them (``ParallelMode.trace_casts``); the tracer puts the
+    casts in the graph, marked with ``passes.meta.CAST_OF``, so that the partitioner can
+    move them (cast a shard before gathering it) and the dump shows them.
+    """
+
+    param_dtype: torch.dtype | None = None  # floating parameters, as modules see them
+    buffer_dtype: torch.dtype | None = None  # floating buffers, as modules see them
+    input_dtype: torch.dtype | None = None  # floating tensors passed to the root module's forward
 
 
 # ----------------------------------------------------------------------------- lifted state
@@ -361,6 +380,48 @@ def _module_paths(module: nn.Module) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype, cast_of: str, module: str) -> torch.Tensor:
+    """``t.to(dtype)``, its node marked as a compute cast of ``cast_of`` made in ``module``."""
+    old = _annotate(**{_CAST_KEY: cast_of, _MODULE_KEY: module})
+    try:
+        return t.to(dtype)
+    finally:
+        fx_traceback.current_meta[_CUSTOM] = old
+
+
+def _compute_copies(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The tensors modules compute with: floating ones cast to ``dtype`` (in the graph)."""
+    if dtype is None:
+        return tensors
+    return {
+        n: _cast(t, dtype, n, n.rpartition(".")[0]) if t.is_floating_point() and t.dtype != dtype else t
+        for n, t in tensors.items()
+    }
+
+
+@contextlib.contextmanager
+def _cast_forward_inputs(module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """Cast the floating tensors passed to ``module``'s forward to ``dtype`` (FSDP2's
+    ``cast_forward_inputs``, at the root module)."""
+    if dtype is None:
+        yield
+        return
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return _cast(x, dtype, INPUT_CAST, "")
+        return x
+
+    def hook(mod: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return pytree.tree_map(cast, args), pytree.tree_map(cast, kwargs)
+
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _seq_nr_modules(graph: fx.Graph) -> dict[int, str]:
@@ -567,8 +628,17 @@ def _trace_input(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
     return mode.from_tensor(t)
 
 
-def trace_step(fn: Callable[..., Any], step_args: StepArgs, state: LiftedState) -> TracedStep:
-    """Trace ``fn`` over the lifted state and the argument tensors; see the module docstring."""
+def trace_step(
+    fn: Callable[..., Any], step_args: StepArgs, state: LiftedState, casts: ComputeCasts | None = None
+) -> TracedStep:
+    """Trace ``fn`` over the lifted state and the argument tensors; see the module docstring.
+
+    With ``casts`` (mixed precision) modules compute with cast copies of the parameters,
+    buffers and forward inputs; the optimizer still reads and updates the stored
+    (fp32) parameters, and autograd gives each of them the gradient of its copy cast
+    back to its dtype.
+    """
+    casts = casts or ComputeCasts()
     module, optimizer = step_args.module, step_args.optimizer
     check_devices(fn, step_args, state)
     state_slots = state.slots()
@@ -593,7 +663,12 @@ def trace_step(fn: Callable[..., Any], step_args: StepArgs, state: LiftedState) 
         args, kwargs = pytree.tree_unflatten(call_leaves, step_args.spec)
 
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_reparametrize_module(module, {**params, **buffers}, tie_weights=True))
+            _annotate(**{_PHASE_KEY: Phase.FORWARD, _MODULE_KEY: ""})
+            compute = {
+                **_compute_copies(params, casts.param_dtype),
+                **_compute_copies(buffers, casts.buffer_dtype),
+            }
+            stack.enter_context(_reparametrize_module(module, compute, tie_weights=True))
             if optimizer is not None:
                 by_id = {id(p): params[fqns[id(p)]] for g in optimizer.param_groups for p in g["params"]}
                 st = {
@@ -610,6 +685,7 @@ def trace_step(fn: Callable[..., Any], step_args: StepArgs, state: LiftedState) 
                 stack.enter_context(_swapped_optimizer(optimizer, by_id, st, lrs))
             stack.enter_context(_grad_tags(params, got_grad))
             stack.enter_context(_module_paths(module))
+            stack.enter_context(_cast_forward_inputs(module, casts.input_dtype))
             calls = stack.enter_context(_backward_phases())
             _annotate(**{_PHASE_KEY: Phase.FORWARD, _MODULE_KEY: "", _MICROBATCH_KEY: 0})
             out = fn(*args, **kwargs)
@@ -712,6 +788,10 @@ def _finish_metadata(gm: fx.GraphModule, slots: list[Slot]) -> None:
             n.meta[ROLE] = Role.UPDATE
         else:
             n.meta[ROLE] = Role.ACTIVATION
+        if _CAST_KEY in custom:
+            n.meta[CAST_OF] = custom[_CAST_KEY]
+    buffer_nodes = {n.meta[STATE_NAME]: n for n in placeholders if n.meta[ROLE] is Role.BUFFER}
+    _write_back_buffer_casts(graph, buffer_nodes)
     # With gradient accumulation a parameter's gradient is tagged after every backward;
     # only the last tag, on the fully accumulated gradient, is the one to reduce.
     last_tag = {n.args[1]: n for n in graph.nodes if n.target is TAG_GRAD}
@@ -720,3 +800,29 @@ def _finish_metadata(gm: fx.GraphModule, slots: list[Slot]) -> None:
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
+
+
+def _write_back_buffer_casts(graph: fx.Graph, buffers: dict[str, fx.Node]) -> None:
+    """Copy a buffer's compute copy (``buffer_dtype``) back into the buffer after the step writes it.
+
+    BatchNorm updates its running statistics in place, on the copy the module computed
+    with; without this the update would be lost. The copy follows the copy's last
+    in-place writer. Buffers nobody writes are left alone (a round trip through a lower
+    precision would change them).
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in list(graph.nodes):
+        name = n.meta.get(CAST_OF)
+        if name not in buffers:
+            continue
+        writers = [u for u in n.users if n in mutated_nodes(u)]
+        if not writers:
+            continue
+        last = max(writers, key=order.__getitem__)
+        buf = buffers[name]
+        with graph.inserting_after(last):
+            back = graph.call_function(torch.ops.aten.copy_.default, (buf, n))
+        back.meta.update({k: last.meta[k] for k in (PHASE, MODULE, MICROBATCH) if k in last.meta})
+        back.meta[ROLE] = Role.ACTIVATION
+        if "val" in buf.meta:
+            back.meta["val"] = buf.meta["val"]

@@ -2,5 +2,6 @@
 
 from spmd.parallel.base import ParallelMode
 from spmd.parallel.data_parallel import DataParallel
+from spmd.parallel.mixed_precision import MixedPrecision
 
-__all__ = ["DataParallel", "ParallelMode"]
+__all__ = ["DataParallel", "MixedPrecision", "ParallelMode"]

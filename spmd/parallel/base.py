@@ -10,7 +10,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 if TYPE_CHECKING:
-    from spmd.tracing import LiftedState, StepArgs
+    from spmd.tracing import ComputeCasts, LiftedState, StepArgs
 
 
 class ParallelMode(abc.ABC):
@@ -26,6 +26,10 @@ class ParallelMode(abc.ABC):
 
     @abc.abstractmethod
     def partition(self, gm: fx.GraphModule, state: LiftedState, args: StepArgs) -> fx.GraphModule: ...
+
+    def trace_casts(self) -> ComputeCasts | None:
+        """The dtypes the traced step should compute in (mixed precision); None: as stored."""
+        return None
 
     def pass_options(self) -> dict[str, Any]:
         """Knobs the pass pipeline reads (bucket sizes, prefetch depth, ...)."""

@@ -15,6 +15,15 @@ parameters. ``partition`` makes it the SPMD step:
   ops are elementwise, runs on shards. Norms over sharded gradients in the
   optimizer region (``clip_grad_norm_``) become global with an all-reduce of the
   partial sums.
+* Mixed precision (``mixed_precision=MixedPrecision(...)``): the tracer already made
+  the compute casts (fp32 parameter -> ``param_dtype`` copy). Under fully_shard the
+  cast moves before the all-gather: each rank casts its fp32 shard and the gather
+  sends ``param_dtype`` (bit for bit what gathering and then casting gives, since a
+  cast is elementwise; half the bytes for bf16), in forward and in the backward
+  re-gather alike. Gradients are cast to the reduce dtype before their reduction
+  (skipped where the gradient is autograd's upcast of a ``reduce_dtype`` gradient:
+  the round trip is exact) and the reduced gradient is cast back to the parameter's
+  dtype, so the optimizer reads and updates fp32 master weights.
 * Buffers mutated by the step (BatchNorm running stats) are broadcast from rank 0
   before their first use, as DDP's ``broadcast_buffers`` does.
 
@@ -38,15 +47,16 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from passes import collectives as C
 from passes.graph_utils import mutated_nodes
-from passes.meta import GRAD_OF, MICROBATCH, PHASE, ROLE, STATE_NAME, Phase, Role, copy_meta
+from passes.meta import CAST_OF, GRAD_OF, MICROBATCH, PHASE, ROLE, STATE_NAME, Phase, Role, copy_meta
 from passes.ops import TAG_GRAD
 from spmd import optim as optim_utils
 from spmd.errors import ConfigError, TraceError
 from spmd.parallel import sharding
 from spmd.parallel.base import ParallelMode
+from spmd.parallel.mixed_precision import MixedPrecision
 
 if TYPE_CHECKING:
-    from spmd.tracing import LiftedState, StepArgs
+    from spmd.tracing import ComputeCasts, LiftedState, StepArgs
 
 log = logging.getLogger("spmd")
 
@@ -100,6 +110,9 @@ class DataParallel(ParallelMode):
         min_unit_mb: neighbouring units smaller than this are merged into one communication
             unit (one gather, one reduce-scatter), so stacks of tiny blocks do not pay a
             collective's latency per block; larger blocks stay units of their own.
+        mixed_precision: a :class:`~spmd.MixedPrecision`: compute in ``param_dtype`` over fp32
+            master weights (sharded under fully_shard; gathered in ``param_dtype``), reduce
+            gradients in ``reduce_dtype``, optimizer in fp32 (FSDP2 ``mp_policy``).
     """
 
     parallel_style: str = "replicate"
@@ -115,6 +128,7 @@ class DataParallel(ParallelMode):
     max_inflight_bytes: int | str | None = "auto"
     sync_module_states: bool = False
     min_unit_mb: float = 1.0
+    mixed_precision: MixedPrecision | None = None
 
     def __post_init__(self) -> None:
         if self.parallel_style not in STYLES:
@@ -155,11 +169,28 @@ class DataParallel(ParallelMode):
             v = getattr(self, knob)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"spmd.DataParallel: {knob} must be an int >= 0, got {v!r}.")
+        mp = self.mixed_precision
+        if mp is not None and not isinstance(mp, MixedPrecision):
+            hint = ""
+            if type(mp).__name__ == "MixedPrecisionPolicy":
+                hint = (
+                    " (FSDP2's MixedPrecisionPolicy translates as spmd.MixedPrecision(param_dtype=..., "
+                    "reduce_dtype=..., cast_forward_inputs=...))"
+                )
+            elif isinstance(mp, torch.dtype):
+                hint = f" (for example spmd.MixedPrecision(param_dtype={mp}))"
+            raise ConfigError(
+                f"spmd.DataParallel: mixed_precision must be an spmd.MixedPrecision or None, got "
+                f"{type(mp).__name__}{hint}."
+            )
         m = self.max_inflight_bytes
         if not (m is None or m == "auto" or (isinstance(m, int) and not isinstance(m, bool) and m > 0)):
             raise ConfigError(
                 f"spmd.DataParallel: max_inflight_bytes must be a positive int, 'auto' or None, got {m!r}."
             )
+
+    def trace_casts(self) -> ComputeCasts | None:
+        return self.mixed_precision.compute_casts() if self.mixed_precision is not None else None
 
     def pass_options(self) -> dict[str, Any]:
         from passes.prefetch import default_unit_of
@@ -245,12 +276,21 @@ class _Partitioner:
             for name, p in state.params
             if sharding.is_sharded(p)
         }
+        mp = dp.mixed_precision
+        self.reduce_dtype = mp.gradient_reduce_dtype if mp is not None else None
+        # parameter fqn -> the tracer's compute cast of it (mixed precision)
+        self.casts = {
+            n.meta[CAST_OF]: n
+            for n in self.graph.nodes
+            if n.op == "call_function" and n.meta.get(CAST_OF) in self.params
+        }
 
     def run(self) -> fx.GraphModule:
         if self.dp.broadcast_buffers:
             self._broadcast_mutated_buffers()
         for name in self.layouts:
             self._gather_param(name)
+        self._place_replicated_casts()
         self._reduce_grads()
         if self.layouts:
             self._globalize_norms()
@@ -266,10 +306,20 @@ class _Partitioner:
         order = {n: i for i, n in enumerate(self.graph.nodes)}
         return min(nodes, key=order.__getitem__)
 
-    def _call(self, target: Any, args: tuple[Any, ...], like: fx.Node, role: Role = Role.COMM) -> fx.Node:
-        n = self.graph.call_function(target, args)
+    def _call(
+        self,
+        target: Any,
+        args: tuple[Any, ...],
+        like: fx.Node,
+        role: Role = Role.COMM,
+        kwargs: dict[str, Any] | None = None,
+    ) -> fx.Node:
+        n = self.graph.call_function(target, args, kwargs)
         copy_meta(n, like, role=role)
         return n
+
+    def _to_dtype(self, x: fx.Node, dtype: torch.dtype, like: fx.Node, role: Role = Role.COMM) -> fx.Node:
+        return self._call(aten._to_copy.default, (x,), like, role=role, kwargs={"dtype": dtype})
 
     # ---------------------------------------------------------------- buffers
 
@@ -296,14 +346,17 @@ class _Partitioner:
 
     # ---------------------------------------------------------------- params
 
-    def _emit_gather(self, p: fx.Node, name: str, like: fx.Node) -> fx.Node:
-        """shard -> (pad) -> all_gather -> wait -> (slice) : the full parameter."""
+    def _emit_gather(self, p: fx.Node, name: str, like: fx.Node, dtype: torch.dtype | None = None) -> fx.Node:
+        """shard -> (cast to ``dtype``) -> (pad) -> all_gather -> wait -> (slice) : the full parameter."""
         lay = self.layouts[name]
         x = p
+        if dtype is not None:
+            x = self._to_dtype(p, dtype, like)
+            x.meta[CAST_OF] = name
         if lay.padded:
             pad_rows = lay.chunk - lay.local_rows
             ndim = len(self.params[name].shape)
-            x = self._call(aten.constant_pad_nd.default, (p, [0, 0] * (ndim - 1) + [0, pad_rows]), like)
+            x = self._call(aten.constant_pad_nd.default, (x, [0, 0] * (ndim - 1) + [0, pad_rows]), like)
         coll = self._call(C._c10d.all_gather_into_tensor.default, (x, self.world, self.group), like)
         full = self._call(C.WAIT, (coll,), like)
         if lay.padded:
@@ -311,28 +364,41 @@ class _Partitioner:
         return full
 
     def _gather_param(self, name: str) -> None:
-        """Gather the parameter for each micro-batch's forward (and backward) that reads it.
+        """Gather the parameter for each micro-batch's forward and backward readers.
 
-        A step that accumulates gradients over k micro-batches gathers per micro-batch, as
-        FSDP does, so no more than one micro-batch's gathered parameters live at once.
+        The shard's direct readers get the fp32 parameter; with mixed precision, the readers
+        of the tracer's compute cast get the parameter gathered in the cast's dtype (the cast
+        goes away). A step that accumulates gradients over k micro-batches gathers per
+        micro-batch, as FSDP does, so no more than one micro-batch's gathered parameters
+        live at once.
         """
         p = self.by_name[name]
-        by_micro: dict[int, list[fx.Node]] = {}
-        for u in p.users:
-            if u.meta.get(PHASE) is not Phase.OPTIMIZER:
-                by_micro.setdefault(u.meta.get(MICROBATCH, 0), []).append(u)
-        for micro in sorted(by_micro):
-            self._gather_for(p, name, by_micro[micro])
+        cast = self.casts.get(name)
+        sources: list[tuple[fx.Node, torch.dtype | None]] = [(p, None)]
+        if cast is not None:
+            sources.append((cast, cast.meta["val"].dtype))
+        for src, dtype in sources:
+            by_micro: dict[int, list[fx.Node]] = {}
+            for u in src.users:
+                if u.meta.get(PHASE) is not Phase.OPTIMIZER and u is not cast:
+                    by_micro.setdefault(u.meta.get(MICROBATCH, 0), []).append(u)
+            for micro in sorted(by_micro):
+                self._gather_for(p, src, name, dtype, by_micro[micro])
+        if cast is not None and not cast.users:
+            self.graph.erase_node(cast)
 
-    def _gather_for(self, p: fx.Node, name: str, users: list[fx.Node]) -> None:
+    def _gather_for(
+        self, p: fx.Node, src: fx.Node, name: str, dtype: torch.dtype | None, users: list[fx.Node]
+    ) -> None:
+        """Point ``users`` (readers of ``src``) at a gather of shard ``p`` (cast to ``dtype``)."""
         fwd = [u for u in users if u.meta.get(PHASE) is Phase.FORWARD]
         bwd = [u for u in users if u.meta.get(PHASE) is Phase.BACKWARD]
         reshard = self.dp.reshard_after_forward and fwd
         first_fwd_users = fwd if reshard else users
         with self.graph.inserting_before(self._first(first_fwd_users)):
-            full = self._emit_gather(p, name, self._first(first_fwd_users))
+            full = self._emit_gather(p, name, self._first(first_fwd_users), dtype)
         for u in first_fwd_users:
-            u.replace_input_with(p, full)
+            u.replace_input_with(src, full)
         if not reshard:
             return
         # Backward needs the parameter again: gather it a second time and recompute the
@@ -350,17 +416,27 @@ class _Partitioner:
         first_bwd = self._first(anchors)
         remap: dict[fx.Node, fx.Node] = {}
         with self.graph.inserting_before(first_bwd):
-            remap[full] = self._emit_gather(p, name, first_bwd)
+            remap[full] = self._emit_gather(p, name, first_bwd, dtype)
             for d in derived:  # `derived` is in graph order
                 if d in needed:
                     remap[d] = self.graph.node_copy(d, lambda n: remap.get(n, n))
                     copy_meta(remap[d], first_bwd, role=Role.ACTIVATION)
         for u in bwd:
-            u.replace_input_with(p, remap[full])
+            u.replace_input_with(src, remap[full])
         for d in needed:
             for u in list(d.users):
                 if is_bwd(u) and u is not remap.get(u):
                     u.replace_input_with(d, remap[d])
+
+    def _place_replicated_casts(self) -> None:
+        """Move the compute casts of replicated parameters to just before their first reader.
+
+        The tracer casts every parameter up front; each copy need only live from its first use.
+        """
+        for name, cast in self.casts.items():
+            if name in self.layouts or not cast.users:
+                continue
+            self._first(list(cast.users)).prepend(cast)
 
     # ---------------------------------------------------------------- grads
 
@@ -371,11 +447,13 @@ class _Partitioner:
             g = tag.args[0]
             users = list(tag.users)
             sharded = name in self.layouts
+            grad_dtype = g.meta["val"].dtype
             with self.graph.inserting_before(tag):
+                send = self._to_reduce_dtype(g, tag)
                 if sharded:
-                    coll = self._emit_reduce_scatter(g, name, tag)
+                    coll = self._emit_reduce_scatter(send, name, tag)
                 else:
-                    coll = self._call(C._c10d.all_reduce.default, (g, "avg", self.group), tag)
+                    coll = self._call(C._c10d.all_reduce.default, (send, "avg", self.group), tag)
             # The wait (and the un-padding slice) sits just before the gradient's first use.
             anchor = self._first(users) if users else tag.next
             with self.graph.inserting_before(anchor):
@@ -383,10 +461,30 @@ class _Partitioner:
                 res = wait
                 if sharded and self.layouts[name].padded:
                     res = self._call(aten.slice.Tensor, (wait, 0, 0, self.layouts[name].local_rows), tag)
+                if send is not g:  # reduced in another dtype: back to the optimizer's
+                    res = self._to_dtype(res, grad_dtype, tag)
             res.meta[ROLE] = Role.GRAD
             res.meta[GRAD_OF] = name
             tag.replace_all_uses_with(res)
             self.graph.erase_node(tag)
+            if send is not g and not g.users:
+                self.graph.erase_node(g)
+
+    def _to_reduce_dtype(self, g: fx.Node, like: fx.Node) -> fx.Node:
+        """The gradient as the reduction sends it: ``g``, or ``g`` cast to the reduce dtype.
+
+        Where ``g`` is itself an upcast of a gradient in the reduce dtype (autograd's cast
+        back through a bf16 compute copy), that gradient is sent directly: casting it up
+        and down again is the identity.
+        """
+        rd = self.reduce_dtype
+        if rd is None or g.meta["val"].dtype == rd:
+            return g
+        if g.target is aten._to_copy.default:
+            src = g.args[0]
+            if isinstance(src, fx.Node) and src.meta["val"].dtype == rd and _widens(rd, g.meta["val"].dtype):
+                return src
+        return self._to_dtype(g, rd, like)
 
     def _emit_reduce_scatter(self, g: fx.Node, name: str, like: fx.Node) -> fx.Node:
         """full gradient -> (pad to W * chunk rows) -> reduce_scatter(avg); the wait comes later."""
@@ -532,6 +630,11 @@ class _Partitioner:
                 f"shapes: {exc}. Some op of the step is not shape-agnostic on shards; try "
                 "DataParallel('replicate')."
             ) from exc
+
+
+def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether every ``src`` value is exactly a ``dst`` value (bf16/fp16 -> fp32, fp32 -> fp64)."""
+    return dst in (torch.float32, torch.float64) and dst.itemsize > src.itemsize
 
 
 def _inputs(n: fx.Node) -> list[fx.Node]:

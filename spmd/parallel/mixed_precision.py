@@ -1,0 +1,84 @@
+"""``spmd.MixedPrecision``: low-precision compute and communication over fp32 master weights.
+
+The semantics are FSDP2's ``MixedPrecisionPolicy`` (plus FSDP1's ``buffer_dtype``):
+parameters stay fp32 in the model and the optimizer (sharded under fully_shard); the
+step computes with copies cast to ``param_dtype``; gradients are reduced in
+``reduce_dtype`` and handed to the optimizer in the parameters' dtype. Every cast is a
+node of the compiled graph: the tracer makes the compute casts (``passes.meta.CAST_OF``
+marks them), the partitioner moves each parameter's cast before its all-gather and adds
+the gradient casts around the reduction (:mod:`spmd.parallel.data_parallel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from spmd.errors import ConfigError
+from spmd.tracing import ComputeCasts
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MixedPrecision:
+    """Dtypes for compute and gradient reduction; ``None`` leaves a dtype as it is.
+
+    Keyword-only: FSDP2's ``MixedPrecisionPolicy`` has ``output_dtype`` third, where
+    this has ``buffer_dtype``, so positional arguments would silently mean different things.
+
+    Args:
+        param_dtype: the dtype forward and backward compute with. Floating parameters are
+            cast to it in the graph (under fully_shard, each rank casts its fp32 shard and
+            the all-gather sends ``param_dtype``: half the bytes for bf16). The fp32
+            parameters stay the optimizer's master weights. FSDP2 ``param_dtype``.
+        reduce_dtype: the dtype gradients are all-reduced / reduce-scattered in; the
+            reduced gradient is cast back to the parameter's dtype for the optimizer.
+            ``None``: ``param_dtype`` (the gradients' own dtype), as in FSDP2.
+        buffer_dtype: floating buffers are cast to it for compute (FSDP1 ``buffer_dtype``);
+            buffers the step updates (BatchNorm running statistics) are updated in this
+            dtype and written back to the model's buffer. ``None``: buffers as they are.
+        cast_forward_inputs: cast the floating tensors passed to the model's ``forward`` to
+            ``param_dtype`` (FSDP2 ``cast_forward_inputs``; FSDP2 also casts at each
+            ``fully_shard``-ed submodule, spmd at the root module only).
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for knob in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            v = getattr(self, knob)
+            if v is None:
+                continue
+            if not isinstance(v, torch.dtype):
+                raise ConfigError(
+                    f"spmd.MixedPrecision: {knob} must be a torch.dtype such as torch.bfloat16, or None; "
+                    f"got {v!r}."
+                )
+            if not v.is_floating_point:
+                raise ConfigError(
+                    f"spmd.MixedPrecision: {knob} must be a floating-point dtype (torch.bfloat16, "
+                    f"torch.float16, torch.float32), got {v}."
+                )
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise ConfigError(
+                f"spmd.MixedPrecision: cast_forward_inputs must be True or False, got "
+                f"{self.cast_forward_inputs!r}."
+            )
+
+    @property
+    def gradient_reduce_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are reduced in (``reduce_dtype``, else ``param_dtype``); None: unchanged."""
+        return self.reduce_dtype or self.param_dtype
+
+    def compute_casts(self) -> ComputeCasts | None:
+        """What the tracer casts (None when nothing is cast at trace time)."""
+        if self.param_dtype is None and self.buffer_dtype is None:
+            return None
+        return ComputeCasts(
+            param_dtype=self.param_dtype,
+            buffer_dtype=self.buffer_dtype,
+            input_dtype=self.param_dtype if self.cast_forward_inputs else None,
+        )
