@@ -467,8 +467,18 @@ class _Partitioner:
             res.meta[GRAD_OF] = name
             tag.replace_all_uses_with(res)
             self.graph.erase_node(tag)
-            if send is not g and not g.users:
-                self.graph.erase_node(g)
+            # A bypassed upcast (and autograd's detach of it) is now dead.
+            dead = g
+            while (
+                dead is not send
+                and not dead.users
+                and dead.target in (aten.detach.default, aten._to_copy.default)
+            ):
+                up = dead.args[0]
+                self.graph.erase_node(dead)
+                if not isinstance(up, fx.Node):
+                    break
+                dead = up
 
     def _to_reduce_dtype(self, g: fx.Node, like: fx.Node) -> fx.Node:
         """The gradient as the reduction sends it: ``g``, or ``g`` cast to the reduce dtype.
@@ -480,8 +490,11 @@ class _Partitioner:
         rd = self.reduce_dtype
         if rd is None or g.meta["val"].dtype == rd:
             return g
-        if g.target is aten._to_copy.default:
-            src = g.args[0]
+        up = g
+        while up.target is aten.detach.default and isinstance(up.args[0], fx.Node):
+            up = up.args[0]  # autograd hands over p.grad detached
+        if up.target is aten._to_copy.default:
+            src = up.args[0]
             if isinstance(src, fx.Node) and src.meta["val"].dtype == rd and _widens(rd, g.meta["val"].dtype):
                 return src
         return self._to_dtype(g, rd, like)
