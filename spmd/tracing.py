@@ -159,6 +159,13 @@ def check_devices(fn: Callable[..., Any], step_args: StepArgs, state: LiftedStat
         home = next((t.device for t in step_args.tensors if t.dim() > 0), None)
     if home is None:
         return
+    if home.type == "meta":
+        raise InvalidArgumentsError(
+            "spmd.compile: the model's parameters are on the meta device (no data). spmd.DataParallel "
+            "materialises a meta-device model before tracing (with reset_parameters() or its "
+            "param_init_fn); a custom ParallelMode must do it in prepare(), or build the model on a "
+            "real device."
+        )
 
     def off(t: torch.Tensor) -> bool:
         return t.device != home and not (t.dim() == 0 and t.device.type == "cpu")

@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import math
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -100,6 +101,12 @@ class DataParallel(ParallelMode):
         min_unit_mb: neighbouring units smaller than this are merged into one communication
             unit (one gather, one reduce-scatter), so stacks of tiny blocks do not pay a
             collective's latency per block; larger blocks stay units of their own.
+        param_init_fn: for a model built on ``torch.device("meta")``: ``fn(module)`` is called
+            on each module whose own parameters or buffers are on the meta device, after they
+            are allocated (empty) on the mesh's device, and must initialise them (FSDP1's
+            ``param_init_fn``). Default: the module's ``reset_parameters()``. Modules are
+            materialised one at a time and sharded at once, so no rank holds the full model;
+            see :func:`spmd.parallel.sharding.materialize_meta`.
     """
 
     parallel_style: str = "replicate"
@@ -115,6 +122,7 @@ class DataParallel(ParallelMode):
     max_inflight_bytes: int | str | None = "auto"
     sync_module_states: bool = False
     min_unit_mb: float = 1.0
+    param_init_fn: Callable[[nn.Module], None] | None = None
 
     def __post_init__(self) -> None:
         if self.parallel_style not in STYLES:
@@ -155,6 +163,11 @@ class DataParallel(ParallelMode):
             v = getattr(self, knob)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"spmd.DataParallel: {knob} must be an int >= 0, got {v!r}.")
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise ConfigError(
+                "spmd.DataParallel: param_init_fn must be a function fn(module) that initialises the "
+                f"module's own parameters and buffers, got {self.param_init_fn!r}."
+            )
         m = self.max_inflight_bytes
         if not (m is None or m == "auto" or (isinstance(m, int) and not isinstance(m, bool) and m > 0)):
             raise ConfigError(
@@ -190,22 +203,27 @@ class DataParallel(ParallelMode):
             if isinstance(p, sharding.DTensor):
                 return p.device_mesh
         p0 = next(module.parameters(), None)
-        device_type = p0.device.type if p0 is not None else "cpu"
-        return sharding.default_mesh(device_type)
+        if p0 is None or p0.is_meta:
+            return sharding.default_mesh(_init_device().type)
+        return sharding.default_mesh(p0.device.type)
 
     def distribute(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Put the model's parameters and the optimizer's state in their distributed (DTensor) form now.
 
         The first compiled call does this by itself; call it yourself to load a checkpoint
         (``torch.distributed.checkpoint``) into the distributed state before training.
-        Optimizer state is created (zeros) if the optimizer has none yet.
+        Optimizer state is created (zeros) if the optimizer has none yet. A model on the
+        meta device is materialised here (see ``param_init_fn``).
         """
         self.prepare(module, optimizer, None)
 
     def prepare(
         self, module: nn.Module, optimizer: torch.optim.Optimizer | None, args: StepArgs | None
     ) -> None:
-        if sharding.world_info()[1] == 1 and self.mesh is None:
+        single = sharding.world_info()[1] == 1 and self.mesh is None
+        if sharding.is_meta_model(module):
+            self._materialize(module, optimizer, single)
+        if single:
             return
         if all(isinstance(p, sharding.DTensor) for p in module.parameters()):
             return
@@ -219,6 +237,32 @@ class DataParallel(ParallelMode):
         )
         log.info("spmd: distributed %d parameters (%s)", n, self.parallel_style)
 
+    def _materialize(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, single: bool) -> None:
+        """Materialise a meta-device model module by module, each module sharded at once.
+
+        An optimizer built over the meta parameters is re-keyed to the new ones (its state,
+        created later by the first compile, is then created on the shards).
+        """
+        if optimizer is not None and any(
+            optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]
+        ):
+            raise ConfigError(
+                "spmd.DataParallel: the optimizer already has state for parameters on the meta device. "
+                "Build the optimizer over the meta model without stepping it (or after "
+                "DataParallel(...).distribute(model))."
+            )
+        mesh = None if single else self._mesh(module)
+        device = _init_device(mesh)
+        new_of = sharding.materialize_meta(
+            module,
+            device=device,
+            mesh=mesh,
+            shard=self.parallel_style == "fully_shard",
+            param_init_fn=self.param_init_fn,
+            sync_module_states=self.sync_module_states,
+        )
+        sharding.rekey_optimizer(optimizer, new_of, mesh)
+
     # ------------------------------------------------------------------ graph
 
     def partition(self, gm: fx.GraphModule, state: LiftedState, args: StepArgs) -> fx.GraphModule:
@@ -226,6 +270,22 @@ class DataParallel(ParallelMode):
             return gm  # world size 1: nothing to communicate
         mesh = self._mesh(args.module)
         return _Partitioner(gm, state, args, mesh, self).run()
+
+
+def _init_device(mesh: Any = None) -> torch.device:
+    """Where a meta-device model is materialised: the mesh's device; without a mesh, CUDA
+    when the default process group can run on it (NCCL), else the CPU."""
+    if mesh is not None:
+        device_type = mesh.device_type
+    elif torch.cuda.is_available() and (
+        not torch.distributed.is_initialized() or "nccl" in str(torch.distributed.get_backend())
+    ):
+        device_type = "cuda"
+    else:
+        device_type = "cpu"
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
 
 
 class _Partitioner:
