@@ -45,6 +45,7 @@ from spmd import optim as optim_utils
 from spmd.errors import ConfigError, TraceError
 from spmd.parallel import sharding
 from spmd.parallel.base import ParallelMode
+from spmd.parallel.offload import CPU, CPUOffloadPolicy
 
 if TYPE_CHECKING:
     from spmd.tracing import LiftedState, StepArgs
@@ -107,6 +108,12 @@ class DataParallel(ParallelMode):
             ``param_init_fn``). Default: the module's ``reset_parameters()``. Modules are
             materialised one at a time and sharded at once, so no rank holds the full model;
             see :func:`spmd.parallel.sharding.materialize_meta`.
+        offload_policy: ``spmd.CPUOffloadPolicy(pin_memory=True)``: fully_shard only. When the
+            model computes on an accelerator, parameter shards, gradient shards and optimizer
+            state live on the CPU and the optimizer runs there; the graph copies each shard to
+            the device before its all-gathers and each reduced gradient back after its
+            reduce-scatter (FSDP2's ``offload_policy``; FSDP1's ``cpu_offload``). Ignored on a
+            CPU model. See :mod:`spmd.parallel.offload`.
     """
 
     parallel_style: str = "replicate"
@@ -123,6 +130,7 @@ class DataParallel(ParallelMode):
     sync_module_states: bool = False
     min_unit_mb: float = 1.0
     param_init_fn: Callable[[nn.Module], None] | None = None
+    offload_policy: CPUOffloadPolicy | None = None
 
     def __post_init__(self) -> None:
         if self.parallel_style not in STYLES:
@@ -168,6 +176,18 @@ class DataParallel(ParallelMode):
                 "spmd.DataParallel: param_init_fn must be a function fn(module) that initialises the "
                 f"module's own parameters and buffers, got {self.param_init_fn!r}."
             )
+        if self.offload_policy is not None:
+            if not isinstance(self.offload_policy, CPUOffloadPolicy):
+                raise ConfigError(
+                    "spmd.DataParallel: offload_policy must be spmd.CPUOffloadPolicy(...) or None, got "
+                    f"{self.offload_policy!r}."
+                )
+            if self.parallel_style != "fully_shard":
+                raise ConfigError(
+                    "spmd.DataParallel: offload_policy offloads sharded state and needs "
+                    f"parallel_style='fully_shard', got {self.parallel_style!r}. Use "
+                    "DataParallel('fully_shard', offload_policy=spmd.CPUOffloadPolicy())."
+                )
         m = self.max_inflight_bytes
         if not (m is None or m == "auto" or (isinstance(m, int) and not isinstance(m, bool) and m > 0)):
             raise ConfigError(
@@ -232,8 +252,9 @@ class DataParallel(ParallelMode):
         if optimizer is not None:
             # State is created on the full tensors, then sharded with them.
             optim_utils.ensure_state(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
+        mesh = self._mesh(module)
         n = sharding.distribute_state(
-            module, optimizer, self._mesh(module), shard=self.parallel_style == "fully_shard"
+            module, optimizer, mesh, shard=self.parallel_style == "fully_shard", offload=self._offload(mesh)
         )
         log.info("spmd: distributed %d parameters (%s)", n, self.parallel_style)
 
@@ -260,8 +281,19 @@ class DataParallel(ParallelMode):
             shard=self.parallel_style == "fully_shard",
             param_init_fn=self.param_init_fn,
             sync_module_states=self.sync_module_states,
+            offload=self._offload(mesh),
         )
-        sharding.rekey_optimizer(optimizer, new_of, mesh)
+        sharding.rekey_optimizer(optimizer, new_of, mesh, self._offload(mesh))
+
+    def _offload(self, mesh: Any) -> CPUOffloadPolicy | None:
+        """The offload policy where it applies: a mesh on an accelerator (a CPU model has
+        nothing to offload, and the policy is ignored)."""
+        if self.offload_policy is None or mesh is None:
+            return None
+        if mesh.device_type == "cpu":
+            log.info("spmd: offload_policy ignored: the model computes on the CPU already")
+            return None
+        return self.offload_policy
 
     # ------------------------------------------------------------------ graph
 
@@ -305,16 +337,28 @@ class _Partitioner:
             for name, p in state.params
             if sharding.is_sharded(p)
         }
+        # parameter fqn -> the device it computes on, for parameters whose local tensor lives
+        # elsewhere (CPU offload): the trace saw them on the device, the state holds them on the CPU.
+        self.offloaded: dict[str, torch.device] = {}
+        for name, p in state.params:
+            val = self.by_name[name].meta.get("val")
+            if isinstance(val, torch.Tensor) and sharding.local(p).device.type != val.device.type:
+                self.offloaded[name] = val.device
+        self.non_blocking = dp.offload_policy is not None and dp.offload_policy.pin_memory
 
     def run(self) -> fx.GraphModule:
         if self.dp.broadcast_buffers:
             self._broadcast_mutated_buffers()
         for name in self.layouts:
             self._gather_param(name)
+        for name in self.offloaded.keys() - self.layouts.keys():
+            self._copy_in_replicated(name)
         self._reduce_grads()
         if self.layouts:
             self._globalize_norms()
             self._align_fused_optimizer()
+        if self.offloaded:
+            self._optimizer_on_cpu()
         self.graph.lint()
         self.gm.recompile()
         self._refresh_vals()
@@ -326,10 +370,24 @@ class _Partitioner:
         order = {n: i for i, n in enumerate(self.graph.nodes)}
         return min(nodes, key=order.__getitem__)
 
-    def _call(self, target: Any, args: tuple[Any, ...], like: fx.Node, role: Role = Role.COMM) -> fx.Node:
-        n = self.graph.call_function(target, args)
+    def _call(
+        self,
+        target: Any,
+        args: tuple[Any, ...],
+        like: fx.Node,
+        role: Role = Role.COMM,
+        kwargs: dict[str, Any] | None = None,
+    ) -> fx.Node:
+        n = self.graph.call_function(target, args, kwargs)
         copy_meta(n, like, role=role)
         return n
+
+    def _to_device(self, x: fx.Node, device: torch.device, like: fx.Node, role: Role = Role.COMM) -> fx.Node:
+        """A copy of ``x`` on ``device``: host-to-device (non-blocking from pinned memory) or
+        device-to-host (blocking: the CPU reads it next; see spmd.parallel.offload)."""
+        non_blocking = self.non_blocking and device.type != "cpu"
+        kwargs = {"device": device, "non_blocking": non_blocking}
+        return self._call(aten._to_copy.default, (x,), like, role=role, kwargs=kwargs)
 
     # ---------------------------------------------------------------- buffers
 
@@ -360,10 +418,12 @@ class _Partitioner:
         """shard -> (pad) -> all_gather -> wait -> (slice) : the full parameter."""
         lay = self.layouts[name]
         x = p
+        if name in self.offloaded:  # the shard lives on the CPU: host-to-device first
+            x = self._to_device(p, self.offloaded[name], like)
         if lay.padded:
             pad_rows = lay.chunk - lay.local_rows
             ndim = len(self.params[name].shape)
-            x = self._call(aten.constant_pad_nd.default, (p, [0, 0] * (ndim - 1) + [0, pad_rows]), like)
+            x = self._call(aten.constant_pad_nd.default, (x, [0, 0] * (ndim - 1) + [0, pad_rows]), like)
         coll = self._call(C._c10d.all_gather_into_tensor.default, (x, self.world, self.group), like)
         full = self._call(C.WAIT, (coll,), like)
         if lay.padded:
@@ -412,6 +472,34 @@ class _Partitioner:
                 if is_bwd(u) and u is not remap.get(u):
                     u.replace_input_with(d, remap[d])
 
+    def _copy_in_replicated(self, name: str) -> None:
+        """An offloaded parameter that is not sharded (0-d): copy it to the device once,
+        before its first forward/backward use."""
+        p = self.by_name[name]
+        users = [u for u in p.users if u.meta.get(PHASE) is not Phase.OPTIMIZER]
+        if not users:
+            return
+        first = self._first(users)
+        with self.graph.inserting_before(first):
+            on_device = self._to_device(p, self.offloaded[name], first)
+        for u in users:
+            u.replace_input_with(p, on_device)
+
+    def _optimizer_on_cpu(self) -> None:
+        """Point factory ops of the optimizer region at the CPU, where offloaded state lives.
+
+        The trace saw the optimizer on the device; after offload it reads CPU shards, CPU
+        gradients and CPU state, so a tensor it creates with ``device=<the device>`` (none
+        in SGD/Adam/AdamW/clip_grad_norm_ on torch 2.13, but a custom step may) goes to the CPU.
+        """
+        devices = {d.type for d in self.offloaded.values()}
+        for n in self.graph.nodes:
+            if n.meta.get(PHASE) is not Phase.OPTIMIZER or n.meta.get(ROLE) is Role.COMM:
+                continue
+            dev = n.kwargs.get("device")
+            if isinstance(dev, torch.device) and dev.type in devices:
+                n.kwargs = {**n.kwargs, "device": CPU}
+
     # ---------------------------------------------------------------- grads
 
     def _reduce_grads(self) -> None:
@@ -433,6 +521,8 @@ class _Partitioner:
                 res = wait
                 if sharded and self.layouts[name].padded:
                     res = self._call(aten.slice.Tensor, (wait, 0, 0, self.layouts[name].local_rows), tag)
+                if name in self.offloaded:  # the optimizer runs on the CPU: device-to-host
+                    res = self._to_device(res, CPU, tag)
             res.meta[ROLE] = Role.GRAD
             res.meta[GRAD_OF] = name
             tag.replace_all_uses_with(res)
@@ -552,16 +642,26 @@ class _Partitioner:
 
     def _globalize(self, norm: fx.Node, ord_: Any) -> None:
         users = list(norm.users)
+        # Offloaded gradients have CPU norms; the collective runs on the device (NCCL has no CPU).
+        device = next(iter(self.offloaded.values()), None)
         with self.graph.inserting_before(norm.next):
+
+            def reduce(x: fx.Node, op: str) -> fx.Node:
+                if device is not None:
+                    x = self._to_device(x, device, norm)
+                wait = self._call(
+                    C.WAIT, (self._call(C._c10d.all_reduce.default, (x, op, self.group), norm),), norm
+                )
+                return wait if device is None else self._to_device(wait, CPU, norm, role=Role.UPDATE)
+
             if ord_ in (float("inf"), "inf"):
-                coll = self._call(C._c10d.all_reduce.default, (norm, "max", self.group), norm)
-                out = self._call(C.WAIT, (coll,), norm)
+                out = reduce(norm, "max")
             else:
                 p = float(ord_)
                 powed = self._call(aten.pow.Tensor_Scalar, (norm, p), norm, role=Role.UPDATE)
-                coll = self._call(C._c10d.all_reduce.default, (powed, "sum", self.group), norm)
-                wait = self._call(C.WAIT, (coll,), norm)
-                out = self._call(aten.pow.Tensor_Scalar, (wait, 1.0 / p), norm, role=Role.UPDATE)
+                out = self._call(
+                    aten.pow.Tensor_Scalar, (reduce(powed, "sum"), 1.0 / p), norm, role=Role.UPDATE
+                )
         for u in users:
             u.replace_input_with(norm, out)
 

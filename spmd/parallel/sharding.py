@@ -24,8 +24,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from spmd.errors import ConfigError
+from spmd.parallel.offload import CPUOffloadPolicy, to_host
 
 log = logging.getLogger("spmd")
 
@@ -89,12 +91,49 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _to_dtensor(t: torch.Tensor, mesh: DeviceMesh, shard: bool) -> DTensor:
+def compute_device(t: torch.Tensor) -> torch.device:
+    """The device ``t`` computes on in the traced step: its own, except for an offloaded
+    DTensor (local tensor on the CPU, mesh on an accelerator), which computes on the mesh's."""
+    if isinstance(t, DTensor):
+        loc, mesh_type = t._local_tensor.device, t.device_mesh.device_type
+        if loc.type == mesh_type:
+            return loc
+        handle = getattr(torch, mesh_type, None)
+        if handle is not None and getattr(handle, "is_available", lambda: False)():
+            return torch.device(mesh_type, handle.current_device())
+        # No such device here (fake tensors under the fake process group): fake tensors say index 0.
+        return torch.device(mesh_type, 0)
+    return t.device
+
+
+def _to_dtensor(
+    t: torch.Tensor, mesh: DeviceMesh, shard: bool, offload: CPUOffloadPolicy | None = None
+) -> DTensor:
+    if offload is not None:
+        return _to_offloaded_dtensor(t, mesh, shard, offload)
     if not shard:
         return DTensor.from_local(t.detach(), mesh, [Replicate()], run_check=False)
     lay = ShardLayout(t.shape[0], mesh.size(), mesh.get_local_rank())
     piece = t.detach().narrow(0, lay.offset, lay.local_rows).clone()
     return DTensor.from_local(piece, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _to_offloaded_dtensor(
+    t: torch.Tensor, mesh: DeviceMesh, shard: bool, offload: CPUOffloadPolicy
+) -> DTensor:
+    """A DTensor on ``mesh`` whose local tensor lives on the CPU (``from_local`` would move it
+    to the mesh's device, so the spec is built directly, as FSDP2 does for offloaded shards)."""
+    if shard:
+        lay = ShardLayout(t.shape[0], mesh.size(), mesh.get_local_rank())
+        piece = to_host(t.detach().narrow(0, lay.offset, lay.local_rows), offload)
+        if piece.untyped_storage().nbytes() != piece.nbytes:
+            piece = piece.clone()  # the shard alone, never a view of the full (CPU) tensor
+    else:
+        piece = to_host(t.detach(), offload)
+    spec = DTensorSpec(
+        mesh, (Shard(0),) if shard else (Replicate(),), TensorMeta(t.shape, t.stride(), t.dtype)
+    )
+    return DTensor(piece, spec, requires_grad=False)  # type: ignore[call-arg]
 
 
 def distribute_state(
@@ -104,6 +143,7 @@ def distribute_state(
     *,
     shard: bool,
     replaced: dict[int, nn.Parameter] | None = None,
+    offload: CPUOffloadPolicy | None = None,
 ) -> int:
     """Turn every plain parameter of ``module`` into a DTensor parameter, in place.
 
@@ -111,8 +151,9 @@ def distribute_state(
     param_groups and state are re-keyed to the new parameters, and state tensors
     shaped like their parameter take its placement. ``replaced`` maps ``id(old)`` to
     the new parameter for parameters already swapped by the caller
-    (:func:`materialize_meta`), so the optimizer follows those too. Returns how many
-    parameters were converted (0 when the model is already distributed).
+    (:func:`materialize_meta`), so the optimizer follows those too. With ``offload`` the
+    local tensors of parameters and optimizer state go to the CPU (:mod:`spmd.parallel.offload`).
+    Returns how many parameters were converted (0 when the model is already distributed).
     """
     new_of: dict[int, nn.Parameter] = dict(replaced or {})
     for mod in module.modules():
@@ -121,19 +162,25 @@ def distribute_state(
                 continue
             if id(p) not in new_of:
                 sharded = shard and p.dim() > 0
-                new_of[id(p)] = nn.Parameter(_to_dtensor(p, mesh, sharded), requires_grad=p.requires_grad)
+                new_of[id(p)] = nn.Parameter(
+                    _to_dtensor(p, mesh, sharded, offload), requires_grad=p.requires_grad
+                )
             mod._parameters[name] = new_of[id(p)]
-    rekey_optimizer(optimizer, new_of, mesh)
+    rekey_optimizer(optimizer, new_of, mesh, offload)
     return len(new_of)
 
 
 def rekey_optimizer(
-    optimizer: torch.optim.Optimizer | None, new_of: dict[int, nn.Parameter], mesh: DeviceMesh | None
+    optimizer: torch.optim.Optimizer | None,
+    new_of: dict[int, nn.Parameter],
+    mesh: DeviceMesh | None,
+    offload: CPUOffloadPolicy | None = None,
 ) -> None:
     """Point the optimizer's param_groups and state at the new parameters (``id(old) -> new``).
 
     State tensors shaped like their parameter take the new parameter's placement
-    (when ``mesh`` is given and the new parameter is a DTensor).
+    (when ``mesh`` is given and the new parameter is a DTensor); with ``offload`` they and
+    the scalar state (Adam's ``step``) move to the CPU, where the optimizer will run.
     """
     if not new_of or optimizer is None:
         return
@@ -152,7 +199,9 @@ def rekey_optimizer(
                         and not isinstance(v, DTensor)
                         and v.shape == p.shape
                     ):
-                        st[k] = _to_dtensor(v, mesh, is_sharded(np_))
+                        st[k] = _to_dtensor(v, mesh, is_sharded(np_), offload)
+                    elif offload is not None and isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+                        st[k] = v.to("cpu")
                 old_state[np_] = st
             new_params.append(np_)
         g["params"] = new_params
@@ -178,6 +227,7 @@ def materialize_meta(
     shard: bool,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     sync_module_states: bool = False,
+    offload: CPUOffloadPolicy | None = None,
 ) -> dict[int, nn.Parameter]:
     """Allocate and initialise a model built on the meta device, one module at a time.
 
@@ -188,7 +238,8 @@ def materialize_meta(
     them from rank 0 if ``sync_module_states``, and replace each parameter at once by this
     rank's DTensor shard (``shard``) or replica. So at most one module's full tensors are
     alive at a time, and no rank ever holds the full model. With ``mesh=None`` (world size
-    1) the parameters stay plain tensors on ``device``.
+    1) the parameters stay plain tensors on ``device``. With ``offload`` each shard goes to
+    the CPU as soon as it is cut (:mod:`spmd.parallel.offload`).
 
     A tied parameter is materialised at its first module; a later module holding it still
     runs its initialiser on a scratch copy (so the random stream is consumed as eager
@@ -236,7 +287,9 @@ def materialize_meta(
                         new_of[id(p)] = full
                     else:
                         sharded = shard and full.dim() > 0
-                        new_of[id(p)] = nn.Parameter(_to_dtensor(full, mesh, sharded), full.requires_grad)
+                        new_of[id(p)] = nn.Parameter(
+                            _to_dtensor(full, mesh, sharded, offload), full.requires_grad
+                        )
                 mod._parameters[n] = new_of[id(p)]
             for n, b in meta_bufs:
                 new_buf_of.setdefault(id(b), mod._buffers[n])  # type: ignore[arg-type]
