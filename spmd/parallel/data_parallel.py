@@ -17,6 +17,10 @@ parameters. ``partition`` makes it the SPMD step:
   partial sums.
 * Buffers mutated by the step (BatchNorm running stats) are broadcast from rank 0
   before their first use, as DDP's ``broadcast_buffers`` does.
+* CPU offload (``offload_policy``): a parameter whose local shard is on the CPU while the
+  trace saw it on the device is copied host-to-device before each of its all-gathers, and
+  its reduced gradient device-to-host after the reduce-scatter's wait, so the optimizer
+  runs on the CPU (:mod:`spmd.parallel.offload`).
 
 Which parameters are sharded is read from the model's state (DTensor placements),
 so a second compiled function on the same model (an eval step) follows whatever
