@@ -21,6 +21,7 @@ from spmd.errors import (
     UntraceableOpError,
 )
 from spmd.parallel import DataParallel, MixedPrecision, ParallelMode
+from spmd.parallel.offload import CPUOffloadPolicy
 from spmd.parallel.sharding import full_state_dict
 from spmd.report import StepReport
 from spmd.simulate import simulate
@@ -28,6 +29,7 @@ from spmd.simulate import simulate
 logging.getLogger("spmd").addHandler(logging.NullHandler())
 
 __all__ = [
+    "CPUOffloadPolicy",
     "CacheLimitError",
     "CollectiveError",
     "CompiledStep",

@@ -52,6 +52,7 @@ from spmd.errors import (
     TraceError,
     UntraceableOpError,
 )
+from spmd.parallel.sharding import compute_device
 
 log = logging.getLogger("spmd")
 
@@ -149,11 +150,13 @@ def check_devices(fn: Callable[..., Any], step_args: StepArgs, state: LiftedStat
 
     The device is the parameters'. Buffers, optimizer state and argument tensors must be
     on it too; 0-d tensors may stay on the CPU (as torch allows, e.g. Adam's ``step``).
-    A mismatch would otherwise surface as a fake-tensor error deep inside the trace.
+    A mismatch would otherwise surface as a fake-tensor error deep inside the trace. A
+    CPU-offloaded DTensor (local shard on the CPU, mesh on an accelerator) counts as on the
+    mesh's device, where it computes.
     """
     param_devices: dict[torch.device, list[str]] = defaultdict(list)
     for n, p in state.params:
-        param_devices[p.device].append(n)
+        param_devices[compute_device(p)].append(n)
     if len(param_devices) > 1:
         where = "; ".join(f"{_few(names)} on {d}" for d, names in param_devices.items())
         raise InvalidArgumentsError(
@@ -165,9 +168,16 @@ def check_devices(fn: Callable[..., Any], step_args: StepArgs, state: LiftedStat
         home = next((t.device for t in step_args.tensors if t.dim() > 0), None)
     if home is None:
         return
+    if home.type == "meta":
+        raise InvalidArgumentsError(
+            "spmd.compile: the model's parameters are on the meta device (no data). spmd.DataParallel "
+            "materialises a meta-device model before tracing (with reset_parameters() or its "
+            "param_init_fn); a custom ParallelMode must do it in prepare(), or build the model on a "
+            "real device."
+        )
 
     def off(t: torch.Tensor) -> bool:
-        return t.device != home and not (t.dim() == 0 and t.device.type == "cpu")
+        return compute_device(t) != home and not (t.dim() == 0 and t.device.type == "cpu")
 
     stray = [f"buffer {n!r} on {b.device}" for n, b in state.buffers if off(b)]
     stray += [f"optimizer state {n}.{k} on {t.device}" for n, k, t in state.optim_states if off(t)]
@@ -623,7 +633,8 @@ def _trace_input(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
     """
     if isinstance(t, DTensor):
         with mode:
-            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t._local_tensor.device)
+            # An offloaded shard (local tensor on the CPU) is traced where it computes: the mesh's device.
+            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=compute_device(t))
         return fake.requires_grad_(t.requires_grad)
     return mode.from_tensor(t)
 

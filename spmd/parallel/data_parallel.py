@@ -26,6 +26,10 @@ parameters. ``partition`` makes it the SPMD step:
   dtype, so the optimizer reads and updates fp32 master weights.
 * Buffers mutated by the step (BatchNorm running stats) are broadcast from rank 0
   before their first use, as DDP's ``broadcast_buffers`` does.
+* CPU offload (``offload_policy``): a parameter whose local shard is on the CPU while the
+  trace saw it on the device is copied host-to-device before each of its all-gathers, and
+  its reduced gradient device-to-host after the reduce-scatter's wait, so the optimizer
+  runs on the CPU (:mod:`spmd.parallel.offload`).
 
 Which parameters are sharded is read from the model's state (DTensor placements),
 so a second compiled function on the same model (an eval step) follows whatever
@@ -38,6 +42,7 @@ import dataclasses
 import logging
 import math
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,6 +59,7 @@ from spmd.errors import ConfigError, TraceError
 from spmd.parallel import sharding
 from spmd.parallel.base import ParallelMode
 from spmd.parallel.mixed_precision import MixedPrecision
+from spmd.parallel.offload import CPU, CPUOffloadPolicy
 
 if TYPE_CHECKING:
     from spmd.tracing import ComputeCasts, LiftedState, StepArgs
@@ -113,6 +119,18 @@ class DataParallel(ParallelMode):
         mixed_precision: a :class:`~spmd.MixedPrecision`: compute in ``param_dtype`` over fp32
             master weights (sharded under fully_shard; gathered in ``param_dtype``), reduce
             gradients in ``reduce_dtype``, optimizer in fp32 (FSDP2 ``mp_policy``).
+        param_init_fn: for a model built on ``torch.device("meta")``: ``fn(module)`` is called
+            on each module whose own parameters or buffers are on the meta device, after they
+            are allocated (empty) on the mesh's device, and must initialise them (FSDP1's
+            ``param_init_fn``). Default: the module's ``reset_parameters()``. Modules are
+            materialised one at a time and sharded at once, so no rank holds the full model;
+            see :func:`spmd.parallel.sharding.materialize_meta`.
+        offload_policy: ``spmd.CPUOffloadPolicy(pin_memory=True)``: fully_shard only. When the
+            model computes on an accelerator, parameter shards, gradient shards and optimizer
+            state live on the CPU and the optimizer runs there; the graph copies each shard to
+            the device before its all-gathers and each reduced gradient back after its
+            reduce-scatter (FSDP2's ``offload_policy``; FSDP1's ``cpu_offload``). Ignored on a
+            CPU model. See :mod:`spmd.parallel.offload`.
     """
 
     parallel_style: str = "replicate"
@@ -129,6 +147,8 @@ class DataParallel(ParallelMode):
     sync_module_states: bool = False
     min_unit_mb: float = 1.0
     mixed_precision: MixedPrecision | None = None
+    param_init_fn: Callable[[nn.Module], None] | None = None
+    offload_policy: CPUOffloadPolicy | None = None
 
     def __post_init__(self) -> None:
         if self.parallel_style not in STYLES:
@@ -183,6 +203,23 @@ class DataParallel(ParallelMode):
                 f"spmd.DataParallel: mixed_precision must be an spmd.MixedPrecision or None, got "
                 f"{type(mp).__name__}{hint}."
             )
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise ConfigError(
+                "spmd.DataParallel: param_init_fn must be a function fn(module) that initialises the "
+                f"module's own parameters and buffers, got {self.param_init_fn!r}."
+            )
+        if self.offload_policy is not None:
+            if not isinstance(self.offload_policy, CPUOffloadPolicy):
+                raise ConfigError(
+                    "spmd.DataParallel: offload_policy must be spmd.CPUOffloadPolicy(...) or None, got "
+                    f"{self.offload_policy!r}."
+                )
+            if self.parallel_style != "fully_shard":
+                raise ConfigError(
+                    "spmd.DataParallel: offload_policy offloads sharded state and needs "
+                    f"parallel_style='fully_shard', got {self.parallel_style!r}. Use "
+                    "DataParallel('fully_shard', offload_policy=spmd.CPUOffloadPolicy())."
+                )
         m = self.max_inflight_bytes
         if not (m is None or m == "auto" or (isinstance(m, int) and not isinstance(m, bool) and m > 0)):
             raise ConfigError(
@@ -221,22 +258,27 @@ class DataParallel(ParallelMode):
             if isinstance(p, sharding.DTensor):
                 return p.device_mesh
         p0 = next(module.parameters(), None)
-        device_type = p0.device.type if p0 is not None else "cpu"
-        return sharding.default_mesh(device_type)
+        if p0 is None or p0.is_meta:
+            return sharding.default_mesh(_init_device().type)
+        return sharding.default_mesh(p0.device.type)
 
     def distribute(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Put the model's parameters and the optimizer's state in their distributed (DTensor) form now.
 
         The first compiled call does this by itself; call it yourself to load a checkpoint
         (``torch.distributed.checkpoint``) into the distributed state before training.
-        Optimizer state is created (zeros) if the optimizer has none yet.
+        Optimizer state is created (zeros) if the optimizer has none yet. A model on the
+        meta device is materialised here (see ``param_init_fn``).
         """
         self.prepare(module, optimizer, None)
 
     def prepare(
         self, module: nn.Module, optimizer: torch.optim.Optimizer | None, args: StepArgs | None
     ) -> None:
-        if sharding.world_info()[1] == 1 and self.mesh is None:
+        single = sharding.world_info()[1] == 1 and self.mesh is None
+        if sharding.is_meta_model(module):
+            self._materialize(module, optimizer, single)
+        if single:
             return
         if all(isinstance(p, sharding.DTensor) for p in module.parameters()):
             return
@@ -245,10 +287,48 @@ class DataParallel(ParallelMode):
         if optimizer is not None:
             # State is created on the full tensors, then sharded with them.
             optim_utils.ensure_state(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
+        mesh = self._mesh(module)
         n = sharding.distribute_state(
-            module, optimizer, self._mesh(module), shard=self.parallel_style == "fully_shard"
+            module, optimizer, mesh, shard=self.parallel_style == "fully_shard", offload=self._offload(mesh)
         )
         log.info("spmd: distributed %d parameters (%s)", n, self.parallel_style)
+
+    def _materialize(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, single: bool) -> None:
+        """Materialise a meta-device model module by module, each module sharded at once.
+
+        An optimizer built over the meta parameters is re-keyed to the new ones (its state,
+        created later by the first compile, is then created on the shards).
+        """
+        if optimizer is not None and any(
+            optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]
+        ):
+            raise ConfigError(
+                "spmd.DataParallel: the optimizer already has state for parameters on the meta device. "
+                "Build the optimizer over the meta model without stepping it (or after "
+                "DataParallel(...).distribute(model))."
+            )
+        mesh = None if single else self._mesh(module)
+        device = _init_device(mesh)
+        new_of = sharding.materialize_meta(
+            module,
+            device=device,
+            mesh=mesh,
+            shard=self.parallel_style == "fully_shard",
+            param_init_fn=self.param_init_fn,
+            sync_module_states=self.sync_module_states,
+            offload=self._offload(mesh),
+        )
+        sharding.rekey_optimizer(optimizer, new_of, mesh, self._offload(mesh))
+
+    def _offload(self, mesh: Any) -> CPUOffloadPolicy | None:
+        """The offload policy where it applies: a mesh on an accelerator (a CPU model has
+        nothing to offload, and the policy is ignored)."""
+        if self.offload_policy is None or mesh is None:
+            return None
+        if mesh.device_type == "cpu":
+            log.info("spmd: offload_policy ignored: the model computes on the CPU already")
+            return None
+        return self.offload_policy
 
     # ------------------------------------------------------------------ graph
 
@@ -257,6 +337,22 @@ class DataParallel(ParallelMode):
             return gm  # world size 1: nothing to communicate
         mesh = self._mesh(args.module)
         return _Partitioner(gm, state, args, mesh, self).run()
+
+
+def _init_device(mesh: Any = None) -> torch.device:
+    """Where a meta-device model is materialised: the mesh's device; without a mesh, CUDA
+    when the default process group can run on it (NCCL), else the CPU."""
+    if mesh is not None:
+        device_type = mesh.device_type
+    elif torch.cuda.is_available() and (
+        not torch.distributed.is_initialized() or "nccl" in str(torch.distributed.get_backend())
+    ):
+        device_type = "cuda"
+    else:
+        device_type = "cpu"
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
 
 
 class _Partitioner:
@@ -284,6 +380,14 @@ class _Partitioner:
             for n in self.graph.nodes
             if n.op == "call_function" and n.meta.get(CAST_OF) in self.params
         }
+        # parameter fqn -> the device it computes on, for parameters whose local tensor lives
+        # elsewhere (CPU offload): the trace saw them on the device, the state holds them on the CPU.
+        self.offloaded: dict[str, torch.device] = {}
+        for name, p in state.params:
+            val = self.by_name[name].meta.get("val")
+            if isinstance(val, torch.Tensor) and sharding.local(p).device.type != val.device.type:
+                self.offloaded[name] = val.device
+        self.non_blocking = dp.offload_policy is not None and dp.offload_policy.pin_memory
 
     def run(self) -> fx.GraphModule:
         if self.dp.broadcast_buffers:
@@ -291,10 +395,14 @@ class _Partitioner:
         for name in self.layouts:
             self._gather_param(name)
         self._place_replicated_casts()
+        for name in self.offloaded.keys() - self.layouts.keys():
+            self._copy_in_replicated(name)
         self._reduce_grads()
         if self.layouts:
             self._globalize_norms()
             self._align_fused_optimizer()
+        if self.offloaded:
+            self._optimizer_on_cpu()
         self.graph.lint()
         self.gm.recompile()
         self._refresh_vals()
@@ -320,6 +428,13 @@ class _Partitioner:
 
     def _to_dtype(self, x: fx.Node, dtype: torch.dtype, like: fx.Node, role: Role = Role.COMM) -> fx.Node:
         return self._call(aten._to_copy.default, (x,), like, role=role, kwargs={"dtype": dtype})
+
+    def _to_device(self, x: fx.Node, device: torch.device, like: fx.Node, role: Role = Role.COMM) -> fx.Node:
+        """A copy of ``x`` on ``device``: host-to-device (non-blocking from pinned memory) or
+        device-to-host (blocking: the CPU reads it next; see spmd.parallel.offload)."""
+        non_blocking = self.non_blocking and device.type != "cpu"
+        kwargs = {"device": device, "non_blocking": non_blocking}
+        return self._call(aten._to_copy.default, (x,), like, role=role, kwargs=kwargs)
 
     # ---------------------------------------------------------------- buffers
 
@@ -350,9 +465,11 @@ class _Partitioner:
         """shard -> (cast to ``dtype``) -> (pad) -> all_gather -> wait -> (slice) : the full parameter."""
         lay = self.layouts[name]
         x = p
-        if dtype is not None:
-            x = self._to_dtype(p, dtype, like)
+        if dtype is not None:  # mixed precision: cast the shard, gather in the compute dtype
+            x = self._to_dtype(x, dtype, like)
             x.meta[CAST_OF] = name
+        if name in self.offloaded:  # the shard lives on the CPU: host-to-device next
+            x = self._to_device(x, self.offloaded[name], like)
         if lay.padded:
             pad_rows = lay.chunk - lay.local_rows
             ndim = len(self.params[name].shape)
@@ -438,6 +555,34 @@ class _Partitioner:
                 continue
             self._first(list(cast.users)).prepend(cast)
 
+    def _copy_in_replicated(self, name: str) -> None:
+        """An offloaded parameter that is not sharded (0-d): copy it to the device once,
+        before its first forward/backward use."""
+        p = self.by_name[name]
+        users = [u for u in p.users if u.meta.get(PHASE) is not Phase.OPTIMIZER]
+        if not users:
+            return
+        first = self._first(users)
+        with self.graph.inserting_before(first):
+            on_device = self._to_device(p, self.offloaded[name], first)
+        for u in users:
+            u.replace_input_with(p, on_device)
+
+    def _optimizer_on_cpu(self) -> None:
+        """Point factory ops of the optimizer region at the CPU, where offloaded state lives.
+
+        The trace saw the optimizer on the device; after offload it reads CPU shards, CPU
+        gradients and CPU state, so a tensor it creates with ``device=<the device>`` (none
+        in SGD/Adam/AdamW/clip_grad_norm_ on torch 2.13, but a custom step may) goes to the CPU.
+        """
+        devices = {d.type for d in self.offloaded.values()}
+        for n in self.graph.nodes:
+            if n.meta.get(PHASE) is not Phase.OPTIMIZER or n.meta.get(ROLE) is Role.COMM:
+                continue
+            dev = n.kwargs.get("device")
+            if isinstance(dev, torch.device) and dev.type in devices:
+                n.kwargs = {**n.kwargs, "device": CPU}
+
     # ---------------------------------------------------------------- grads
 
     def _reduce_grads(self) -> None:
@@ -461,6 +606,8 @@ class _Partitioner:
                 res = wait
                 if sharded and self.layouts[name].padded:
                     res = self._call(aten.slice.Tensor, (wait, 0, 0, self.layouts[name].local_rows), tag)
+                if name in self.offloaded:  # the optimizer runs on the CPU: device-to-host
+                    res = self._to_device(res, CPU, tag)
                 if send is not g:  # reduced in another dtype: back to the optimizer's
                     res = self._to_dtype(res, grad_dtype, tag)
             res.meta[ROLE] = Role.GRAD
@@ -613,16 +760,26 @@ class _Partitioner:
 
     def _globalize(self, norm: fx.Node, ord_: Any) -> None:
         users = list(norm.users)
+        # Offloaded gradients have CPU norms; the collective runs on the device (NCCL has no CPU).
+        device = next(iter(self.offloaded.values()), None)
         with self.graph.inserting_before(norm.next):
+
+            def reduce(x: fx.Node, op: str) -> fx.Node:
+                if device is not None:
+                    x = self._to_device(x, device, norm)
+                wait = self._call(
+                    C.WAIT, (self._call(C._c10d.all_reduce.default, (x, op, self.group), norm),), norm
+                )
+                return wait if device is None else self._to_device(wait, CPU, norm, role=Role.UPDATE)
+
             if ord_ in (float("inf"), "inf"):
-                coll = self._call(C._c10d.all_reduce.default, (norm, "max", self.group), norm)
-                out = self._call(C.WAIT, (coll,), norm)
+                out = reduce(norm, "max")
             else:
                 p = float(ord_)
                 powed = self._call(aten.pow.Tensor_Scalar, (norm, p), norm, role=Role.UPDATE)
-                coll = self._call(C._c10d.all_reduce.default, (powed, "sum", self.group), norm)
-                wait = self._call(C.WAIT, (coll,), norm)
-                out = self._call(aten.pow.Tensor_Scalar, (wait, 1.0 / p), norm, role=Role.UPDATE)
+                out = self._call(
+                    aten.pow.Tensor_Scalar, (reduce(powed, "sum"), 1.0 / p), norm, role=Role.UPDATE
+                )
         for u in users:
             u.replace_input_with(norm, out)
 

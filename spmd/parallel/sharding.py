@@ -17,12 +17,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from spmd.errors import ConfigError
+from spmd.parallel.offload import CPUOffloadPolicy, to_host
 
 log = logging.getLogger("spmd")
 
@@ -86,12 +91,49 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _to_dtensor(t: torch.Tensor, mesh: DeviceMesh, shard: bool) -> DTensor:
+def compute_device(t: torch.Tensor) -> torch.device:
+    """The device ``t`` computes on in the traced step: its own, except for an offloaded
+    DTensor (local tensor on the CPU, mesh on an accelerator), which computes on the mesh's."""
+    if isinstance(t, DTensor):
+        loc, mesh_type = t._local_tensor.device, t.device_mesh.device_type
+        if loc.type == mesh_type:
+            return loc
+        handle = getattr(torch, mesh_type, None)
+        if handle is not None and getattr(handle, "is_available", lambda: False)():
+            return torch.device(mesh_type, handle.current_device())
+        # No such device here (fake tensors under the fake process group): fake tensors say index 0.
+        return torch.device(mesh_type, 0)
+    return t.device
+
+
+def _to_dtensor(
+    t: torch.Tensor, mesh: DeviceMesh, shard: bool, offload: CPUOffloadPolicy | None = None
+) -> DTensor:
+    if offload is not None:
+        return _to_offloaded_dtensor(t, mesh, shard, offload)
     if not shard:
         return DTensor.from_local(t.detach(), mesh, [Replicate()], run_check=False)
     lay = ShardLayout(t.shape[0], mesh.size(), mesh.get_local_rank())
     piece = t.detach().narrow(0, lay.offset, lay.local_rows).clone()
     return DTensor.from_local(piece, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _to_offloaded_dtensor(
+    t: torch.Tensor, mesh: DeviceMesh, shard: bool, offload: CPUOffloadPolicy
+) -> DTensor:
+    """A DTensor on ``mesh`` whose local tensor lives on the CPU (``from_local`` would move it
+    to the mesh's device, so the spec is built directly, as FSDP2 does for offloaded shards)."""
+    if shard:
+        lay = ShardLayout(t.shape[0], mesh.size(), mesh.get_local_rank())
+        piece = to_host(t.detach().narrow(0, lay.offset, lay.local_rows), offload)
+        if piece.untyped_storage().nbytes() != piece.nbytes:
+            piece = piece.clone()  # the shard alone, never a view of the full (CPU) tensor
+    else:
+        piece = to_host(t.detach(), offload)
+    spec = DTensorSpec(
+        mesh, (Shard(0),) if shard else (Replicate(),), TensorMeta(t.shape, t.stride(), t.dtype)
+    )
+    return DTensor(piece, spec, requires_grad=False)  # type: ignore[call-arg]
 
 
 def distribute_state(
@@ -100,25 +142,48 @@ def distribute_state(
     mesh: DeviceMesh,
     *,
     shard: bool,
+    replaced: dict[int, nn.Parameter] | None = None,
+    offload: CPUOffloadPolicy | None = None,
 ) -> int:
     """Turn every plain parameter of ``module`` into a DTensor parameter, in place.
 
     Tied parameters stay tied (one new Parameter at every name). The optimizer's
     param_groups and state are re-keyed to the new parameters, and state tensors
-    shaped like their parameter take its placement. Returns how many parameters
-    were converted (0 when the model is already distributed).
+    shaped like their parameter take its placement. ``replaced`` maps ``id(old)`` to
+    the new parameter for parameters already swapped by the caller
+    (:func:`materialize_meta`), so the optimizer follows those too. With ``offload`` the
+    local tensors of parameters and optimizer state go to the CPU (:mod:`spmd.parallel.offload`).
+    Returns how many parameters were converted (0 when the model is already distributed).
     """
-    new_of: dict[int, nn.Parameter] = {}
+    new_of: dict[int, nn.Parameter] = dict(replaced or {})
     for mod in module.modules():
         for name, p in list(mod._parameters.items()):
             if p is None or isinstance(p, DTensor):
                 continue
             if id(p) not in new_of:
                 sharded = shard and p.dim() > 0
-                new_of[id(p)] = nn.Parameter(_to_dtensor(p, mesh, sharded), requires_grad=p.requires_grad)
+                new_of[id(p)] = nn.Parameter(
+                    _to_dtensor(p, mesh, sharded, offload), requires_grad=p.requires_grad
+                )
             mod._parameters[name] = new_of[id(p)]
+    rekey_optimizer(optimizer, new_of, mesh, offload)
+    return len(new_of)
+
+
+def rekey_optimizer(
+    optimizer: torch.optim.Optimizer | None,
+    new_of: dict[int, nn.Parameter],
+    mesh: DeviceMesh | None,
+    offload: CPUOffloadPolicy | None = None,
+) -> None:
+    """Point the optimizer's param_groups and state at the new parameters (``id(old) -> new``).
+
+    State tensors shaped like their parameter take the new parameter's placement
+    (when ``mesh`` is given and the new parameter is a DTensor); with ``offload`` they and
+    the scalar state (Adam's ``step``) move to the CPU, where the optimizer will run.
+    """
     if not new_of or optimizer is None:
-        return len(new_of)
+        return
     old_state = optimizer.state
     for g in optimizer.param_groups:
         new_params = []
@@ -127,12 +192,137 @@ def distribute_state(
             if np_ is not p and p in old_state:
                 st = old_state.pop(p)
                 for k, v in list(st.items()):
-                    if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == p.shape:
-                        st[k] = _to_dtensor(v, mesh, is_sharded(np_))
+                    if (
+                        mesh is not None
+                        and isinstance(np_, DTensor)
+                        and isinstance(v, torch.Tensor)
+                        and not isinstance(v, DTensor)
+                        and v.shape == p.shape
+                    ):
+                        st[k] = _to_dtensor(v, mesh, is_sharded(np_), offload)
+                    elif offload is not None and isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+                        st[k] = v.to("cpu")
                 old_state[np_] = st
             new_params.append(np_)
         g["params"] = new_params
-    return len(new_of)
+
+
+# ----------------------------------------------------------------------------- meta-device init
+
+
+def is_meta_model(module: nn.Module) -> bool:
+    """Whether every parameter of ``module`` is on the meta device (built under
+    ``torch.device("meta")``). A model with only some parameters there is refused by the
+    tracer's device check instead: re-initialising part of a module would overwrite the
+    real values beside it."""
+    params = list(module.parameters())
+    return bool(params) and all(p.is_meta for p in params)
+
+
+def materialize_meta(
+    module: nn.Module,
+    *,
+    device: torch.device,
+    mesh: DeviceMesh | None,
+    shard: bool,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+    sync_module_states: bool = False,
+    offload: CPUOffloadPolicy | None = None,
+) -> dict[int, nn.Parameter]:
+    """Allocate and initialise a model built on the meta device, one module at a time.
+
+    For each module (in ``module.modules()`` order, which is construction order for the
+    usual ``__init__`` that creates children in registration order) whose own parameters
+    or buffers are on the meta device: allocate them empty on ``device``, initialise them
+    with ``param_init_fn(module)`` if given, else ``module.reset_parameters()``, broadcast
+    them from rank 0 if ``sync_module_states``, and replace each parameter at once by this
+    rank's DTensor shard (``shard``) or replica. So at most one module's full tensors are
+    alive at a time, and no rank ever holds the full model. With ``mesh=None`` (world size
+    1) the parameters stay plain tensors on ``device``. With ``offload`` each shard goes to
+    the CPU as soon as it is cut (:mod:`spmd.parallel.offload`).
+
+    A tied parameter is materialised at its first module; a later module holding it still
+    runs its initialiser on a scratch copy (so the random stream is consumed as eager
+    construction consumes it, before ``self.head.weight = self.tok.weight``) and then gets
+    the first module's parameter back. Buffers are allocated whole (they are not sharded).
+
+    Returns ``id(meta parameter) -> new parameter`` for re-keying an optimizer built
+    over the meta parameters (:func:`rekey_optimizer`).
+    """
+    new_of: dict[int, nn.Parameter] = {}
+    new_buf_of: dict[int, torch.Tensor] = {}
+    for fqn, mod in module.named_modules():
+        metas = [(n, p) for n, p in mod._parameters.items() if p is not None and p.is_meta]
+        meta_bufs = [(n, b) for n, b in mod._buffers.items() if b is not None and b.is_meta]
+        if not metas and not meta_bufs:
+            continue
+        init = _initializer(fqn, mod, [n for n, _ in metas + meta_bufs], param_init_fn)
+        with torch.no_grad():
+            for n, p in metas:
+                mod._parameters[n] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+            for n, b in meta_bufs:
+                mod._buffers[n] = torch.empty_like(b, device=device)
+            init(mod)
+            fresh = [(n, p) for n, p in metas if id(p) not in new_of]
+            fresh_bufs = [(n, b) for n, b in meta_bufs if id(b) not in new_buf_of]
+            for kind, table, items in (
+                ("parameter", mod._parameters, fresh),
+                ("buffer", mod._buffers, fresh_bufs),
+            ):
+                for n, _ in items:
+                    t = table[n]
+                    if t is None or t.is_meta:
+                        raise ConfigError(
+                            f"spmd.DataParallel: {kind} {_join(fqn, n)} is still on the meta device after "
+                            "its module's initialiser ran; the param_init_fn must allocate it (e.g. "
+                            f"module.to_empty(device={str(device)!r}, recurse=False)) and initialise it."
+                        )
+                    if sync_module_states and mesh is not None:
+                        dist.broadcast(t.data, src=0)
+            for n, p in metas:
+                if id(p) not in new_of:
+                    full = mod._parameters[n]
+                    assert full is not None
+                    if mesh is None:
+                        new_of[id(p)] = full
+                    else:
+                        sharded = shard and full.dim() > 0
+                        new_of[id(p)] = nn.Parameter(
+                            _to_dtensor(full, mesh, sharded, offload), full.requires_grad
+                        )
+                mod._parameters[n] = new_of[id(p)]
+            for n, b in meta_bufs:
+                new_buf_of.setdefault(id(b), mod._buffers[n])  # type: ignore[arg-type]
+                mod._buffers[n] = new_buf_of[id(b)]
+    log.info(
+        "spmd: materialised %d meta parameters and %d buffers on %s module by module",
+        len(new_of),
+        len(new_buf_of),
+        device,
+    )
+    return new_of
+
+
+def _join(fqn: str, name: str) -> str:
+    return repr(f"{fqn}.{name}" if fqn else name)
+
+
+def _initializer(
+    fqn: str, mod: nn.Module, names: list[str], param_init_fn: Callable[[nn.Module], None] | None
+) -> Callable[[nn.Module], None]:
+    if param_init_fn is not None:
+        return param_init_fn
+    reset = getattr(mod, "reset_parameters", None)
+    if callable(reset):
+        return lambda m: reset()
+    where = f"module {fqn!r}" if fqn else "the root module"
+    raise ConfigError(
+        f"spmd.DataParallel: {_join(fqn, names[0])} is on the meta device, but {where} "
+        f"({type(mod).__name__}) has no reset_parameters() to initialise it. Pass "
+        "DataParallel(..., param_init_fn=fn): fn(module) is called on every module whose own "
+        "tensors are on the meta device, after they are allocated (empty) on the target device, "
+        "and must fill them; or give the module a reset_parameters() method."
+    )
 
 
 def broadcast_module_states(module: nn.Module) -> None:
