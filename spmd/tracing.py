@@ -52,7 +52,6 @@ from spmd.errors import (
     TraceError,
     UntraceableOpError,
 )
-from spmd.parallel.sharding import compute_device
 
 log = logging.getLogger("spmd")
 
@@ -624,6 +623,21 @@ def _raise_trace_error(exc: BaseException, module: nn.Module) -> None:
             "(module_override=[...]) whose replacement is traceable, or register a fake kernel for the op."
         ) from exc
     raise TraceError(f"spmd.compile: tracing the train step failed{in_mod}{where}: {exc!r}") from exc
+
+
+def compute_device(t: torch.Tensor) -> torch.device:
+    """The device ``t`` computes on in the traced step: its own, except for an offloaded
+    DTensor (local tensor on the CPU, mesh on an accelerator), which computes on the mesh's."""
+    if isinstance(t, DTensor):
+        loc, mesh_type = t._local_tensor.device, t.device_mesh.device_type
+        if loc.type == mesh_type:
+            return loc
+        handle = getattr(torch, mesh_type, None)
+        if handle is not None and getattr(handle, "is_available", lambda: False)():
+            return torch.device(mesh_type, handle.current_device())
+        # No such device here (fake tensors under the fake process group): fake tensors say index 0.
+        return torch.device(mesh_type, 0)
+    return t.device
 
 
 def _trace_input(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:

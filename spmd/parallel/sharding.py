@@ -91,21 +91,6 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def compute_device(t: torch.Tensor) -> torch.device:
-    """The device ``t`` computes on in the traced step: its own, except for an offloaded
-    DTensor (local tensor on the CPU, mesh on an accelerator), which computes on the mesh's."""
-    if isinstance(t, DTensor):
-        loc, mesh_type = t._local_tensor.device, t.device_mesh.device_type
-        if loc.type == mesh_type:
-            return loc
-        handle = getattr(torch, mesh_type, None)
-        if handle is not None and getattr(handle, "is_available", lambda: False)():
-            return torch.device(mesh_type, handle.current_device())
-        # No such device here (fake tensors under the fake process group): fake tensors say index 0.
-        return torch.device(mesh_type, 0)
-    return t.device
-
-
 def _to_dtensor(
     t: torch.Tensor, mesh: DeviceMesh, shard: bool, offload: CPUOffloadPolicy | None = None
 ) -> DTensor:

@@ -194,7 +194,7 @@ def test_distribute_puts_shards_and_optimizer_state_on_the_cpu(cuda_mesh) -> Non
             p._local_tensor.device.type == "cpu"
             and p._local_tensor.untyped_storage().nbytes() == p._local_tensor.nbytes
         ), n
-        assert sharding.compute_device(p).type == "cuda", n
+        assert tracing.compute_device(p).type == "cuda", n
     for st in opt.state.values():
         for k, v in st.items():
             local = v._local_tensor if isinstance(v, DTensor) else v
