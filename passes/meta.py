@@ -20,6 +20,9 @@ MODULE = "spmd_module"
 STATE_NAME = "spmd_state_name"
 # On a gradient node: the fully qualified name of the parameter it is the gradient of.
 GRAD_OF = "spmd_grad_of"
+# On a parameter placeholder, set by the partitioner: how the parameter is distributed, in words
+# (placements and the ranks of its groups, or "ignored"); the dump shows it.
+PLACEMENT = "spmd_placement"
 
 
 class Role(str, enum.Enum):

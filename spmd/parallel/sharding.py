@@ -1,15 +1,16 @@
-"""The model's and optimizer's state in its distributed form: DTensors on a 1-D mesh.
+"""The model's and optimizer's state in its distributed form: DTensors on a device mesh.
 
 After the first data-parallel call every parameter is an ``nn.Parameter`` holding a
-``DTensor`` (``Replicate()`` or ``Shard(0)``), as FSDP2 leaves it, and optimizer
-state tensors shaped like their parameter follow its placement; scalar state
-(``step``) stays a plain tensor. The compiled graph works on the local tensors;
+``DTensor`` (``Replicate()`` or ``Shard(0)`` on a 1-D mesh; ``(Replicate(), Shard(0))``
+on a hybrid 2-D mesh), as FSDP2 leaves it, and optimizer state tensors shaped like
+their parameter follow its placement; scalar state (``step``) stays a plain tensor.
+Ignored parameters stay plain tensors. The compiled graph works on the local tensors;
 ``full_tensor()``, ``state_dict()`` and DCP see the DTensors.
 
-A ``Shard(0)`` local tensor follows ``torch.chunk``: rank ``r`` holds rows
-``[r*c, min((r+1)*c, n))`` with ``c = ceil(n / W)`` (so the last ranks may hold
-fewer rows, or none). The graph pads each local shard to ``c`` rows for the
-collectives and slices the padding off again.
+A ``Shard(0)`` local tensor follows ``torch.chunk`` over the sharding mesh dimension:
+rank ``r`` of it holds rows ``[r*c, min((r+1)*c, n))`` with ``c = ceil(n / W)`` (so the
+last ranks may hold fewer rows, or none). The graph pads each local shard to ``c`` rows
+for the collectives and slices the padding off again.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 log = logging.getLogger("spmd")
 
@@ -34,19 +36,23 @@ def world_info() -> tuple[int, int]:
     return 0, 1
 
 
-_DEFAULT_MESHES: dict[tuple[str, int, int], DeviceMesh] = {}
+_DEFAULT_MESHES: dict[tuple[str, int, int, tuple[int, ...]], DeviceMesh] = {}
 
 
-def default_mesh(device_type: str) -> DeviceMesh:
-    """A 1-D mesh over every rank of the default process group.
+def default_mesh(device_type: str, shape: Sequence[int] | None = None) -> DeviceMesh:
+    """A mesh over every rank of the default process group: 1-D, or ``shape`` (replicate, shard).
 
-    Made once per device type and default group: a group destroyed and initialised
+    Made once per device type, shape and default group: a group destroyed and initialised
     again (tests, ``spmd.simulate``) gets a new mesh.
     """
-    key = (device_type, id(dist.distributed_c10d._get_default_group()), dist.get_world_size())
+    shape = tuple(shape) if shape is not None else (dist.get_world_size(),)
+    group = dist.distributed_c10d._get_default_group()
+    key = (device_type, id(group), dist.get_world_size(), shape)
     if key not in _DEFAULT_MESHES:
-        _DEFAULT_MESHES.clear()  # meshes of earlier groups are dead
-        _DEFAULT_MESHES[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+        if any(k[1] != id(group) for k in _DEFAULT_MESHES):
+            _DEFAULT_MESHES.clear()  # meshes of earlier groups are dead
+        names = ("replicate", "shard") if len(shape) == 2 else None
+        _DEFAULT_MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
     return _DEFAULT_MESHES[key]
 
 
@@ -86,36 +92,43 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _to_dtensor(t: torch.Tensor, mesh: DeviceMesh, shard: bool) -> DTensor:
-    if not shard:
-        return DTensor.from_local(t.detach(), mesh, [Replicate()], run_check=False)
-    lay = ShardLayout(t.shape[0], mesh.size(), mesh.get_local_rank())
-    piece = t.detach().narrow(0, lay.offset, lay.local_rows).clone()
-    return DTensor.from_local(piece, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride())
+def _to_dtensor(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
+    """``t`` (the full value, equal on every rank) as a DTensor with this rank's piece of it."""
+    piece = t.detach()
+    for dim, pl in enumerate(placements):
+        if isinstance(pl, Shard):
+            assert pl.dim == 0, pl
+            lay = ShardLayout(t.shape[0], mesh.size(dim), mesh.get_local_rank(dim))
+            piece = piece.narrow(0, lay.offset, lay.local_rows).clone()
+    return DTensor.from_local(
+        piece, mesh, list(placements), run_check=False, shape=t.shape, stride=t.stride()
+    )
 
 
 def distribute_state(
     module: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     mesh: DeviceMesh,
-    *,
-    shard: bool,
+    placements_of: Callable[[str, nn.Parameter], Sequence[Placement] | None],
 ) -> int:
     """Turn every plain parameter of ``module`` into a DTensor parameter, in place.
 
-    Tied parameters stay tied (one new Parameter at every name). The optimizer's
-    param_groups and state are re-keyed to the new parameters, and state tensors
-    shaped like their parameter take its placement. Returns how many parameters
-    were converted (0 when the model is already distributed).
+    ``placements_of(fqn, param)`` gives each parameter's placements on ``mesh``, or None to
+    leave it a plain tensor (an ignored parameter). Tied parameters stay tied (one new
+    Parameter at every name). The optimizer's param_groups and state are re-keyed to the
+    new parameters, and state tensors shaped like their parameter take its placement.
+    Returns how many parameters were converted (0 when the model is already distributed).
     """
     new_of: dict[int, nn.Parameter] = {}
-    for mod in module.modules():
+    for prefix, mod in module.named_modules(remove_duplicate=False):
         for name, p in list(mod._parameters.items()):
             if p is None or isinstance(p, DTensor):
                 continue
             if id(p) not in new_of:
-                sharded = shard and p.dim() > 0
-                new_of[id(p)] = nn.Parameter(_to_dtensor(p, mesh, sharded), requires_grad=p.requires_grad)
+                placements = placements_of(f"{prefix}.{name}" if prefix else name, p)
+                if placements is None:
+                    continue
+                new_of[id(p)] = nn.Parameter(_to_dtensor(p, mesh, placements), requires_grad=p.requires_grad)
             mod._parameters[name] = new_of[id(p)]
     if not new_of or optimizer is None:
         return len(new_of)
@@ -128,18 +141,19 @@ def distribute_state(
                 st = old_state.pop(p)
                 for k, v in list(st.items()):
                     if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == p.shape:
-                        st[k] = _to_dtensor(v, mesh, is_sharded(np_))
+                        st[k] = _to_dtensor(v, mesh, np_.placements)
                 old_state[np_] = st
             new_params.append(np_)
         g["params"] = new_params
     return len(new_of)
 
 
-def broadcast_module_states(module: nn.Module) -> None:
-    """Overwrite every plain parameter and buffer with rank 0's value (in place)."""
+def broadcast_module_states(module: nn.Module, skip: Collection[str] = ()) -> None:
+    """Overwrite every plain parameter and buffer with rank 0's value (in place), except the
+    names in ``skip`` (rank-local state)."""
     with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
-            if not isinstance(t, DTensor):
+        for n, t in [*module.named_parameters(), *module.named_buffers()]:
+            if not isinstance(t, DTensor) and n not in skip:
                 dist.broadcast(t.data, src=0)
 
 
