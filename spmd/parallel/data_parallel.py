@@ -645,7 +645,10 @@ class _Partitioner:
         """Recompute ``meta['val']`` for the local shapes (keeps the val invariant true)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        real = [sharding.local(t) for t in self.state.tensors(self.args.optimizer)] + self.args.tensors
+        # detach: an ignored parameter is a plain leaf that requires grad; the graph updates it in place.
+        real = [
+            sharding.local(t).detach() for t in self.state.tensors(self.args.optimizer)
+        ] + self.args.tensors
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fakes = [mode.from_tensor(t) for t in real]
         try:

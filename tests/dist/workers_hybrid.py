@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
@@ -121,3 +121,76 @@ def hybrid_parity(
         if not torch.equal(_full(p), _full(q)) or p.placements != q.placements:
             problems.append(f"DCP round trip: {n} differs")
     return {"problems": problems, "worst": worst}
+
+
+class LocalExpertNet(nn.Module):
+    """A shared trunk and head around a rank-local expert (the mixture-of-experts case where each
+    rank holds its own expert): the expert's parameters must never be communicated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 24), nn.ReLU())
+        self.expert = nn.Sequential(nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 24))
+        self.head = nn.Linear(24, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.trunk(x)
+        return self.head(h + self.expert(h))
+
+
+def _local_expert_model(rank: int, local: list[str]) -> nn.Module:
+    """The same values on every rank, except the parameters named in ``local`` (rank-local)."""
+    torch.manual_seed(0)
+    model = LocalExpertNet()
+    g = torch.Generator().manual_seed(1000 + rank)  # each rank's own expert
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in local:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model
+
+
+def ignored_and_styles(rank: int, world: int, cases: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    """Each case (style, optimizer, DataParallel keywords) trains 6 steps compiled and under DDP
+    (which ignores the same parameters); losses and parameters must be equal bit for bit."""
+    problems: list[str] = []
+    for style, opt_name, knobs in cases:
+        tag = f"{style}/{opt_name}/{knobs}"
+        mods = ["expert" if m == "<expert object>" else m for m in knobs.get("ignored_modules", [])]
+        names = [n for n, _ in LocalExpertNet().named_parameters()]
+        ignored_names = [
+            n
+            for n in names
+            if n in knobs.get("ignored_params", ()) or any(n.startswith(m + ".") for m in mods)
+        ]
+        model = _local_expert_model(rank, ignored_names)
+        ref_model = copy.deepcopy(model)
+        DDP._set_params_and_buffers_to_ignore_for_model(ref_model, ignored_names)
+        ddp = DDP(ref_model)
+        opt = shared.make_optimizer(opt_name, model)
+        ref_opt = shared.make_optimizer(opt_name, ddp.module)
+        knobs = {k: ([model.expert] if v == ["<expert object>"] else v) for k, v in knobs.items()}
+        step = spmd.compile(parallel_mode=spmd.DataParallel(style, **knobs), check_invariants=True)(
+            train_step
+        )
+        losses = []
+        for i in range(6):
+            b = pm.batch("mlp", i, rank)
+            losses.append((step(model, opt, *b), train_step(ddp, ref_opt, *b)))
+        problems += _compare(tag, model, ddp.module, losses, 0.0)[0]
+        for n, p in model.named_parameters():
+            local = n in ignored_names
+            if local != (type(p.data) is torch.Tensor):
+                problems.append(f"{tag}: {n} is {type(p.data).__name__}, ignored={local}")
+        if "module_styles" in knobs:
+            for n, p in model.named_parameters():
+                want = (Replicate(),) if n.startswith("head") else (Shard(0),)
+                if not n.startswith("expert") and p.placements != want:
+                    problems.append(f"{tag}: {n} placements {p.placements}, want {want}")
+        if ignored_names:  # the experts stayed rank-local: rank 0's differs from rank 1's
+            mine = model.expert[0].weight.detach().clone()
+            theirs = [torch.empty_like(mine) for _ in range(world)]
+            torch.distributed.all_gather(theirs, mine)
+            if torch.equal(theirs[0], theirs[1]):
+                problems.append(f"{tag}: the ignored experts are equal on all ranks")
+    return problems

@@ -129,14 +129,16 @@ def test_hybrid_fingerprints_agree_across_shard_groups(world4) -> None:
     assert fps[0][1] == fps[2][1]
 
 
-def test_ignored_and_module_styles_graph(world4) -> None:
+@pytest.mark.parametrize("style", ["fully_shard", "hybrid_shard"])
+def test_ignored_and_module_styles_graph(world4, style) -> None:
     world4(0)
-    mode = spmd.DataParallel("fully_shard", ignored_modules=["expert"], module_styles={"head": "replicate"})
+    mode = spmd.DataParallel(style, ignored_modules=["expert"], module_styles={"head": "replicate"})
     model, opt, graphs = _lower(mode)
     assert type(model.expert.weight.data) is torch.Tensor  # plain, rank-local
     assert "exp_avg" in opt.state[model.expert.weight]
-    assert model.head.weight.placements == (Replicate(),)
-    assert model.body[0].weight.placements == (Shard(0),)
+    hybrid = style == "hybrid_shard"
+    assert model.head.weight.placements == ((Replicate(), Replicate()) if hybrid else (Replicate(),))
+    assert model.body[0].weight.placements == ((Replicate(), Shard(0)) if hybrid else (Shard(0),))
     gm = graphs["partitioned"]
     params = {n.meta[STATE_NAME]: n for n in gm.graph.nodes if n.op == "placeholder"}
     for name in ("expert.weight", "expert.bias"):
