@@ -106,7 +106,7 @@ class DataParallel(ParallelMode):
             of ``parallel_style`` (FSDP2: ``replicate(submodule)`` inside ``fully_shard(root)``).
             Styles: ``"replicate"``, and the 1-D sharding ``"fully_shard"`` (1-D meshes) or
             ``"hybrid_shard"`` (2-D meshes). The longest matching fqn wins.
-        reshard_after_forward: fully_shard only. True frees gathered parameters after forward and
+        reshard_after_forward: fully_shard and hybrid_shard. True frees gathered parameters after forward and
             gathers them again for backward (FSDP FULL_SHARD); False keeps them (SHARD_GRAD_OP).
         broadcast_buffers: broadcast buffers the step mutates (BatchNorm statistics) from rank 0
             before use, like DDP's option of the same name.
