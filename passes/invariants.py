@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -243,13 +244,17 @@ def _check_collective_val(coll: fx.Node) -> list[Violation]:
 # ----------------------------------------------------------------------------- fingerprint
 
 
-def fingerprint(gm: fx.GraphModule) -> list[tuple]:
+def fingerprint(gm: fx.GraphModule, group_key: Callable[[str], object] | None = None) -> list[tuple]:
     """The collectives in issue order, as plain comparable tuples.
 
     Each entry is ``(index, kind, input shapes, input dtypes, group, reduce op, group size)``
     (``kind`` ends in ``"_coalesced"`` for coalesced ops; reduce op and group size are
     None where they do not apply). Two ranks whose fingerprints differ would hang or
     exchange mismatched buffers; gather and compare them before the first run.
+
+    ``group`` is the group name, or ``group_key(name)``: ranks in different subgroups of one
+    mesh dimension (the shard groups of a 2-D mesh) name their groups differently, so
+    comparing across them needs a rank-independent key (e.g. the group's shape).
     """
     out = []
     for i, coll in enumerate(C.collectives(gm.graph)):
@@ -257,7 +262,8 @@ def fingerprint(gm: fx.GraphModule) -> list[tuple]:
         shapes = tuple(tuple(_dim(s) for s in v.shape) if isinstance(v, torch.Tensor) else None for v in vals)
         dtypes = tuple(str(v.dtype) if isinstance(v, torch.Tensor) else None for v in vals)
         kind = C.kind_of(coll).value + ("_coalesced" if C.is_coalesced(coll) else "")
-        out.append((i, kind, shapes, dtypes, C.group_of(coll), C.reduce_op_of(coll), C.group_size_of(coll)))
+        group = C.group_of(coll) if group_key is None else group_key(C.group_of(coll))
+        out.append((i, kind, shapes, dtypes, group, C.reduce_op_of(coll), C.group_size_of(coll)))
     return out
 
 

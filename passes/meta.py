@@ -29,6 +29,9 @@ MICROBATCH = "spmd_microbatch"
 # root module. Partitioners find a parameter's compute copy by it (and cast before gathering).
 CAST_OF = "spmd_cast_of"
 INPUT_CAST = "<forward input>"
+# On a parameter placeholder, set by the partitioner: how the parameter is distributed, in words
+# (placements and the ranks of its groups, or "ignored"); the dump shows it.
+PLACEMENT = "spmd_placement"
 
 
 class Role(str, enum.Enum):

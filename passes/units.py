@@ -8,7 +8,8 @@ blocks pays it dozens of times a step (FSDP2's weak spot). This pass records in
 neighbouring blocks, in the order the step needs them, until a merged unit holds at
 least ``min_unit_bytes``. Blocks at least that large stay units of their own, so a
 large model keeps FSDP's memory profile, while a stack of tiny blocks becomes a few
-well-sized buckets.
+well-sized buckets. An all-reduce of a reduce-scatter's result (hybrid_shard: reduce within
+the shard group, then across replicas) belongs to the reduce-scatter's unit.
 
 Why it is legal: it only annotates; the passes that read the unit (prefetch,
 bucketing) keep their own guarantees. Units are computed per phase and kind from the
@@ -25,6 +26,7 @@ from collections.abc import Callable
 import torch.fx as fx
 
 from passes import collectives as C
+from passes.graph_utils import PASS_THROUGH_OPS
 from passes.meta import MICROBATCH, PHASE
 
 UNIT = "spmd_unit"
@@ -70,7 +72,21 @@ def assign_units(
             size += sum(C.bytes_of(c) for c in nodes)
         if group:
             _label(blocks, group)
+    _label_follow_up_all_reduces(colls)
     return gm
+
+
+def _label_follow_up_all_reduces(colls: list[fx.Node]) -> None:
+    for c in colls:
+        if C.kind_of(c) is not C.Kind.REDUCE_SCATTER or UNIT not in c.meta:
+            continue
+        stack = list(C.waits_of(c))
+        while stack:
+            for u in stack.pop().users:
+                if C.is_collective(u) and C.kind_of(u) is C.Kind.ALL_REDUCE:
+                    u.meta[UNIT] = c.meta[UNIT]
+                elif u.op == "call_function" and u.target in PASS_THROUGH_OPS:
+                    stack.append(u)
 
 
 def _label(blocks: dict[str, list[fx.Node]], group: list[str]) -> None:

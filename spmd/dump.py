@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from passes.meta import CAST_OF, MICROBATCH, MODULE, PHASE, ROLE, Phase
+from passes import collectives as C
+from passes.meta import CAST_OF, MICROBATCH, MODULE, PHASE, PLACEMENT, ROLE, STATE_NAME, Phase
 
 if TYPE_CHECKING:
     from spmd.report import StepReport
@@ -26,7 +27,13 @@ def _rank() -> int:
 def annotated_code(gm: fx.GraphModule) -> str:
     """``gm``'s Python with a ``# phase | role | module`` comment on each line that computes a node
     (``# micro-batch i phase | ...`` in a step that accumulates gradients, and
-    ``| cast of <name>`` on mixed-precision casts)."""
+    ``| cast of <name>`` on mixed-precision casts).
+
+    Collectives also name the global ranks of their group (different shard groups of a hybrid
+    mesh have different names), and a header lists how each parameter is distributed.
+    """
+    from spmd.parallel.plan import group_ranks
+
     code = gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
     notes = {}
     # Steps that accumulate over micro-batches say which forward/backward each line is in.
@@ -45,8 +52,16 @@ def annotated_code(gm: fx.GraphModule) -> str:
                 note += f" | {n.meta[MODULE]}"
             if n.meta.get(CAST_OF):  # a mixed-precision compute cast
                 note += f" | cast of {n.meta[CAST_OF]}"
+            if C.is_collective(n) and (ranks := group_ranks(C.group_of(n))):
+                note += f" | ranks {ranks}"
             notes[n.name] = note
-    out = []
+    out = [
+        f"# {n.meta[STATE_NAME]}: {n.meta[PLACEMENT]}"
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and n.meta.get(PLACEMENT)
+    ]
+    if out:
+        out.insert(0, "# parameters, as the partitioner distributed them:")
     for line in code.splitlines():
         stripped = line.strip()
         name = stripped.split(":", 1)[0].split("=", 1)[0].strip()

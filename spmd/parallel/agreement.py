@@ -6,8 +6,10 @@ buffers. Before the first run each rank publishes a fingerprint of its final
 collective sequence (kind, shapes, dtypes, group, reduce op, order) in the
 process group's key-value store, reads everyone else's, and on a mismatch raises
 :class:`RankDivergenceError` on every rank, naming the first differing collective
-and the module it belongs to. The exchange uses the store, not a collective, so a
-rank that never gets here produces a timeout error, not a hang.
+and the module it belongs to. A group is compared by its shape
+(:func:`spmd.parallel.plan.group_label`), not its name: the shard groups of a hybrid
+mesh have different names on different ranks. The exchange uses the store, not a
+collective, so a rank that never gets here produces a timeout error, not a hang.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.fx as fx
 from passes import collectives as C
 from passes.invariants import describe, fingerprint
 from spmd.errors import RankDivergenceError
+from spmd.parallel.plan import group_label
 
 log = logging.getLogger("spmd")
 
@@ -42,7 +45,7 @@ def check_rank_agreement(gm: fx.GraphModule, *, step_name: str, timeout_s: float
     if dist.get_backend() == "fake":
         return  # simulation: one process stands for every rank
     rank, world = dist.get_rank(), dist.get_world_size()
-    fp = fingerprint(gm)
+    fp = fingerprint(gm, group_key=group_label)
     where = [describe(c) for c in C.collectives(gm.graph)]
     digest = hashlib.sha256(repr(fp).encode()).hexdigest()[:32]
     store = dist.distributed_c10d._get_default_store()

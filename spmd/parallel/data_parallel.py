@@ -15,6 +15,13 @@ parameters. ``partition`` makes it the SPMD step:
   ops are elementwise, runs on shards. Norms over sharded gradients in the
   optimizer region (``clip_grad_norm_``) become global with an all-reduce of the
   partial sums.
+* hybrid_shard: fully_shard within each group of the mesh's shard dimension; each
+  gradient is reduce-scattered (avg) over the shard group, then all-reduced (avg) over
+  the replicate group. Norms of sharded gradients sum over the shard group only.
+* Ignored parameters (``ignored_modules`` / ``ignored_params``) stay plain, rank-local
+  tensors: never gathered, their gradients never reduced; the optimizer updates them
+  locally. ``module_styles`` gives a submodule's parameters another style (e.g. a
+  replicated head in a fully_shard model): each parameter follows its own plan.
 * Mixed precision (``mixed_precision=MixedPrecision(...)``): the tracer already made
   the compute casts (fp32 parameter -> ``param_dtype`` copy). Under fully_shard the
   cast moves before the all-gather: each rank casts its fp32 shard and the gather
@@ -24,16 +31,17 @@ parameters. ``partition`` makes it the SPMD step:
   (skipped where the gradient is autograd's upcast of a ``reduce_dtype`` gradient:
   the round trip is exact) and the reduced gradient is cast back to the parameter's
   dtype, so the optimizer reads and updates fp32 master weights.
-* Buffers mutated by the step (BatchNorm running stats) are broadcast from rank 0
-  before their first use, as DDP's ``broadcast_buffers`` does.
 * CPU offload (``offload_policy``): a parameter whose local shard is on the CPU while the
   trace saw it on the device is copied host-to-device before each of its all-gathers, and
   its reduced gradient device-to-host after the reduce-scatter's wait, so the optimizer
   runs on the CPU (:mod:`spmd.parallel.offload`).
+* Buffers mutated by the step (BatchNorm running stats) are broadcast from rank 0
+  across the whole mesh before their first use, as DDP's ``broadcast_buffers`` does.
 
-Which parameters are sharded is read from the model's state (DTensor placements),
-so a second compiled function on the same model (an eval step) follows whatever
-the first one set up.
+Each parameter's placement is decided in one place (:mod:`spmd.parallel.plan`) when the
+model is distributed; what the graph does with it is read back from the model's state
+(DTensor placements, or a plain tensor for an ignored parameter), so a second compiled
+function on the same model (an eval step) follows whatever the first one set up.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import dataclasses
 import logging
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,12 +59,23 @@ import torch.nn as nn
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from passes import collectives as C
-from passes.graph_utils import mutated_nodes
-from passes.meta import CAST_OF, GRAD_OF, MICROBATCH, PHASE, ROLE, STATE_NAME, Phase, Role, copy_meta
+from passes.graph_utils import PASS_THROUGH_OPS, mutated_nodes
+from passes.meta import (
+    CAST_OF,
+    GRAD_OF,
+    MICROBATCH,
+    PHASE,
+    PLACEMENT,
+    ROLE,
+    STATE_NAME,
+    Phase,
+    Role,
+    copy_meta,
+)
 from passes.ops import TAG_GRAD
 from spmd import optim as optim_utils
 from spmd.errors import ConfigError, TraceError
-from spmd.parallel import sharding
+from spmd.parallel import plan, sharding
 from spmd.parallel.base import ParallelMode
 from spmd.parallel.mixed_precision import MixedPrecision
 from spmd.parallel.offload import CPU, CPUOffloadPolicy
@@ -66,7 +85,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spmd")
 
-STYLES = ("replicate", "fully_shard")
+STYLES = (plan.REPLICATE, plan.FULLY_SHARD, plan.HYBRID_SHARD)
 
 # Fused optimizer kernels whose SIMD/scalar split depends on where an element sits (see
 # _Partitioner._align_fused_optimizer), their per-parameter list arguments, and an element
@@ -84,20 +103,36 @@ _ALIGN = 64
 
 # model -> names of buffers any compiled step on it mutates (see _broadcast_mutated_buffers)
 _MUTATED_BUFFERS: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+# model -> the mesh it was distributed on
+_MESH_OF: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 aten = torch.ops.aten
 
 
 @dataclasses.dataclass(frozen=True)
 class DataParallel(ParallelMode):
-    """Data parallelism over a 1-D mesh of all ranks.
+    """Data parallelism over a mesh of all ranks.
 
     Args:
-        parallel_style: ``"replicate"`` (DDP: gradients all-reduced, optimizer replicated) or
-            ``"fully_shard"`` (FSDP/ZeRO-3: parameters, gradients and optimizer state sharded on dim 0).
+        parallel_style: ``"replicate"`` (DDP: gradients all-reduced, optimizer replicated),
+            ``"fully_shard"`` (FSDP/ZeRO-3: parameters, gradients and optimizer state sharded on dim 0)
+            or ``"hybrid_shard"`` (FSDP HYBRID_SHARD / HSDP: fully_shard within each shard group of a
+            2-D mesh, gradients then all-reduced across the groups).
         input_batch_dim: the batch dimension of the step's tensor arguments (each rank passes its
             local batch, as with DDP).
-        mesh: a 1-D ``DeviceMesh``; default: all ranks of the default process group.
-        reshard_after_forward: fully_shard only. True frees gathered parameters after forward and
+        mesh: a 1-D ``DeviceMesh`` for replicate and fully_shard (default: all ranks of the default
+            process group); a 2-D one (replicate x shard; dimensions found by the names
+            ``"replicate"``/``"shard"``, else dim 0 replicates) for hybrid_shard (default: shard
+            within a node of torchrun's ``LOCAL_WORLD_SIZE`` ranks, replicate across nodes).
+        ignored_modules: modules (objects or fully qualified names) whose parameters stay plain,
+            rank-local tensors: not sharded, not gathered, gradients not reduced; the optimizer
+            updates them locally (FSDP's ``ignored_modules``; rank-local experts of a mixture of
+            experts).
+        ignored_params: the same for single parameters (objects or fully qualified names).
+        module_styles: ``{module fqn: style}``: that module's parameters take this style instead
+            of ``parallel_style`` (FSDP2: ``replicate(submodule)`` inside ``fully_shard(root)``).
+            Styles: ``"replicate"``, and the 1-D sharding ``"fully_shard"`` (1-D meshes) or
+            ``"hybrid_shard"`` (2-D meshes). The longest matching fqn wins.
+        reshard_after_forward: fully_shard and hybrid_shard. True frees gathered parameters after forward and
             gathers them again for backward (FSDP FULL_SHARD); False keeps them (SHARD_GRAD_OP).
         broadcast_buffers: broadcast buffers the step mutates (BatchNorm statistics) from rank 0
             before use, like DDP's option of the same name.
@@ -149,18 +184,17 @@ class DataParallel(ParallelMode):
     mixed_precision: MixedPrecision | None = None
     param_init_fn: Callable[[nn.Module], None] | None = None
     offload_policy: CPUOffloadPolicy | None = None
+    ignored_modules: tuple[Any, ...] = ()
+    ignored_params: tuple[Any, ...] = ()
+    module_styles: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.parallel_style not in STYLES:
-            hint = (
-                " (hybrid_shard is planned with the FSDP-features work)"
-                if self.parallel_style == "hybrid_shard"
-                else ""
-            )
             raise ConfigError(
-                f"spmd.DataParallel: unknown parallel_style {self.parallel_style!r}{hint}; valid styles are "
+                f"spmd.DataParallel: unknown parallel_style {self.parallel_style!r}; valid styles are "
                 f"{', '.join(repr(s) for s in STYLES)}."
             )
+        self._check_per_parameter_knobs()
         if not isinstance(self.input_batch_dim, int) or self.input_batch_dim < 0:
             raise ConfigError(
                 "spmd.DataParallel: input_batch_dim must be a non-negative int, "
@@ -171,8 +205,8 @@ class DataParallel(ParallelMode):
                 raise ConfigError(
                     f"spmd.DataParallel: {knob} must be True or False, got {getattr(self, knob)!r}."
                 )
-        if self.mesh is not None and getattr(self.mesh, "ndim", None) != 1:
-            raise ConfigError("spmd.DataParallel: mesh must be a 1-D DeviceMesh.")
+        if self.mesh is not None:
+            plan.check_mesh(self.mesh, self.parallel_style)
         if not isinstance(self.bucket_cap_mb, int | float) or self.bucket_cap_mb <= 0:
             raise ConfigError(
                 f"spmd.DataParallel: bucket_cap_mb must be a positive number, got {self.bucket_cap_mb!r}."
@@ -229,11 +263,37 @@ class DataParallel(ParallelMode):
     def trace_casts(self) -> ComputeCasts | None:
         return self.mixed_precision.compute_casts() if self.mixed_precision is not None else None
 
+    def _check_per_parameter_knobs(self) -> None:
+        for knob in ("ignored_modules", "ignored_params"):
+            v = getattr(self, knob)
+            if isinstance(v, str | nn.Module | torch.Tensor) or not hasattr(v, "__iter__"):
+                raise ConfigError(
+                    f"spmd.DataParallel: {knob} must be a list (of modules/parameters or their fully "
+                    f"qualified names), got {type(v).__name__}."
+                )
+            object.__setattr__(self, knob, tuple(v))
+        if self.module_styles is None:
+            return
+        if not isinstance(self.module_styles, Mapping):
+            raise ConfigError(
+                "spmd.DataParallel: module_styles must be a dict {module fqn: style}, got "
+                f"{type(self.module_styles).__name__}."
+            )
+        sharded = plan.HYBRID_SHARD if self.parallel_style == plan.HYBRID_SHARD else plan.FULLY_SHARD
+        valid = (plan.REPLICATE, sharded)
+        for fqn, style in self.module_styles.items():
+            if not isinstance(fqn, str) or style not in valid:
+                raise ConfigError(
+                    f"spmd.DataParallel: module_styles[{fqn!r}] = {style!r}; keys must be module fqns and "
+                    f"styles one of {valid} with parallel_style={self.parallel_style!r} (use "
+                    "ignored_modules to keep a module rank-local)."
+                )
+
     def pass_options(self) -> dict[str, Any]:
         from passes.prefetch import default_unit_of
         from passes.units import unit_from_meta
 
-        mode = self.bucket_mode or ("module" if self.parallel_style == "fully_shard" else "size")
+        mode = self.bucket_mode or ("size" if self.parallel_style == plan.REPLICATE else "module")
         unit_of = unit_from_meta(default_unit_of)
         opts: dict[str, Any] = {
             "bucket_cap_mb": self.bucket_cap_mb,
@@ -254,13 +314,35 @@ class DataParallel(ParallelMode):
     def _mesh(self, module: nn.Module) -> Any:
         if self.mesh is not None:
             return self.mesh
+        if module in _MESH_OF:
+            # The mesh the model was distributed on. Not ``p.device_mesh``: DTensor can hand a
+            # parameter an earlier mesh that compares equal but holds other (maybe destroyed) groups.
+            return _MESH_OF[module]
         for p in module.parameters():
             if isinstance(p, sharding.DTensor):
                 return p.device_mesh
         p0 = next(module.parameters(), None)
-        if p0 is None or p0.is_meta:
-            return sharding.default_mesh(_init_device().type)
-        return sharding.default_mesh(p0.device.type)
+        device_type = _init_device().type if p0 is None or p0.is_meta else p0.device.type
+        if self.parallel_style == plan.HYBRID_SHARD:
+            return sharding.default_mesh(device_type, plan.hybrid_mesh_shape(sharding.world_info()[1]))
+        return sharding.default_mesh(device_type)
+
+    def _ignored_names(self, module: nn.Module, styles: dict[str, str] | None = None) -> set[str]:
+        """Fqns of the ignored parameters and of the buffers of ignored modules (both rank-local)."""
+        styles = styles if styles is not None else self._styles(module)
+        return {n for n, s in styles.items() if s == plan.IGNORED} | plan.ignored_buffers(
+            module, self.ignored_modules
+        )
+
+    def _styles(self, module: nn.Module) -> dict[str, str]:
+        """Every parameter fqn -> its style (see :func:`spmd.parallel.plan.assign_styles`)."""
+        return plan.assign_styles(
+            module,
+            self.parallel_style,
+            ignored_modules=self.ignored_modules,
+            ignored_params=self.ignored_params,
+            module_styles=self.module_styles,
+        )
 
     def distribute(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Put the model's parameters and the optimizer's state in their distributed (DTensor) form now.
@@ -282,16 +364,31 @@ class DataParallel(ParallelMode):
             return
         if all(isinstance(p, sharding.DTensor) for p in module.parameters()):
             return
+        styles = self._styles(module)
+        plain = {
+            n
+            for n, p in module.named_parameters(remove_duplicate=False)
+            if not isinstance(p, sharding.DTensor)
+        }
+        if all(styles[n] == plan.IGNORED for n in plain):
+            return  # distributed already; only ignored parameters are plain
         if self.sync_module_states:
-            sharding.broadcast_module_states(module)
+            sharding.broadcast_module_states(module, skip=self._ignored_names(module, styles))
         if optimizer is not None:
             # State is created on the full tensors, then sharded with them.
             optim_utils.ensure_state(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
         mesh = self._mesh(module)
+        plan.check_mesh(mesh, self.parallel_style)
         n = sharding.distribute_state(
-            module, optimizer, mesh, shard=self.parallel_style == "fully_shard", offload=self._offload(mesh)
+            module,
+            optimizer,
+            mesh,
+            lambda fqn, p: plan.placements_for(styles[fqn], mesh, p),
+            offload=self._offload(mesh),
         )
-        log.info("spmd: distributed %d parameters (%s)", n, self.parallel_style)
+        _MESH_OF[module] = mesh
+        ignored = sum(s == plan.IGNORED for s in styles.values())
+        log.info("spmd: distributed %d parameters (%s), %d ignored", n, self.parallel_style, ignored)
 
     def _materialize(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, single: bool) -> None:
         """Materialise a meta-device model module by module, each module sharded at once.
@@ -309,11 +406,16 @@ class DataParallel(ParallelMode):
             )
         mesh = None if single else self._mesh(module)
         device = _init_device(mesh)
+        styles = self._styles(module)
+        if mesh is not None:
+            plan.check_mesh(mesh, self.parallel_style)
         new_of = sharding.materialize_meta(
             module,
             device=device,
             mesh=mesh,
-            shard=self.parallel_style == "fully_shard",
+            placements_of=lambda fqn, p: (
+                plan.placements_for(styles[fqn], mesh, p) if mesh is not None else None
+            ),
             param_init_fn=self.param_init_fn,
             sync_module_states=self.sync_module_states,
             offload=self._offload(mesh),
@@ -359,19 +461,21 @@ class _Partitioner:
     def __init__(self, gm: fx.GraphModule, state: LiftedState, args: StepArgs, mesh: Any, dp: DataParallel):
         self.gm, self.graph = gm, gm.graph
         self.dp = dp
-        self.world = mesh.size()
-        self.rank = mesh.get_local_rank()
-        self.group = mesh.get_group().group_name
+        # Buffers are broadcast over every rank of the mesh.
+        self.group = plan.whole_group(mesh).group_name
         self.state, self.args = state, args
         self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         self.by_name = {n.meta[STATE_NAME]: n for n in self.placeholders}
         self.params = dict(state.params)
+        # parameter fqn -> what the graph does with it, read from its state
+        self.comms = {name: plan.comm_plan(p, mesh) for name, p in state.params}
         # parameter fqn -> layout, for the sharded ones
-        self.layouts = {
-            name: sharding.ShardLayout(p.shape[0], self.world, self.rank)
-            for name, p in state.params
-            if sharding.is_sharded(p)
-        }
+        self.layouts = {name: c.layout for name, c in self.comms.items() if c.layout is not None}
+        self.ignored_buffers = plan.ignored_buffers(args.module, dp.ignored_modules)
+        # Partial norms of sharded gradients are summed over the shard group (the replicas agree).
+        self.shard_group = next((c.shard.name for c in self.comms.values() if c.shard), self.group)
+        for name, p in state.params:
+            self.by_name[name].meta[PLACEMENT] = plan.describe(p, self.comms[name])
         mp = dp.mixed_precision
         self.reduce_dtype = mp.gradient_reduce_dtype if mp is not None else None
         # parameter fqn -> the tracer's compute cast of it (mixed precision)
@@ -452,7 +556,7 @@ class _Partitioner:
         for name, _ in self.state.buffers:
             b = self.by_name[name]
             users = list(b.users)
-            if name not in known or not users:
+            if name not in known or not users or name in self.ignored_buffers:
                 continue
             with self.graph.inserting_before(self._first(users)):
                 coll = self._call(C._c10d.broadcast.default, (b, 0, self.group), b)
@@ -462,8 +566,10 @@ class _Partitioner:
     # ---------------------------------------------------------------- params
 
     def _emit_gather(self, p: fx.Node, name: str, like: fx.Node, dtype: torch.dtype | None = None) -> fx.Node:
-        """shard -> (cast to ``dtype``) -> (pad) -> all_gather -> wait -> (slice) : the full parameter."""
-        lay = self.layouts[name]
+        """shard -> (cast to ``dtype``) -> (pad) -> all_gather (shard group) -> wait -> (slice):
+        the full parameter."""
+        lay, group = self.layouts[name], self.comms[name].shard
+        assert group is not None
         x = p
         if dtype is not None:  # mixed precision: cast the shard, gather in the compute dtype
             x = self._to_dtype(x, dtype, like)
@@ -474,7 +580,7 @@ class _Partitioner:
             pad_rows = lay.chunk - lay.local_rows
             ndim = len(self.params[name].shape)
             x = self._call(aten.constant_pad_nd.default, (x, [0, 0] * (ndim - 1) + [0, pad_rows]), like)
-        coll = self._call(C._c10d.all_gather_into_tensor.default, (x, self.world, self.group), like)
+        coll = self._call(C._c10d.all_gather_into_tensor.default, (x, group.size, group.name), like)
         full = self._call(C.WAIT, (coll,), like)
         if lay.padded:
             full = self._call(aten.slice.Tensor, (full, 0, 0, lay.rows), like, role=Role.ACTIVATION)
@@ -586,26 +692,45 @@ class _Partitioner:
     # ---------------------------------------------------------------- grads
 
     def _reduce_grads(self) -> None:
+        """Reduce every gradient as its parameter's plan says; ignored ones keep their tag.
+
+        Sharded: reduce-scatter (avg) over the shard group at the tag. Then, for a replicate
+        dimension, all-reduce (avg) over the replicate group: for a replicated parameter at the
+        tag; after a reduce-scatter (hybrid_shard), right after its wait, which goes to the
+        first node that computes with the gradient (past the detaches and views that only pass
+        it on), so that the reduce-scatters stay adjacent in the collective order, and so do
+        the all-reduces: bucketing merges each run. A rank-local gradient's tag stays, an
+        identity that ``strip_grad_tags`` removes.
+        """
         tags = [n for n in self.graph.nodes if n.op == "call_function" and n.target is TAG_GRAD]
         for tag in tags:
             name = tag.args[1]
             g = tag.args[0]
             users = list(tag.users)
-            sharded = name in self.layouts
+            comm = self.comms[name]
+            if comm.local_only:
+                continue
+            sharded = comm.shard is not None
             grad_dtype = g.meta["val"].dtype
             with self.graph.inserting_before(tag):
                 send = self._to_reduce_dtype(g, tag)
                 if sharded:
                     coll = self._emit_reduce_scatter(send, name, tag)
                 else:
-                    coll = self._call(C._c10d.all_reduce.default, (send, "avg", self.group), tag)
+                    assert comm.reduce is not None
+                    coll = self._call(C._c10d.all_reduce.default, (send, "avg", comm.reduce.name), tag)
             # The wait (and the un-padding slice) sits just before the gradient's first use.
             anchor = self._first(users) if users else tag.next
+            if sharded and comm.reduce is not None and users:
+                anchor = self._sink_pass_through_users(tag)
             with self.graph.inserting_before(anchor):
-                wait = self._call(C.WAIT, (coll,), tag)
-                res = wait
+                res = self._call(C.WAIT, (coll,), tag)
+                if sharded and comm.reduce is not None:
+                    # On the padded shard: the same shape on every rank (uneven shards differ).
+                    ar = self._call(C._c10d.all_reduce.default, (res, "avg", comm.reduce.name), tag)
+                    res = self._call(C.WAIT, (ar,), tag)
                 if sharded and self.layouts[name].padded:
-                    res = self._call(aten.slice.Tensor, (wait, 0, 0, self.layouts[name].local_rows), tag)
+                    res = self._call(aten.slice.Tensor, (res, 0, 0, self.layouts[name].local_rows), tag)
                 if name in self.offloaded:  # the optimizer runs on the CPU: device-to-host
                     res = self._to_device(res, CPU, tag)
                 if send is not g:  # reduced in another dtype: back to the optimizer's
@@ -646,14 +771,41 @@ class _Partitioner:
                 return src
         return self._to_dtype(g, rd, like)
 
+    def _sink_pass_through_users(self, tag: fx.Node) -> fx.Node:
+        """Move the ops that only pass ``tag`` on (detach, views) to just before the first node
+        that computes with it; return the first node now reading the gradient.
+
+        Legal: those ops read nothing but the gradient (or each other), so they can run as
+        late as their first real consumer.
+        """
+        chain, members, stack = [], {tag}, [tag]
+        while stack:
+            for u in stack.pop().users:
+                if u in members or u.op != "call_function" or u.target not in PASS_THROUGH_OPS:
+                    continue
+                if all(i in members for i in u.all_input_nodes):
+                    members.add(u)
+                    chain.append(u)
+                    stack.append(u)
+        real = [u for n in members for u in n.users if u not in members]
+        if not real:
+            return self._first(list(tag.users))
+        first = self._first(real)
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        moved = sorted((n for n in chain if order[n] < order[first]), key=order.__getitem__)
+        for n in moved:
+            first.prepend(n)
+        return self._first(list(tag.users))
+
     def _emit_reduce_scatter(self, g: fx.Node, name: str, like: fx.Node) -> fx.Node:
-        """full gradient -> (pad to W * chunk rows) -> reduce_scatter(avg); the wait comes later."""
-        lay = self.layouts[name]
+        """full gradient -> (pad to W * chunk rows) -> reduce_scatter(avg) over the shard group."""
+        lay, group = self.layouts[name], self.comms[name].shard
+        assert group is not None
         x = g
         if lay.padded:
-            pad = [0, 0] * (len(self.params[name].shape) - 1) + [0, lay.chunk * self.world - lay.rows]
+            pad = [0, 0] * (len(self.params[name].shape) - 1) + [0, lay.chunk * group.size - lay.rows]
             x = self._call(aten.constant_pad_nd.default, (g, pad), like)
-        return self._call(C._c10d.reduce_scatter_tensor.default, (x, "avg", self.world, self.group), like)
+        return self._call(C._c10d.reduce_scatter_tensor.default, (x, "avg", group.size, group.name), like)
 
     # ---------------------------------------------------------------- optimizer region
 
@@ -768,7 +920,7 @@ class _Partitioner:
                 if device is not None:
                     x = self._to_device(x, device, norm)
                 wait = self._call(
-                    C.WAIT, (self._call(C._c10d.all_reduce.default, (x, op, self.group), norm),), norm
+                    C.WAIT, (self._call(C._c10d.all_reduce.default, (x, op, self.shard_group), norm),), norm
                 )
                 return wait if device is None else self._to_device(wait, CPU, norm, role=Role.UPDATE)
 
@@ -789,7 +941,10 @@ class _Partitioner:
         """Recompute ``meta['val']`` for the local shapes (keeps the val invariant true)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        real = [sharding.local(t) for t in self.state.tensors(self.args.optimizer)] + self.args.tensors
+        # detach: an ignored parameter is a plain leaf that requires grad; the graph updates it in place.
+        real = [
+            sharding.local(t).detach() for t in self.state.tensors(self.args.optimizer)
+        ] + self.args.tensors
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fakes = [mode.from_tensor(t) for t in real]
         try:

@@ -1,15 +1,16 @@
-"""The model's and optimizer's state in its distributed form: DTensors on a 1-D mesh.
+"""The model's and optimizer's state in its distributed form: DTensors on a device mesh.
 
 After the first data-parallel call every parameter is an ``nn.Parameter`` holding a
-``DTensor`` (``Replicate()`` or ``Shard(0)``), as FSDP2 leaves it, and optimizer
-state tensors shaped like their parameter follow its placement; scalar state
-(``step``) stays a plain tensor. The compiled graph works on the local tensors;
+``DTensor`` (``Replicate()`` or ``Shard(0)`` on a 1-D mesh; ``(Replicate(), Shard(0))``
+on a hybrid 2-D mesh), as FSDP2 leaves it, and optimizer state tensors shaped like
+their parameter follow its placement; scalar state (``step``) stays a plain tensor.
+Ignored parameters stay plain tensors. The compiled graph works on the local tensors;
 ``full_tensor()``, ``state_dict()`` and DCP see the DTensors.
 
-A ``Shard(0)`` local tensor follows ``torch.chunk``: rank ``r`` holds rows
-``[r*c, min((r+1)*c, n))`` with ``c = ceil(n / W)`` (so the last ranks may hold
-fewer rows, or none). The graph pads each local shard to ``c`` rows for the
-collectives and slices the padding off again.
+A ``Shard(0)`` local tensor follows ``torch.chunk`` over the sharding mesh dimension:
+rank ``r`` of it holds rows ``[r*c, min((r+1)*c, n))`` with ``c = ceil(n / W)`` (so the
+last ranks may hold fewer rows, or none). The graph pads each local shard to ``c`` rows
+for the collectives and slices the padding off again.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from spmd.errors import ConfigError
@@ -39,19 +40,23 @@ def world_info() -> tuple[int, int]:
     return 0, 1
 
 
-_DEFAULT_MESHES: dict[tuple[str, int, int], DeviceMesh] = {}
+_DEFAULT_MESHES: dict[tuple[str, int, int, tuple[int, ...]], DeviceMesh] = {}
 
 
-def default_mesh(device_type: str) -> DeviceMesh:
-    """A 1-D mesh over every rank of the default process group.
+def default_mesh(device_type: str, shape: Sequence[int] | None = None) -> DeviceMesh:
+    """A mesh over every rank of the default process group: 1-D, or ``shape`` (replicate, shard).
 
-    Made once per device type and default group: a group destroyed and initialised
+    Made once per device type, shape and default group: a group destroyed and initialised
     again (tests, ``spmd.simulate``) gets a new mesh.
     """
-    key = (device_type, id(dist.distributed_c10d._get_default_group()), dist.get_world_size())
+    shape = tuple(shape) if shape is not None else (dist.get_world_size(),)
+    group = dist.distributed_c10d._get_default_group()
+    key = (device_type, id(group), dist.get_world_size(), shape)
     if key not in _DEFAULT_MESHES:
-        _DEFAULT_MESHES.clear()  # meshes of earlier groups are dead
-        _DEFAULT_MESHES[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+        if any(k[1] != id(group) for k in _DEFAULT_MESHES):
+            _DEFAULT_MESHES.clear()  # meshes of earlier groups are dead
+        names = ("replicate", "shard") if len(shape) == 2 else None
+        _DEFAULT_MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
     return _DEFAULT_MESHES[key]
 
 
@@ -92,15 +97,23 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _to_dtensor(
-    t: torch.Tensor, mesh: DeviceMesh, shard: bool, offload: CPUOffloadPolicy | None = None
+    t: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    offload: CPUOffloadPolicy | None = None,
 ) -> DTensor:
+    """``t`` (the full value, equal on every rank) as a DTensor with this rank's piece of it."""
     if offload is not None:
-        return _to_offloaded_dtensor(t, mesh, shard, offload)
-    if not shard:
-        return DTensor.from_local(t.detach(), mesh, [Replicate()], run_check=False)
-    lay = ShardLayout(t.shape[0], mesh.size(), mesh.get_local_rank())
-    piece = t.detach().narrow(0, lay.offset, lay.local_rows).clone()
-    return DTensor.from_local(piece, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride())
+        return _to_offloaded_dtensor(t, mesh, any(isinstance(pl, Shard) for pl in placements), offload)
+    piece = t.detach()
+    for dim, pl in enumerate(placements):
+        if isinstance(pl, Shard):
+            assert pl.dim == 0, pl
+            lay = ShardLayout(t.shape[0], mesh.size(dim), mesh.get_local_rank(dim))
+            piece = piece.narrow(0, lay.offset, lay.local_rows).clone()
+    return DTensor.from_local(
+        piece, mesh, list(placements), run_check=False, shape=t.shape, stride=t.stride()
+    )
 
 
 def _to_offloaded_dtensor(
@@ -125,30 +138,34 @@ def distribute_state(
     module: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     mesh: DeviceMesh,
+    placements_of: Callable[[str, nn.Parameter], Sequence[Placement] | None],
     *,
-    shard: bool,
     replaced: dict[int, nn.Parameter] | None = None,
     offload: CPUOffloadPolicy | None = None,
 ) -> int:
     """Turn every plain parameter of ``module`` into a DTensor parameter, in place.
 
-    Tied parameters stay tied (one new Parameter at every name). The optimizer's
-    param_groups and state are re-keyed to the new parameters, and state tensors
-    shaped like their parameter take its placement. ``replaced`` maps ``id(old)`` to
-    the new parameter for parameters already swapped by the caller
-    (:func:`materialize_meta`), so the optimizer follows those too. With ``offload`` the
-    local tensors of parameters and optimizer state go to the CPU (:mod:`spmd.parallel.offload`).
-    Returns how many parameters were converted (0 when the model is already distributed).
+    ``placements_of(fqn, param)`` gives each parameter's placements on ``mesh``, or None to
+    leave it a plain tensor (an ignored parameter). Tied parameters stay tied (one new
+    Parameter at every name). The optimizer's param_groups and state are re-keyed to the
+    new parameters, and state tensors shaped like their parameter take its placement.
+    ``replaced`` maps ``id(old)`` to the new parameter for parameters already swapped by
+    the caller (:func:`materialize_meta`), so the optimizer follows those too. With
+    ``offload`` the local tensors of parameters and optimizer state go to the CPU
+    (:mod:`spmd.parallel.offload`). Returns how many parameters were converted (0 when the
+    model is already distributed).
     """
     new_of: dict[int, nn.Parameter] = dict(replaced or {})
-    for mod in module.modules():
+    for prefix, mod in module.named_modules(remove_duplicate=False):
         for name, p in list(mod._parameters.items()):
             if p is None or isinstance(p, DTensor):
                 continue
             if id(p) not in new_of:
-                sharded = shard and p.dim() > 0
+                placements = placements_of(f"{prefix}.{name}" if prefix else name, p)
+                if placements is None:
+                    continue
                 new_of[id(p)] = nn.Parameter(
-                    _to_dtensor(p, mesh, sharded, offload), requires_grad=p.requires_grad
+                    _to_dtensor(p, mesh, placements, offload), requires_grad=p.requires_grad
                 )
             mod._parameters[name] = new_of[id(p)]
     rekey_optimizer(optimizer, new_of, mesh, offload)
@@ -184,7 +201,7 @@ def rekey_optimizer(
                         and not isinstance(v, DTensor)
                         and v.shape == p.shape
                     ):
-                        st[k] = _to_dtensor(v, mesh, is_sharded(np_), offload)
+                        st[k] = _to_dtensor(v, mesh, np_.placements, offload)
                     elif offload is not None and isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
                         st[k] = v.to("cpu")
                 old_state[np_] = st
@@ -209,7 +226,7 @@ def materialize_meta(
     *,
     device: torch.device,
     mesh: DeviceMesh | None,
-    shard: bool,
+    placements_of: Callable[[str, nn.Parameter], Sequence[Placement] | None],
     param_init_fn: Callable[[nn.Module], None] | None = None,
     sync_module_states: bool = False,
     offload: CPUOffloadPolicy | None = None,
@@ -221,8 +238,8 @@ def materialize_meta(
     or buffers are on the meta device: allocate them empty on ``device``, initialise them
     with ``param_init_fn(module)`` if given, else ``module.reset_parameters()``, broadcast
     them from rank 0 if ``sync_module_states``, and replace each parameter at once by this
-    rank's DTensor shard (``shard``) or replica. So at most one module's full tensors are
-    alive at a time, and no rank ever holds the full model. With ``mesh=None`` (world size
+    rank's piece of it (``placements_of(fqn, param)``; None keeps it plain). So at most one
+    module's full tensors are alive at a time, and no rank ever holds the full model. With ``mesh=None`` (world size
     1) the parameters stay plain tensors on ``device``. With ``offload`` each shard goes to
     the CPU as soon as it is cut (:mod:`spmd.parallel.offload`).
 
@@ -268,12 +285,13 @@ def materialize_meta(
                 if id(p) not in new_of:
                     full = mod._parameters[n]
                     assert full is not None
-                    if mesh is None:
+                    name = f"{fqn}.{n}" if fqn else n
+                    placements = placements_of(name, full) if mesh is not None else None
+                    if mesh is None or placements is None:  # world size 1, or ignored: stays plain
                         new_of[id(p)] = full
                     else:
-                        sharded = shard and full.dim() > 0
                         new_of[id(p)] = nn.Parameter(
-                            _to_dtensor(full, mesh, sharded, offload), full.requires_grad
+                            _to_dtensor(full, mesh, placements, offload), full.requires_grad
                         )
                 mod._parameters[n] = new_of[id(p)]
             for n, b in meta_bufs:
@@ -310,11 +328,12 @@ def _initializer(
     )
 
 
-def broadcast_module_states(module: nn.Module) -> None:
-    """Overwrite every plain parameter and buffer with rank 0's value (in place)."""
+def broadcast_module_states(module: nn.Module, skip: Collection[str] = ()) -> None:
+    """Overwrite every plain parameter and buffer with rank 0's value (in place), except the
+    names in ``skip`` (rank-local state)."""
     with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
-            if not isinstance(t, DTensor):
+        for n, t in [*module.named_parameters(), *module.named_buffers()]:
+            if not isinstance(t, DTensor) and n not in skip:
                 dist.broadcast(t.data, src=0)
 
 
