@@ -239,9 +239,9 @@ def materialize_meta(
     with ``param_init_fn(module)`` if given, else ``module.reset_parameters()``, broadcast
     them from rank 0 if ``sync_module_states``, and replace each parameter at once by this
     rank's piece of it (``placements_of(fqn, param)``; None keeps it plain). So at most one
-    module's full tensors are alive at a time, and no rank ever holds the full model. With ``mesh=None`` (world size
-    1) the parameters stay plain tensors on ``device``. With ``offload`` each shard goes to
-    the CPU as soon as it is cut (:mod:`spmd.parallel.offload`).
+    module's full tensors are alive at a time, and no rank ever holds the full model. With
+    ``mesh=None`` (world size 1) the parameters stay plain tensors on ``device``. With
+    ``offload`` each shard goes to the CPU as soon as it is cut (:mod:`spmd.parallel.offload`).
 
     A tied parameter is materialised at its first module; a later module holding it still
     runs its initialiser on a scratch copy (so the random stream is consumed as eager

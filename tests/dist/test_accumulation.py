@@ -24,3 +24,12 @@ def test_accumulation_matches_ddp_no_sync(style: str, reshard: bool) -> None:
     results = run_ranks(workers_accum.parity, 2, style, reshard, COMBOS, timeout=360)
     problems = [p for r in results for p in r]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(300)
+def test_accumulation_with_replicated_head_and_ignored_expert() -> None:
+    """Micro-batches combined with per-parameter plans (a replicated head and a rank-local
+    expert inside a fully_shard model): equal to DDP with no_sync, bit for bit."""
+    results = run_ranks(workers_accum.combined, 2, timeout=240)
+    problems = [p for r in results for p in r]
+    assert not problems, "\n".join(problems)

@@ -62,16 +62,7 @@ def parity(rank: int, world: int, style: str, reshard: bool, combos: list[tuple[
         ref_opt = shared.make_optimizer(opt_name, ddp.module)
         mode = spmd.DataParallel(style, reshard_after_forward=reshard)
         step = spmd.compile(parallel_mode=mode, check_invariants=True)(accumulating_step)
-        for i in range(6):
-            b = pm.batch(model_name, i, rank)
-            loss = step(model, opt, *b)
-            ref = ddp_no_sync_step(ddp, ref_opt, *b)
-            if not torch.equal(loss, ref):
-                problems.append(f"{tag}: step {i} loss {loss.item()!r} != ddp {ref.item()!r}")
-        for (n, p), (_, q) in zip(model.named_parameters(), ddp.module.named_parameters()):
-            full = p.full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p
-            if not torch.equal(full, q):
-                problems.append(f"{tag}: param {n} differs from DDP by {(full - q).abs().max().item()}")
+        problems += [f"{tag}: {p}" for p in _train_and_compare(step, model, opt, ddp, ref_opt, model_name, rank, 6)]
         # One reduction per gradient per step: the same reduced elements as a plain step.
         plain = spmd.compile(parallel_mode=mode)(_plain_step)
         plain(model, opt, *pm.batch(model_name, 50, rank))
@@ -88,3 +79,36 @@ def _plain_step(model, optim, *batch):
     optim.step()
     optim.zero_grad()
     return loss
+
+
+def combined(rank: int, world: int) -> list[str]:
+    """Accumulation with per-parameter plans: a fully_shard model with a replicated head and a
+    rank-local (ignored) expert, vs DDP with no_sync ignoring the same expert, bit for bit."""
+    from tests.dist import workers_hybrid as wh
+
+    names = [n for n, _ in wh.LocalExpertNet().named_parameters()]
+    ignored = [n for n in names if n.startswith("expert.")]
+    model = wh._local_expert_model(rank, ignored)
+    ref_model = copy.deepcopy(model)
+    DDP._set_params_and_buffers_to_ignore_for_model(ref_model, ignored)
+    ddp = DDP(ref_model)
+    opt = shared.make_optimizer("adamw_fused", model)
+    ref_opt = shared.make_optimizer("adamw_fused", ddp.module)
+    mode = spmd.DataParallel("fully_shard", module_styles={"head": "replicate"}, ignored_modules=["expert"])
+    step = spmd.compile(parallel_mode=mode, check_invariants=True)(accumulating_step)
+    return _train_and_compare(step, model, opt, ddp, ref_opt, "mlp", rank, 5)
+
+
+def _train_and_compare(step, model, opt, ddp, ref_opt, data: str, rank: int, steps: int) -> list[str]:
+    """Train both for ``steps`` steps; every loss and the final parameters must be equal."""
+    problems = []
+    for i in range(steps):
+        b = pm.batch(data, i, rank)
+        loss, ref = step(model, opt, *b), ddp_no_sync_step(ddp, ref_opt, *b)
+        if not torch.equal(loss, ref):
+            problems.append(f"step {i}: loss {loss.item()!r} != ddp {ref.item()!r}")
+    for (n, p), (_, q) in zip(model.named_parameters(), ddp.module.named_parameters()):
+        full = p.full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p
+        if not torch.equal(full, q):
+            problems.append(f"param {n} differs from DDP by {(full - q).abs().max().item()}")
+    return problems
