@@ -12,6 +12,7 @@ import spmd
 from passes import collectives as C
 from tests import models as shared
 from tests.dist import parity_models as pm
+from tests.dist import workers
 
 MICRO = 2  # micro-batches per step; the parity batches have 2 or 4 rows
 
@@ -64,21 +65,12 @@ def parity(rank: int, world: int, style: str, reshard: bool, combos: list[tuple[
         step = spmd.compile(parallel_mode=mode, check_invariants=True)(accumulating_step)
         problems += [f"{tag}: {p}" for p in _train_and_compare(step, model, opt, ddp, ref_opt, model_name, rank, 6)]
         # One reduction per gradient per step: the same reduced elements as a plain step.
-        plain = spmd.compile(parallel_mode=mode)(_plain_step)
+        plain = spmd.compile(parallel_mode=mode)(workers.train_step)
         plain(model, opt, *pm.batch(model_name, 50, rank))
         got, want = _reductions(step.graphs["final"]), _reductions(plain.graphs["final"])
         if got != want:
             problems.append(f"{tag}: accumulating step reduces {got}, a plain step {want}")
     return problems
-
-
-def _plain_step(model, optim, *batch):
-    *xs, y = batch
-    loss = shared.loss_fn(model(*xs), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
 
 
 def combined(rank: int, world: int) -> list[str]:

@@ -20,14 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmd
 from passes import collectives as C
 from passes.meta import CAST_OF, GRAD_OF, INPUT_CAST, PHASE, ROLE, STATE_NAME, Phase, Role
 from spmd.dump import annotated_code
-from spmd.parallel import sharding
 from tests import models
+from tests.unit.fake_pg import fake_process_group
 
 BF16 = torch.bfloat16
 _to_copy = torch.ops.aten._to_copy.default
@@ -174,13 +173,8 @@ def test_world_size_1_matches_eager_mixed_precision(name: str, opt_name: str) ->
 
 @pytest.fixture
 def fake_world():
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    try:
+    with fake_process_group(2):
         yield
-    finally:
-        dist.destroy_process_group()
-        sharding._DEFAULT_MESHES.clear()
 
 
 _LOWERED: dict[tuple, dict[str, fx.GraphModule]] = {}

@@ -19,24 +19,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmd
 from passes import collectives as C
 from passes.meta import GRAD_OF, PHASE, ROLE, Phase, Role
 from spmd import optim as optim_utils
 from spmd import tracing
-from spmd.parallel import sharding
 from spmd.pipeline import build_pipeline
 from tests import models
 from tests.dist import parity_models as pm
 from tests.dist.workers import train_step_clip
+from tests.unit.fake_pg import fake_process_group
 
 CUDA = torch.device("cuda", 0)
 H2D = torch.ops.aten._to_copy.default
@@ -44,13 +42,8 @@ H2D = torch.ops.aten._to_copy.default
 
 @pytest.fixture(scope="module")
 def cuda_mesh():
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    try:
+    with fake_process_group(2):
         yield init_device_mesh("cuda", (2,))
-    finally:
-        dist.destroy_process_group()
-        sharding._DEFAULT_MESHES.clear()
 
 
 def _mode(mesh, **knobs) -> spmd.DataParallel:

@@ -13,28 +13,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmd
 from passes import collectives as C
 from passes.meta import GRAD_OF, MICROBATCH, PHASE, ROLE, Phase, Role
 from passes.prefetch import default_unit_of
 from passes.scheduling import _pass_through_chain, inflight_profile
-from spmd.parallel import sharding
 from tests import models
+from tests.unit.fake_pg import fake_process_group
 
 
 @pytest.fixture(scope="module")
 def fake_world():
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    try:
+    with fake_process_group(2):
         yield
-    finally:
-        _LOWERED.clear()
-        dist.destroy_process_group()
-        sharding._DEFAULT_MESHES.clear()
+    _LOWERED.clear()
 
 
 _LOWERED: dict[tuple, torch.fx.GraphModule] = {}
