@@ -168,6 +168,7 @@ def main() -> None:
         say(f"check after training: routed MoE == trained DenseMoE (max |diff| / max|x| {diff:.1e})")
     say(f"final: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps; {step.num_graphs} graph(s)")
     if distributed:
+        dist.barrier()  # leave together (see train_gpt.py)
         dist.destroy_process_group()
 
 

@@ -129,6 +129,10 @@ def main() -> None:
         torch.save(meta, f"{ckpt_dir}/meta.pt")  # what sample.py needs to rebuild the model
         print(f"checkpoint saved to {ckpt_dir}/")
     if distributed:
+        # Leave together, so no rank tears gloo down while rank 0 still writes meta.pt. (Once, in a
+        # fresh-clone run, rank 0 aborted at exit with "terminate called without an active
+        # exception" after training and the checkpoint had finished; not reproduced since.)
+        dist.barrier()
         dist.destroy_process_group()
 
 
