@@ -24,11 +24,13 @@ import torch.nn as nn
 
 from spmd import optim as optim_utils
 from spmd import tracing
-from spmd.dump import dump_report, dump_stages
+from spmd.dump import dump_code, dump_report, dump_stages
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
 from spmd.pipeline import build_pipeline
+from spmd.lowering import check_backend, compile_graph
+from spmd.parallel.sharding import local
 from spmd.report import StepReport, build_report, describe_mode
 from spmd.runtime import Executable, make_executable
 
@@ -39,6 +41,7 @@ _OPTIONS: dict[str, str] = {
     "cache_size_limit": "most graphs kept for one compiled step before raising CacheLimitError (8)",
     "disabled_passes": "names of pipeline passes to skip",
     "check_invariants": "run the graph invariant checker after every pass (env SPMD_DEBUG=1)",
+    "backend": "'eager' (default: the final graph runs op by op) or 'inductor' (compiled; see spmd.lowering)",
 }
 
 
@@ -89,6 +92,7 @@ def compile(
         for o in module_override:
             if not isinstance(o, Override):
                 raise ConfigError(f"spmd.compile: module_override items must be spmd.Override, got {o!r}.")
+    check_backend(options.get("backend", "eager"))
 
     def decorate(fn: Callable[..., Any]) -> CompiledStep:
         return CompiledStep(
@@ -111,6 +115,9 @@ class _Entry:
     parallel_style: str = ""
     trace_s: float | None = None
     compile_s: float | None = None
+    backend: str = "eager"
+    lower_s: float | None = None  # the backend's compile time (part of compile_s)
+    lowered_code: str | None = None  # the backend's generated code (None for eager)
 
 
 class CompiledStep:
@@ -137,6 +144,7 @@ class CompiledStep:
         self.check_invariants: bool = bool(
             options.get("check_invariants", os.environ.get("SPMD_DEBUG", "") not in ("", "0"))
         )
+        self.backend: str = check_backend(options.get("backend", "eager"))
         self._cache: dict[Hashable, _Entry] = {}
         self._last: _Entry | None = None
         self._overridden: set[int] = set()
@@ -158,6 +166,13 @@ class CompiledStep:
             )
         assert self._last is not None
         return _report(self._last, stage)
+
+    @property
+    def lowered_code(self) -> str | None:
+        """The backend's generated code for the most recently run graph (None with backend='eager')."""
+        if self._last is None:
+            raise RuntimeError("spmd: the step has not been called yet; code exists after the first call.")
+        return self._last.lowered_code
 
     @property
     def num_graphs(self) -> int:
@@ -261,6 +276,10 @@ class CompiledStep:
         graphs["final"] = gm
         check_rank_agreement(gm, step_name=self.__name__)
         exe = make_executable(gm, traced, state)
+        lowered = None
+        if self.backend != "eager":
+            lowered = compile_graph(gm, [local(t) for t in exe.inputs(step_args)], self.backend)
+            exe.compiled = lowered.fn
         style, world = describe_mode(self.parallel_mode)
         entry = _Entry(
             exe=exe,
@@ -269,9 +288,14 @@ class CompiledStep:
             parallel_style=style,
             trace_s=traced.trace_s,
             compile_s=time.perf_counter() - t0,
+            backend=self.backend,
+            lower_s=lowered.lower_s if lowered else None,
+            lowered_code=lowered.code if lowered else None,
         )
         if self.dump_dir:
             where = dump_stages(self.dump_dir, self.__name__, graphs)
+            if lowered is not None:
+                dump_code(where, len(graphs), lowered.backend, lowered.code)
             dump_report(where, _report(entry, "final"))
         return entry, _signature(step_args)
 
@@ -284,6 +308,8 @@ def _report(entry: _Entry, stage: str) -> StepReport:
         stage=stage,
         trace_s=entry.trace_s,
         compile_s=entry.compile_s,
+        backend=entry.backend,
+        lower_s=entry.lower_s,
     )
 
 

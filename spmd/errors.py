@@ -49,3 +49,7 @@ class CollectiveError(SpmdError):
 
 class PassError(SpmdError):
     """A graph pass failed or broke a graph invariant."""
+
+
+class LoweringError(SpmdError):
+    """A backend (inductor) could not compile the final graph, or changed its collective order."""

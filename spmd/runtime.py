@@ -51,6 +51,8 @@ class Executable:
     # The module structure the graph was traced from; recorded at the first run, which
     # follows the trace with nothing in between.
     structure: tuple[tuple[str, type, Any], ...] | None = None
+    # What runs instead of ``gm`` when a backend compiled it (spmd.lowering); None: run ``gm``.
+    compiled: Any = None
 
     def inputs(self, step_args: tracing.StepArgs) -> list[torch.Tensor]:
         module, optimizer = step_args.module, step_args.optimizer
@@ -96,7 +98,7 @@ class Executable:
         flat = [local(t) for t in self.inputs(step_args)]
         try:
             with torch.no_grad():
-                outs = self.gm(*flat)
+                outs = (self.compiled or self.gm)(*flat)
         except RuntimeError as exc:
             node = _failing_node(exc, self.gm)
             is_comm = node is not None and (C.is_collective(node) or C.is_wait(node))
