@@ -42,6 +42,7 @@ _OPTIONS: dict[str, str] = {
     "disabled_passes": "names of pipeline passes to skip",
     "check_invariants": "run the graph invariant checker after every pass (env SPMD_DEBUG=1)",
     "backend": "'eager' (default: the final graph runs op by op) or 'inductor' (compiled; see spmd.lowering)",
+    "inductor_config": "dict of torch._inductor.config settings for backend='inductor' (applied over spmd's)",
 }
 
 
@@ -145,6 +146,7 @@ class CompiledStep:
             options.get("check_invariants", os.environ.get("SPMD_DEBUG", "") not in ("", "0"))
         )
         self.backend: str = check_backend(options.get("backend", "eager"))
+        self.inductor_config: dict[str, Any] = dict(options.get("inductor_config") or {})
         self._cache: dict[Hashable, _Entry] = {}
         self._last: _Entry | None = None
         self._overridden: set[int] = set()
@@ -278,7 +280,8 @@ class CompiledStep:
         exe = make_executable(gm, traced, state)
         lowered = None
         if self.backend != "eager":
-            lowered = compile_graph(gm, [local(t) for t in exe.inputs(step_args)], self.backend)
+            flat = [local(t) for t in exe.inputs(step_args)]
+            lowered = compile_graph(gm, flat, self.backend, inductor_config=self.inductor_config)
             exe.compiled = lowered.fn
         style, world = describe_mode(self.parallel_mode)
         entry = _Entry(

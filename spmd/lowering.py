@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -71,7 +72,7 @@ class Lowered:
     backend: str
     code: str  # inductor's generated Python ("" for eager)
     lower_s: float  # seconds spent compiling (0 for eager)
-    collective_order: list[tuple[str, bool, str]]  # (kind, coalesced, group) as the code issues them
+    collective_order: list[Issued]  # as the code issues them (see code_order)
 
 
 def check_backend(backend: Any) -> str:
@@ -103,7 +104,7 @@ def compile_graph(
     """
     backend = check_backend(backend)
     if backend == "eager":
-        return Lowered(gm, "eager", "", 0.0, _graph_order(gm))
+        return Lowered(gm, "eager", "", 0.0, graph_order(gm))
     from torch._inductor import config as inductor_config_module
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.graph import GraphLowering
@@ -129,15 +130,20 @@ def compile_graph(
         ) from exc
     lower_s = time.perf_counter() - t0
     code = codes[-1] if codes else ""
-    order = check_collective_order(gm, code)
+    order = check_collective_order(gm, code, example_inputs)
     log.info("spmd: inductor compiled the final graph in %.2f s (%d collectives)", lower_s, len(order))
     return Lowered(fn, "inductor", code, lower_s, order)
 
 
 # ----------------------------------------------------------------------------- collective order
 
-# inductor emits the in-place/out variants: all_reduce_, all_gather_into_tensor_out, ...
+# inductor emits the functional op, or its in-place/out variant: all_reduce_, ..._out.
 _CALL = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.\w+\((.*)\)")
+_ALLOC = re.compile(r"(buf\w+) = empty_strided\w*\(\(([^)]*)\)")
+_REUSE = re.compile(r"(buf\w+) = (buf\w+); del \2\s+# reuse")
+_ASSERT = re.compile(r"assert_size_stride\((\w+), \(([^)]*)\)")
+_GETITEM = re.compile(r"buf\w+ = buf\w+\[\d+\]$")
+_REINTERPRET = re.compile(r"reinterpret_tensor\((\w+), \(([^)]*)\)")
 _NAMES: dict[str, tuple[C.Kind, bool]] = {
     "all_reduce": (C.Kind.ALL_REDUCE, False),
     "all_reduce_coalesced": (C.Kind.ALL_REDUCE, True),
@@ -148,37 +154,88 @@ _NAMES: dict[str, tuple[C.Kind, bool]] = {
     "broadcast": (C.Kind.BROADCAST, False),
 }
 
+# (kind, coalesced, group, element counts of the outputs); counts None where the code
+# does not show them (then only kind and group are compared).
+Issued = tuple[str, bool, str, tuple[int, ...] | None]
 
-def _graph_order(gm: fx.GraphModule) -> list[tuple[str, bool, str]]:
-    return [(C.kind_of(n).value, C.is_coalesced(n), C.group_of(n)) for n in C.collectives(gm.graph)]
+
+def _numel(shape: str) -> int:
+    return math.prod(int(d) for d in shape.replace(" ", "").split(",") if d)
 
 
-def code_order(code: str) -> list[tuple[str, bool, str]]:
-    """The collectives inductor's generated Python issues, in order: (kind, coalesced, group)."""
-    out = []
-    for m in _CALL.finditer(code):
+def graph_order(gm: fx.GraphModule) -> list[Issued]:
+    """The final graph's collectives, in order, as :func:`code_order` reads them from code."""
+    out: list[Issued] = []
+    for n in C.collectives(gm.graph):
+        val = n.meta.get("val")
+        vals = val if isinstance(val, list | tuple) else [val]
+        numels = tuple(v.numel() for v in vals if isinstance(v, torch.Tensor))
+        out.append((C.kind_of(n).value, C.is_coalesced(n), C.group_of(n), numels or None))
+    return out
+
+
+def code_order(code: str, example_inputs: Sequence[torch.Tensor] = ()) -> list[Issued]:
+    """The collectives inductor's generated Python issues, in order.
+
+    Output sizes come from the ``assert_size_stride`` after the call, or, for the
+    in-place ``all_reduce_``, from the buffer's allocation (``argN_1`` is input ``N``).
+    """
+    lines = [ln.strip() for ln in code.splitlines()]
+    numel: dict[str, int | None] = {f"arg{i}_1": t.numel() for i, t in enumerate(example_inputs)}
+    out: list[Issued] = []
+    for i, line in enumerate(lines):
+        if m := _ALLOC.match(line):
+            numel[m.group(1)] = _numel(m.group(2))
+            continue
+        if m := _REUSE.match(line):
+            numel[m.group(1)] = numel.get(m.group(2))
+            continue
+        m = _CALL.search(line)
+        if m is None:
+            continue
         name = m.group(1).removesuffix("_out").removesuffix("_")
         if name not in _NAMES:
             continue  # wait_tensor
         kind, coalesced = _NAMES[name]
-        strings = re.findall(r"'([^']*)'|\"([^\"]*)\"", m.group(2))
+        args = m.group(2)
+        strings = re.findall(r"'([^']*)'|\"([^\"]*)\"", args)
         group = next((a or b for a, b in reversed(strings)), "")
-        out.append((kind.value, coalesced, group))
+        sizes: list[int] = []
+        for follow in lines[i + 1 :]:
+            if a := _ASSERT.match(follow):
+                if not follow.endswith("'input')"):
+                    sizes.append(_numel(a.group(2)))
+            elif not _GETITEM.match(follow):
+                break
+        if not sizes and name == "all_reduce":  # in place: the output is the input
+            first = args.split(",", 1)[0].strip("[ ")
+            r = _REINTERPRET.match(args)
+            size = _numel(r.group(2)) if r else numel.get(first)
+            sizes = [size] if size is not None else []
+        out.append((kind.value, coalesced, group, tuple(sizes) if sizes else None))
     return out
 
 
-def check_collective_order(gm: fx.GraphModule, code: str) -> list[tuple[str, bool, str]]:
-    """Raise :class:`LoweringError` unless ``code`` issues ``gm``'s collectives in ``gm``'s order."""
-    want, got = _graph_order(gm), code_order(code)
-    if want == got:
-        return got
-    i = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+def _same(a: Issued, b: Issued) -> bool:
+    return a[:3] == b[:3] and (a[3] is None or b[3] is None or a[3] == b[3])
 
-    def show(seq: list[tuple[str, bool, str]]) -> str:
+
+def check_collective_order(
+    gm: fx.GraphModule, code: str, example_inputs: Sequence[torch.Tensor] = ()
+) -> list[Issued]:
+    """Raise :class:`LoweringError` unless ``code`` issues ``gm``'s collectives in ``gm``'s order
+    (same kinds, groups and sizes)."""
+    want, got = graph_order(gm), code_order(code, example_inputs)
+    if len(want) == len(got) and all(_same(a, b) for a, b in zip(want, got)):
+        return got
+    i = next((i for i, (a, b) in enumerate(zip(want, got)) if not _same(a, b)), min(len(want), len(got)))
+
+    def show(seq: list[Issued]) -> str:
         if i >= len(seq):
             return "nothing (its sequence ended)"
-        kind, coalesced, group = seq[i]
-        return f"{kind}{' (coalesced)' if coalesced else ''} on group {group!r}"
+        kind, coalesced, group, numels = seq[i]
+        size = f" of {'+'.join(map(str, numels))} elements" if numels else ""
+        return f"{kind}{' (coalesced)' if coalesced else ''}{size} on group {group!r}"
 
     raise LoweringError(
         f"spmd: inductor's code issues the collectives in a different order than the final graph "
