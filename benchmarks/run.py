@@ -319,7 +319,11 @@ def targets(model: str, records: list[dict[str, Any]]) -> list[str]:
         checks += [("spmd_fully_shard / fsdp2 step", _div(step("spmd_fully_shard"), step("fsdp2")), 0.25)]
         checks += [("spmd_fully_shard / no_comm step", _div(step("spmd_fully_shard"), step("no_comm")), 1.5)]
         checks += [
-            ("spmd_fully_shard_inductor / no_comm step", _div(step("spmd_fully_shard_inductor"), step("no_comm")), 1.0)
+            (
+                "spmd_fully_shard_inductor / no_comm step",
+                _div(step("spmd_fully_shard_inductor"), step("no_comm")),
+                1.0,
+            )
         ]
     if model == "gpt":
         checks += [("spmd_fully_shard / no_comm step", _div(step("spmd_fully_shard"), step("no_comm")), 1.05)]

@@ -58,7 +58,9 @@ optim = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=T
 n_params = sum(p.numel() for p in model.parameters())
 
 
-train_step = spmd.compile(backend=args.backend)(spmd_models.train_step)  # next-token loss, backward, optimizer step
+train_step = spmd.compile(backend=args.backend)(
+    spmd_models.train_step
+)  # next-token loss, backward, optimizer step
 
 
 def batch():

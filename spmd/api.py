@@ -26,11 +26,11 @@ from spmd import optim as optim_utils
 from spmd import tracing
 from spmd.dump import dump_code, dump_report, dump_stages
 from spmd.errors import CacheLimitError, ConfigError
+from spmd.lowering import check_backend, compile_graph
 from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
-from spmd.pipeline import build_pipeline
-from spmd.lowering import check_backend, compile_graph
 from spmd.parallel.sharding import local
+from spmd.pipeline import build_pipeline
 from spmd.report import StepReport, build_report, describe_mode
 from spmd.runtime import Executable, make_executable
 

@@ -122,6 +122,7 @@ def compile_graph(
             mock.patch.object(GraphLowering, "save_output_code", codes.append),
         ):
             fn = compile_fx(lowered_gm, list(example_inputs))
+        assert callable(fn), f"compile_fx returned {type(fn).__name__}"
     except Exception as exc:
         raise LoweringError(
             f"spmd: inductor could not compile the final graph ({type(exc).__name__}: "

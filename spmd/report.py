@@ -79,7 +79,9 @@ class StepReport:
         ]
         if self.trace_s is not None:
             rows.append(("trace / compile", f"{self.trace_s:.2f} s / {_secs(self.compile_s)}"))
-        backend = self.backend if self.lower_s is None else f"{self.backend} (lowered in {self.lower_s:.2f} s)"
+        backend = (
+            self.backend if self.lower_s is None else f"{self.backend} (lowered in {self.lower_s:.2f} s)"
+        )
         rows.append(("backend", backend))
         rows += [
             ("params", f"{_size(self.param_bytes)}  ({self.num_params} tensors)"),

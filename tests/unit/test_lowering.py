@@ -72,7 +72,9 @@ def test_check_collective_order_accepts_same_order_and_names_first_difference() 
     inputs = [torch.empty(8), torch.empty(4)]
     assert len(check_collective_order(gm, same, inputs)) == 2
     swapped = "\n".join(reversed(same.splitlines()))
-    with pytest.raises(spmd.LoweringError, match=r"first difference at collective #0: the graph issues all_reduce of 8"):
+    with pytest.raises(
+        spmd.LoweringError, match=r"first difference at collective #0: the graph issues all_reduce of 8"
+    ):
         check_collective_order(gm, swapped, inputs)
     with pytest.raises(spmd.LoweringError, match=r"1 in the code, 2 in the graph"):
         check_collective_order(gm, same.splitlines()[0], inputs)
@@ -97,7 +99,10 @@ def test_world_size_1_inductor_matches_eager_backend_in_place(inductor_cache) ->
     report and the dump show the backend and its code."""
     compiled = models.build("convbn")
     eager = models.twin(compiled)
-    co, eo = models.make_optimizer("sgd_momentum_fused", compiled), models.make_optimizer("sgd_momentum_fused", eager)
+    co, eo = (
+        models.make_optimizer("sgd_momentum_fused", compiled),
+        models.make_optimizer("sgd_momentum_fused", eager),
+    )
     dump = inductor_cache / "dump"
     ind = spmd.compile(backend="inductor", dump_dir=str(dump))(models.train_step)
     eag = spmd.compile()(models.train_step)
