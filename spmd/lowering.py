@@ -114,14 +114,16 @@ def compile_graph(
     codes: list[str] = []
     settings = {**_INDUCTOR_CONFIG, **(inductor_config or {})}
     try:
+        fakes, context = _fake(example_inputs)
         # no_grad: parameters require grad, and under grad mode AOTAutograd would build
         # a joint forward/backward graph around a step that already contains its backward.
         with (
+            context,
             torch.no_grad(),
             inductor_config_module.patch(settings),
             mock.patch.object(GraphLowering, "save_output_code", codes.append),
         ):
-            fn = compile_fx(lowered_gm, list(example_inputs))
+            fn = compile_fx(lowered_gm, fakes)
         assert callable(fn), f"compile_fx returned {type(fn).__name__}"
     except Exception as exc:
         raise LoweringError(
@@ -134,6 +136,18 @@ def compile_graph(
     order = check_collective_order(gm, code, example_inputs)
     log.info("spmd: inductor compiled the final graph in %.2f s (%d collectives)", lower_s, len(order))
     return Lowered(fn, "inductor", code, lower_s, order)
+
+
+def _fake(example_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+    """Static-shaped fake copies of the inputs under a fake mode with a ShapeEnv, entered as the
+    tracing context: inductor's FX graph cache bypasses a compile without one ("No shape env")."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [mode.from_tensor(t, static_shapes=True) for t in example_inputs]
+    return fakes, tracing(TracingContext(mode))
 
 
 # ----------------------------------------------------------------------------- collective order
