@@ -403,7 +403,8 @@ def main() -> None:
             print(overlap_table(fs))
     print(
         "\nIQR: interquartile range of the step times over the median; "
-        "peak MiB: MemTracker over one step (DDP's C++ gradient buckets not seen); "
+        "peak MiB: MemTracker over one step (DDP's C++ gradient buckets and inductor's buffers not seen: "
+        "benchmarks/backend_memory.py measures the inductor backend); "
         "pred MiB: spmd report(); "
         "comm MiB: per rank per step, larger side of each collective (profiler); min MiB: least the "
         "variant's semantics need; wire MiB: bytes written to sockets (/proc/self/io); colls: collective "
