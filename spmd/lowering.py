@@ -133,6 +133,12 @@ def compile_graph(
         ) from exc
     lower_s = time.perf_counter() - t0
     code = codes[-1] if codes else ""
+    if not code and C.collectives(gm.graph):
+        raise LoweringError(
+            "spmd: inductor compiled the final graph but its generated code could not be read, so the "
+            "order of its collectives cannot be checked against the graph's. Use backend='eager', or "
+            "clear inductor's cache (TORCHINDUCTOR_CACHE_DIR) if it came from a damaged cache entry."
+        )
     order = check_collective_order(gm, code, example_inputs)
     log.info("spmd: inductor compiled the final graph in %.2f s (%d collectives)", lower_s, len(order))
     return Lowered(fn, "inductor", code, lower_s, order)
