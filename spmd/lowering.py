@@ -152,7 +152,7 @@ def _fake(example_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], A
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
-    fakes = [mode.from_tensor(t, static_shapes=True) for t in example_inputs]
+    fakes: list[torch.Tensor] = [mode.from_tensor(t, static_shapes=True) for t in example_inputs]
     return fakes, tracing(TracingContext(mode))
 
 
