@@ -465,7 +465,9 @@ def _cast_forward_io(module: nn.Module, casts: ComputeCasts) -> Iterator[None]:
     handles = []
     for path in cast_modules(module, casts.input_cast_at):
         if casts.input_dtype is not None:
-            handles.append(subs[path].register_forward_pre_hook(pre(path, casts.input_dtype), with_kwargs=True))
+            handles.append(
+                subs[path].register_forward_pre_hook(pre(path, casts.input_dtype), with_kwargs=True)
+            )
         if casts.output_dtype is not None:
             handles.append(subs[path].register_forward_hook(post(path, casts.output_dtype)))
     try:

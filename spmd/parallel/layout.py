@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-
 _FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 

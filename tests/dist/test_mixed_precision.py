@@ -63,7 +63,13 @@ PER_MODULE_INPUT_CASTS = [
         cast_at=["net.0", "net.2"],
     ),
     dict(
-        model="llama", optim="adamw_fused", style="fully_shard", param="bf16", reduce="fp32", cast_at=[], differs=True
+        model="llama",
+        optim="adamw_fused",
+        style="fully_shard",
+        param="bf16",
+        reduce="fp32",
+        cast_at=[],
+        differs=True,
     ),
 ]
 

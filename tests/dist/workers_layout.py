@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -82,7 +81,9 @@ def channels_last_parity(rank: int, world: int, cases: list[tuple[str, str]], st
                 problems.append(f"{tag}: param {n} differs from DDP by {_diff(full, q)}")
             mine = p.to_local() if isinstance(p, DTensor) else p
             if p.stride() != q.stride() or (q.dim() == 4 and not mine.is_contiguous(memory_format=CL)):
-                problems.append(f"{tag}: param {n} strides {p.stride()} (local {mine.stride()}) != {q.stride()}")
+                problems.append(
+                    f"{tag}: param {n} strides {p.stride()} (local {mine.stride()}) != {q.stride()}"
+                )
         gm = step.graphs["final"]
         convs = [n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution.default]
         grads = [n for n in gm.graph.nodes if n.meta.get(ROLE) is Role.GRAD and n.meta["val"].dim() == 4]
