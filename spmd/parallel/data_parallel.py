@@ -31,6 +31,9 @@ parameters. ``partition`` makes it the SPMD step:
   (skipped where the gradient is autograd's upcast of a ``reduce_dtype`` gradient:
   the round trip is exact) and the reduced gradient is cast back to the parameter's
   dtype, so the optimizer reads and updates fp32 master weights.
+* Memory formats: a channels_last parameter is gathered and its gradient reduce-scattered in
+  memory order (:mod:`spmd.parallel.layout`), so the gathered parameter and the gradient shard
+  keep the parameter's strides.
 * CPU offload (``offload_policy``): a parameter whose local shard is on the CPU while the
   trace saw it on the device is copied host-to-device before each of its all-gathers, and
   its reduced gradient device-to-host after the reduce-scatter's wait, so the optimizer
