@@ -726,6 +726,7 @@ class _Partitioner:
             if comm.local_only:
                 continue
             sharded = comm.shard is not None
+            perm = None if sharded else layout.memory_order(self.by_name[name].meta["val"])
             grad_dtype = g.meta["val"].dtype
             with self.graph.inserting_before(tag):
                 send = self._to_reduce_dtype(g, tag)
@@ -733,6 +734,11 @@ class _Partitioner:
                     coll = self._emit_reduce_scatter(send, name, tag)
                 else:
                     assert comm.reduce is not None
+                    # In memory order: the reduced gradient keeps the parameter's strides (a
+                    # fused optimizer reads a channels_last parameter and its gradient as flat
+                    # memory; the functional all-reduce returns a contiguous tensor).
+                    if perm is not None:
+                        send = self._call(aten.permute.default, (send, perm), tag)
                     coll = self._call(C._c10d.all_reduce.default, (send, "avg", comm.reduce.name), tag)
             # The wait (and the un-padding slice) sits just before the gradient's first use.
             anchor = self._first(users) if users else tag.next
@@ -748,6 +754,8 @@ class _Partitioner:
                     res = self._call(aten.slice.Tensor, (res, 0, 0, self.layouts[name].local_rows), tag)
                 if sharded and name in self.perms:  # reduced in memory order: back to logical
                     res = self._call(aten.permute.default, (res, layout.inverse(self.perms[name])), tag)
+                if not sharded and perm is not None:
+                    res = self._call(aten.permute.default, (res, layout.inverse(perm)), tag)
                 if name in self.offloaded:  # the optimizer runs on the CPU: device-to-host
                     res = self._to_device(res, CPU, tag)
                 if send is not g:  # reduced in another dtype: back to the optimizer's

@@ -68,7 +68,13 @@ def channels_last_parity(rank: int, world: int, cases: list[tuple[str, str]], st
         ddp = DDP(copy.deepcopy(model))
         opt = shared.make_optimizer(opt_name, model)
         ref_opt = shared.make_optimizer(opt_name, ddp.module)
-        step = spmd.compile(parallel_mode=_mode(style), check_invariants=True)(train_step)
+        # "replicate_unbucketed": each gradient's own all-reduce (its result is contiguous).
+        unbucketed = style.endswith("_unbucketed")
+        step = spmd.compile(
+            parallel_mode=_mode(style.removesuffix("_unbucketed")),
+            check_invariants=True,
+            disabled_passes=("bucket_collectives",) if unbucketed else (),
+        )(train_step)
         for i in range(steps):
             b = _batch(i, rank)
             loss = step(model, opt, *b)
@@ -89,9 +95,9 @@ def channels_last_parity(rank: int, world: int, cases: list[tuple[str, str]], st
         grads = [n for n in gm.graph.nodes if n.meta.get(ROLE) is Role.GRAD and n.meta["val"].dim() == 4]
         if len(convs) != 2 or len(grads) != 2:
             problems.append(f"{tag}: expected 2 convolutions and 2 conv weight gradients in the graph")
-        # Replicate: bucketed all-reduces hand gradients back contiguous (values exact; the
-        # optimizer's elementwise kernels read any strides); the sharded styles reduce in memory order.
-        for n in [c.args[1] for c in convs] + (grads if style != "replicate" else []):
+        # Every style reduces in memory order: a fused optimizer reads a parameter and its
+        # gradient as flat memory, so a contiguous gradient of a channels_last weight is wrong.
+        for n in [c.args[1] for c in convs] + grads:
             if not n.meta["val"].is_contiguous(memory_format=CL):
                 problems.append(f"{tag}: {n.name} in the graph has strides {n.meta['val'].stride()}")
     return problems
