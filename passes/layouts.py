@@ -1,0 +1,282 @@
+"""Make a traced graph hold whatever memory layout its kernels really return.
+
+A graph traced under fake tensors bakes in layout decisions taken on the *fake*
+strides: ``linear`` records ``aten.view`` because its input looked viewable, an
+autograd formula's ``.contiguous()`` vanishes because its input looked contiguous,
+``as_strided`` records absolute strides. Some kernels return a different layout on
+the real device than their meta function promises (on this CPU build:
+``native_batch_norm`` on a transposed input, ``native_batch_norm_backward``), and the
+difference travels on through layout-preserving ops. Replayed as is, the graph then
+crashes (``view size is not compatible with input tensor's size and stride``) or,
+worse, computes wrong values (a kernel that assumes the contiguity its trace saw,
+e.g. ``native_group_norm_backward``; ``as_strided`` reading the wrong elements).
+
+:func:`fix_layouts` runs the graph once on the real inputs, node by node, and
+compares every tensor a node reads with the layout the trace recorded for it
+(``node.meta["val"]``). Where they differ and the reader depends on layout, it
+inserts ``spmd::restride(x, size, stride, storage_offset)`` before the reader: a copy
+of ``x`` into the traced layout, which is what eager computed with (its
+``.contiguous()`` / ``reshape`` copy). It copies the real value the same way and runs
+on, so the checking run *is* the first real run and its outputs are the step's
+results. Readers that are correct on any layout (pointwise ops, reductions, matmuls,
+views that always succeed, copies, collectives' waits) get nothing, so they keep
+computing on the layout eager used; an ``aten.view`` gets a fix-up only when the view
+of the real tensor would fail. Where layouts agree nothing is added: a graph without
+mismatches is returned untouched.
+
+Each fix-up node carries ``meta[LAYOUT_FIX]`` (what it fixed, in words) and the
+role/phase/module of its reader. Run it on the final graph, after every other pass,
+on the first call with real inputs (it executes the graph, collectives included, so
+every rank must call it at the same point, as for any run). An argument the reader
+writes in place cannot be replaced by a copy: a mismatch there raises
+:class:`LayoutError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from passes.meta import LAYOUT_FIX, copy_meta
+
+log = logging.getLogger("spmd.passes")
+
+aten = torch.ops.aten
+
+
+class LayoutError(RuntimeError):
+    """A tensor's real layout differs from its traced one where no copy can fix it."""
+
+
+@torch.library.custom_op("spmd::restride", mutates_args=())
+def restride(x: torch.Tensor, size: Sequence[int], stride: Sequence[int], storage_offset: int) -> torch.Tensor:
+    """A copy of ``x`` with exactly this size, stride and storage offset (in a fresh storage)."""
+    extent = storage_offset + sum((n - 1) * s for n, s in zip(size, stride) if n > 0) + 1
+    if any(n == 0 for n in size):
+        extent = storage_offset
+    buf = x.new_empty(max(extent, 0))
+    out = buf.as_strided(size, stride, storage_offset)
+    out.copy_(x)
+    return out
+
+
+@restride.register_fake
+def _(x: torch.Tensor, size: Sequence[int], stride: Sequence[int], storage_offset: int) -> torch.Tensor:
+    return x.new_empty_strided(size, stride)
+
+
+RESTRIDE = torch.ops.spmd.restride.default
+
+# Readers whose result is right on any input layout. Everything else is treated as
+# layout-sensitive and gets its read-only inputs in the traced layout.
+_VIEWS_ALWAYS_VALID = {
+    aten.t.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.expand.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.unsqueeze.default,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.alias.default,
+    aten.detach.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unbind.int,
+    aten.narrow.default,
+    aten.diagonal.default,
+}
+_INSENSITIVE = _VIEWS_ALWAYS_VALID | {
+    aten.clone.default,
+    aten.copy_.default,
+    aten.copy.default,
+    aten._to_copy.default,
+    aten.contiguous.default,
+    aten.sum.default,
+    aten.sum.dim_IntList,
+    aten.mean.default,
+    aten.mean.dim,
+    aten.amax.default,
+    aten.amin.default,
+    aten.var.correction,
+    aten.var_mean.correction,
+    aten.prod.default,
+    aten.prod.dim_int,
+    aten.mm.default,
+    aten.bmm.default,
+    aten.addmm.default,
+    aten.baddbmm.default,
+    aten.cat.default,
+    aten.stack.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.where.self,
+    aten.sym_size.int,
+    aten.sym_stride.int,
+    aten.sym_numel.default,
+}
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+def _insensitive(target: Any) -> bool:
+    if not isinstance(target, torch._ops.OpOverload):
+        return True  # operator.getitem and other Python callables read no layout
+    if target in _INSENSITIVE:
+        return True
+    name = target._schema.name
+    if name.startswith("_c10d_functional::wait_tensor") or name == "spmd::tag_grad":
+        return True
+    return torch.Tag.pointwise in target.tags
+
+
+def _written_args(target: Any, node: fx.Node) -> set[fx.Node]:
+    """The argument nodes ``node`` writes in place."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return set()
+    out: set[fx.Node] = set()
+    schema = target._schema.arguments
+    values = list(node.args) + [node.kwargs.get(a.name) for a in schema[len(node.args) :]]
+    for arg, value in zip(schema, values):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            out |= set(_nodes_in(value))
+    return out
+
+
+def _nodes_in(value: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(value, lambda n: found.append(n) or n)
+    return found
+
+
+def _layout(t: torch.Tensor) -> tuple[tuple[int, ...], int]:
+    """Strides that matter (dims of size 1 have no meaningful stride), and the offset."""
+    return tuple(s if n != 1 else 0 for n, s in zip(t.shape, t.stride())), t.storage_offset()
+
+
+def _mismatch(real: Any, traced: Any, *, offset: bool) -> bool:
+    if not isinstance(real, torch.Tensor) or not isinstance(traced, torch.Tensor):
+        return False
+    if real.shape != traced.shape or real.numel() == 0 or real.layout != torch.strided:
+        return False
+    (rs, ro), (ts, to) = _layout(real), _layout(traced)
+    return rs != ts or (offset and ro != to)
+
+
+def _where(node: fx.Node) -> str:
+    """The module path and source line that produced ``node``, when the trace recorded them."""
+    from passes.meta import module_of
+
+    parts = []
+    if module_of(node):
+        parts.append(module_of(node))
+    stack = node.meta.get("stack_trace")
+    if stack:
+        lines = [ln.strip() for ln in stack.strip().splitlines() if ln.strip().startswith("File ")]
+        if lines:
+            parts.append(lines[-1])
+    return "; ".join(parts) or "unknown origin"
+
+
+class _Checker(fx.Interpreter):
+    """Runs the graph for real and inserts a fix-up where a reader needs the traced layout."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=True)
+        self.fixes: list[fx.Node] = []
+        # producer node -> its fix-up, shared between readers when nothing writes the producer
+        self.shared: dict[fx.Node, fx.Node] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op == "call_function":
+            self._check_reader(n)
+        return super().run_node(n)
+
+    def _check_reader(self, n: fx.Node) -> None:
+        target = n.target
+        if _insensitive(target):
+            return
+        written = _written_args(target, n)
+        as_strided = target in (aten.as_strided.default, aten.as_strided_copy.default)
+        for arg in dict.fromkeys(_nodes_in((n.args, n.kwargs))):
+            real, traced = self.env.get(arg), arg.meta.get("val")
+            if not _mismatch(real, traced, offset=as_strided):
+                continue
+            if target in _VIEWS and _view_ok(real, n):
+                continue
+            if arg in written:
+                raise LayoutError(
+                    f"spmd: {target} writes in place into {arg.name}, whose real memory layout "
+                    f"(stride {tuple(real.stride())}) differs from the traced one (stride "
+                    f"{tuple(traced.stride())}) ({_where(n)}); a copy cannot stand in for a tensor "
+                    "written in place. Make the tensor contiguous in the model "
+                    "(x = x.contiguous()) before this operation."
+                )
+            self._fix(n, arg, real, traced)
+
+    def _fix(self, reader: fx.Node, arg: fx.Node, real: torch.Tensor, traced: torch.Tensor) -> None:
+        size, stride, offset = list(traced.shape), list(traced.stride()), traced.storage_offset()
+        fix = self.shared.get(arg)
+        if fix is None or fix.args[1:] != (size, stride, offset):
+            graph = reader.graph
+            with graph.inserting_before(reader):
+                fix = graph.call_function(RESTRIDE, (arg, size, stride, offset))
+            copy_meta(fix, reader)
+            fix.meta["val"] = traced
+            fix.meta[LAYOUT_FIX] = (
+                f"{arg.name}: stride {tuple(real.stride())} -> {tuple(stride)} for {reader.target}"
+            )
+            if "stack_trace" in reader.meta:
+                fix.meta["stack_trace"] = reader.meta["stack_trace"]
+            self.fixes.append(fix)
+            if not _is_written_anywhere(arg):
+                self.shared[arg] = fix
+            log.info(
+                "spmd: layout fix-up before %s (%s): %s has stride %s at run time, the trace assumed %s",
+                reader.target,
+                _where(reader),
+                arg.name,
+                tuple(real.stride()),
+                tuple(stride),
+            )
+        reader.replace_input_with(arg, fix)
+        self.env[fix] = RESTRIDE(real, size, stride, offset)
+
+
+def _view_ok(real: torch.Tensor, node: fx.Node) -> bool:
+    shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("size")
+    try:
+        real.view(shape)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _is_written_anywhere(node: fx.Node) -> bool:
+    return any(node in _written_args(u.target, u) for u in node.users)
+
+
+def fix_layouts(gm: fx.GraphModule, inputs: Sequence[Any]) -> tuple[fx.GraphModule, Any, list[fx.Node]]:
+    """Run ``gm`` on ``inputs``, fixing layout mismatches in place as they are met.
+
+    Returns ``(gm, outputs, fixes)``: the same GraphModule (recompiled when fix-ups were
+    inserted), the outputs of this run (computed with the fix-ups, so correct), and the
+    inserted fix-up nodes (empty when every layout agreed; then ``gm`` is untouched).
+    Run it with gradients off, as the graph is run.
+    """
+    checker = _Checker(gm)
+    outputs = checker.run(*inputs)
+    if checker.fixes:
+        gm.graph.lint()
+        gm.recompile()
+    return gm, outputs, checker.fixes
+
+
+__all__ = ["LAYOUT_FIX", "RESTRIDE", "LayoutError", "fix_layouts", "restride"]
