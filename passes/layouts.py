@@ -123,6 +123,27 @@ _INSENSITIVE = _VIEWS_ALWAYS_VALID | {
     aten.sym_stride.int,
     aten.sym_numel.default,
 }
+# Kernels measured correct on any input layout here, whose eager autograd formulas pass
+# their inputs on as they are: a copy into the traced layout would only change the order
+# of their reductions, and so the last bits, against eager (native_batch_norm_backward
+# does, on the transposed grad its forward's real layout leads to).
+_ANY_LAYOUT_KERNELS = {
+    aten.native_batch_norm.default,
+    aten.native_batch_norm_backward.default,
+    aten._native_batch_norm_legit.default,
+    aten._native_batch_norm_legit.no_stats,
+    aten._native_batch_norm_legit_functional.default,
+    aten._native_batch_norm_legit_no_training.default,
+    aten.convolution.default,
+    aten.convolution_backward.default,
+    aten.native_layer_norm.default,
+    aten.native_layer_norm_backward.default,
+    aten._softmax.default,
+    aten._log_softmax.default,
+    aten._softmax_backward_data.default,
+    aten._log_softmax_backward_data.default,
+}
+_INSENSITIVE |= _ANY_LAYOUT_KERNELS
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 

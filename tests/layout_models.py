@@ -110,7 +110,12 @@ class ExpandView(nn.Module):
 
 
 class AsStrided(nn.Module):
-    """Overlapping windows taken with as_strided from a normalised transposed tensor."""
+    """Overlapping windows taken with as_strided from a normalised transposed tensor.
+
+    ``contiguous()`` first, so the windows are defined whatever layout BatchNorm returns; the
+    trace drops that ``contiguous()`` (the fake output looked contiguous) and the real one
+    is not, so without a fix-up ``as_strided`` reads the wrong elements.
+    """
 
     def __init__(self):
         super().__init__()
@@ -119,7 +124,7 @@ class AsStrided(nn.Module):
         self.out = nn.Linear(_C * 2, N_CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.bn(self.inp(x).transpose(1, 2)).transpose(1, 2) + 0  # (B, T, C)
+        h = self.bn(self.inp(x).transpose(1, 2)).transpose(1, 2).contiguous()  # (B, T, C)
         b, t, c = h.shape
         w = h.as_strided((b, t - 1, 2 * c), (t * c, c, 1))  # windows of two steps
         return self.out(w).mean(1)
