@@ -1,0 +1,123 @@
+"""``passes.layouts.fix_layouts`` on small traced graphs run with inputs laid out otherwise.
+
+Each graph is traced (make_fx, fake) on a contiguous input and then run on a real input of
+the same shape and another layout, which is what a kernel returning an unexpected layout
+looks like to the ops after it::
+
+    x (traced contiguous, real transposed) -> reader -> ...
+
+A fix-up (``spmd::restride``) must appear exactly where the reader depends on layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from passes.layouts import LAYOUT_FIX, RESTRIDE, LayoutError, fix_layouts, restride
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _trace(f, *shapes):
+    return make_fx(f, tracing_mode="fake")(*[torch.randn(*s) for s in shapes])
+
+
+def _transposed(rows: int, cols: int) -> torch.Tensor:
+    """A (rows, cols) tensor with strides (1, rows)."""
+    return torch.randn(cols, rows).t()
+
+
+def _restrides(gm) -> list:
+    return [n for n in gm.graph.nodes if n.target is RESTRIDE]
+
+
+def test_nothing_to_fix_leaves_the_graph_untouched() -> None:
+    gm = _trace(lambda x: aten.view(x, [24]) * 2, (4, 6))
+    code = gm.code
+    x = torch.randn(4, 6)
+    same, out, fixes = fix_layouts(gm, [x])
+    assert same is gm and fixes == [] and gm.code == code
+    assert torch.equal(out, x.view(24) * 2)
+
+
+def test_view_of_a_transposed_input_gets_a_copy_into_the_traced_layout() -> None:
+    gm = _trace(lambda x: aten.view(x, [24]) * 2, (4, 6))
+    x = _transposed(4, 6)
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        gm(x)
+    same, out, fixes = fix_layouts(gm, [x])
+    assert same is gm and len(fixes) == 1 and fixes[0].meta[LAYOUT_FIX]
+    want = x.reshape(24) * 2
+    assert torch.equal(out, want)
+    assert torch.equal(gm(x), want)  # the recompiled graph runs on
+    (fix,) = _restrides(gm)
+    assert fix.args[1:] == ([4, 6], [6, 1], 0)
+
+
+def test_a_view_that_works_on_the_real_layout_is_left_alone() -> None:
+    gm = _trace(lambda x: aten.view(x, [4, 3, 2]) + 1, (4, 6))
+    x = torch.randn(4, 12)[:, :6]  # strides (12, 1): splitting the last dim is still a view
+    _, out, fixes = fix_layouts(gm, [x])
+    assert fixes == [] and torch.equal(out, x.reshape(4, 3, 2) + 1)
+
+
+def test_pointwise_and_reductions_read_any_layout() -> None:
+    gm = _trace(lambda x: (x.exp() * 3).sum(0), (4, 6))
+    x = _transposed(4, 6)
+    _, out, fixes = fix_layouts(gm, [x])
+    assert fixes == [] and torch.equal(out, (x.exp() * 3).sum(0))
+
+
+def test_an_unknown_op_gets_its_input_in_the_traced_layout() -> None:
+    gm = _trace(lambda x: aten.cumsum(x, 1) + aten.cumsum(x, 0), (4, 6))
+    x = _transposed(4, 6)
+    _, out, fixes = fix_layouts(gm, [x])
+    assert len(fixes) == 1, "both readers share one copy of x"
+    xc = x.contiguous()
+    assert torch.equal(out, aten.cumsum(xc, 1) + aten.cumsum(xc, 0))
+    assert len(_restrides(gm)) == 1
+
+
+def test_as_strided_reads_the_traced_layout() -> None:
+    gm = _trace(lambda x: aten.as_strided(x, [3, 4], [4, 1], 2) * 1, (4, 6))
+    x = _transposed(4, 6)
+    _, out, fixes = fix_layouts(gm, [x])
+    assert len(fixes) == 1
+    assert torch.equal(out, x.contiguous().as_strided([3, 4], [4, 1], 2))
+
+
+def test_a_mismatched_tensor_written_in_place_is_an_error() -> None:
+    def f(x):
+        y = x * 1
+        aten.cumsum_(y, 1)  # an in-place, layout-sensitive write
+        return y
+
+    gm = _trace(f, (4, 6))
+    # The real product keeps x's transposed layout; the trace assumed contiguous.
+    with pytest.raises(LayoutError, match="writes in place"):
+        fix_layouts(gm, [_transposed(4, 6)])
+
+
+def test_collective_inputs_are_fixed(world) -> None:
+    group = dist.group.WORLD.group_name
+
+    def f(x):
+        return c10d.wait_tensor(c10d.all_reduce(x * 2, "sum", group))
+
+    gm = _trace(f, (4, 6))
+    x = _transposed(4, 6)
+    _, out, fixes = fix_layouts(gm, [x])
+    assert len(fixes) == 1 and fixes[0].next.target is c10d.all_reduce.default
+    if world.real:
+        assert torch.equal(out, x * 2 * world.size)
+
+
+def test_restride_keeps_size_stride_and_offset() -> None:
+    x = _transposed(4, 6)
+    y = restride(x, [4, 6], [7, 1], 3)
+    assert y.stride() == (7, 1) and y.storage_offset() == 3 and torch.equal(y, x)
+    assert restride(torch.empty(0, 3), [0, 3], [3, 1], 0).shape == (0, 3)
