@@ -71,6 +71,9 @@ def _(x: torch.Tensor, size: Sequence[int], stride: Sequence[int], storage_offse
 
 RESTRIDE = torch.ops.spmd.restride.default
 
+# The attribute :func:`fix_layouts` sets on an exception raised while running a node: that node.
+FAILING_NODE = "spmd_failing_node"
+
 # Readers whose result is right on any input layout. Everything else is treated as
 # layout-sensitive and gets its read-only inputs in the traced layout.
 _VIEWS_ALWAYS_VALID = {
@@ -211,6 +214,7 @@ class _Checker(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__(gm, garbage_collect_values=True)
+        self.extra_traceback = False  # raise the graph's errors as the compiled graph would
         self.fixes: list[fx.Node] = []
         # producer node -> its fix-up, shared between readers when nothing writes the producer
         self.shared: dict[fx.Node, fx.Node] = {}
@@ -218,7 +222,14 @@ class _Checker(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "call_function":
             self._check_reader(n)
-        return super().run_node(n)
+        try:
+            return super().run_node(n)
+        except Exception as exc:
+            # The caller maps errors to nodes (e.g. a failed collective); generated code
+            # shows it in the traceback, an interpreter does not.
+            if not hasattr(exc, FAILING_NODE):
+                setattr(exc, FAILING_NODE, n)
+            raise
 
     def _check_reader(self, n: fx.Node) -> None:
         target = n.target
@@ -300,4 +311,4 @@ def fix_layouts(gm: fx.GraphModule, inputs: Sequence[Any]) -> tuple[fx.GraphModu
     return gm, outputs, checker.fixes
 
 
-__all__ = ["LAYOUT_FIX", "RESTRIDE", "LayoutError", "fix_layouts", "restride"]
+__all__ = ["FAILING_NODE", "LAYOUT_FIX", "RESTRIDE", "LayoutError", "fix_layouts", "restride"]

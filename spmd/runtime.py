@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from passes import collectives as C
-from passes.layouts import LayoutError, fix_layouts
+from passes.layouts import FAILING_NODE, LayoutError, fix_layouts
 from passes.meta import Role
 from spmd import tracing
 from spmd.errors import CollectiveError, ModelChangedError, SpmdError
@@ -143,6 +143,8 @@ def _first_change(old: tuple[tuple[str, type, Any], ...], new: tuple[tuple[str, 
 
 def _failing_node(exc: BaseException, gm: fx.GraphModule) -> fx.Node | None:
     """The graph node whose line of generated code raised ``exc``, if any."""
+    if isinstance(node := getattr(exc, FAILING_NODE, None), fx.Node):  # raised in the first run
+        return node
     nodes = {n.name: n for n in gm.graph.nodes}
     for fr in reversed(traceback.extract_tb(exc.__traceback__)):
         if not fr.filename.startswith("<eval_with_key>"):
