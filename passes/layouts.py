@@ -270,6 +270,20 @@ class _Checker(fx.Interpreter):
             self.fixes.append(fix)
             if not _is_written_anywhere(arg):
                 self.shared[arg] = fix
+            if reader.target in (aten.as_strided.default, aten.as_strided_copy.default):
+                # Unlike every other fix-up this one can change values against eager, whose
+                # as_strided reads whatever layout the kernel returned; the graph's backward
+                # was traced for the traced layout, so only that one is self-consistent.
+                log.warning(
+                    "spmd: as_strided (%s) reads %s, whose real layout (stride %s) differs from the "
+                    "traced one (stride %s); the compiled step reads it in the traced layout, in "
+                    "forward and backward alike. Eager reads the kernel's layout, so the two agree "
+                    "only if the model calls .contiguous() before as_strided (recommended).",
+                    _where(reader),
+                    arg.name,
+                    tuple(real.stride()),
+                    tuple(stride),
+                )
             log.info(
                 "spmd: layout fix-up before %s (%s): %s has stride %s at run time, the trace assumed %s",
                 reader.target,
