@@ -280,11 +280,16 @@ class CompiledStep:
         """The first run inserted layout fix-ups into the final graph: show them as a stage."""
         from passes.driver import copy_graph_module
 
-        entry.graphs.pop("final", None)
+        old_index = list(entry.graphs).index("final")
+        entry.graphs.pop("final")
         entry.graphs["fix_layouts"] = copy_graph_module(gm)
         entry.graphs["final"] = gm
         if self.dump_dir:
-            dump_stages(self.dump_dir, self.__name__, entry.graphs)
+            where = dump_stages(self.dump_dir, self.__name__, entry.graphs)
+            stale = os.path.join(where, f"{old_index:02d}_final.py")  # now NN_fix_layouts.py
+            if os.path.exists(stale):
+                os.remove(stale)
+            dump_report(where, _report(entry, "final"))
 
 
 def _report(entry: _Entry, stage: str) -> StepReport:

@@ -64,6 +64,7 @@ def test_fixed_graph_is_a_stage_and_marked_in_the_dump(tmp_path) -> None:
     dumped = sorted(os.listdir(where))
     fixed = [f for f in dumped if f.endswith("_fix_layouts.py")]
     assert fixed, dumped
+    assert len([f for f in dumped if f.endswith("_final.py")]) == 1, dumped
     text = (where / fixed[0]).read_text()
     assert text.count("| layout fix-up") == len(_fixes(step)) > 0
     assert "restride" in text
