@@ -121,3 +121,23 @@ def test_restride_keeps_size_stride_and_offset() -> None:
     y = restride(x, [4, 6], [7, 1], 3)
     assert y.stride() == (7, 1) and y.storage_offset() == 3 and torch.equal(y, x)
     assert restride(torch.empty(0, 3), [0, 3], [3, 1], 0).shape == (0, 3)
+
+
+def test_group_norm_backward_gets_the_contiguous_grad_its_trace_assumed() -> None:
+    """native_group_norm_backward computes silently wrong values on a non-contiguous grad
+    (eager's autograd formula calls .contiguous(), which the trace drops on a contiguous fake)."""
+    n, c, t, groups = 4, 8, 6, 2
+    x, w, b = torch.randn(n, c, t), torch.randn(c), torch.randn(c)
+    _, mean, rstd = aten.native_group_norm(x, w, b, n, c, t, groups, 1e-5)
+
+    def f(g, x, mean, rstd, w):
+        return aten.native_group_norm_backward(g * 1, x, mean, rstd, w, n, c, t, groups, [True, True, True])
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(n, c, t), x, mean, rstd, w)
+    g = torch.randn(n, t, c).transpose(1, 2)  # the layout a transposing model hands back
+    want = f(g.contiguous(), x, mean, rstd, w)
+    assert not torch.allclose(gm(g, x, mean, rstd, w)[0], want[0]), "the kernel no longer needs the fix"
+    _, out, fixes = fix_layouts(gm, [g, x, mean, rstd, w])
+    assert len(fixes) == 1
+    for got, exp in zip(out, want):
+        assert torch.equal(got, exp)
