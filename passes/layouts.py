@@ -53,7 +53,9 @@ class LayoutError(RuntimeError):
 
 
 @torch.library.custom_op("spmd::restride", mutates_args=())
-def restride(x: torch.Tensor, size: Sequence[int], stride: Sequence[int], storage_offset: int) -> torch.Tensor:
+def restride(
+    x: torch.Tensor, size: Sequence[int], stride: Sequence[int], storage_offset: int
+) -> torch.Tensor:
     """A copy of ``x`` with exactly this size, stride and storage offset (in a fresh storage)."""
     extent = storage_offset + sum((n - 1) * s for n, s in zip(size, stride) if n > 0) + 1
     if any(n == 0 for n in size):
@@ -176,11 +178,16 @@ def _written_args(target: Any, node: fx.Node) -> set[fx.Node]:
 
 def _nodes_in(value: Any) -> list[fx.Node]:
     found: list[fx.Node] = []
-    fx.node.map_arg(value, lambda n: found.append(n) or n)
+
+    def visit(n: fx.Node) -> fx.Node:
+        found.append(n)
+        return n
+
+    fx.node.map_arg(value, visit)
     return found
 
 
-def _layout(t: torch.Tensor) -> tuple[tuple[int, ...], int]:
+def _layout(t: torch.Tensor) -> tuple[tuple[int, ...], Any]:
     """Strides that matter (dims of size 1 have no meaningful stride), and the offset."""
     return tuple(s if n != 1 else 0 for n, s in zip(t.shape, t.stride())), t.storage_offset()
 
@@ -238,7 +245,8 @@ class _Checker(fx.Interpreter):
         written = _written_args(target, n)
         as_strided = target in (aten.as_strided.default, aten.as_strided_copy.default)
         for arg in dict.fromkeys(_nodes_in((n.args, n.kwargs))):
-            real, traced = self.env.get(arg), arg.meta.get("val")
+            real: Any = self.env.get(arg)
+            traced: Any = arg.meta.get("val")
             if not _mismatch(real, traced, offset=as_strided):
                 continue
             if target in _VIEWS and _view_ok(real, n):
@@ -297,7 +305,7 @@ class _Checker(fx.Interpreter):
 
 
 def _view_ok(real: torch.Tensor, node: fx.Node) -> bool:
-    shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("size")
+    shape: Any = node.args[1] if len(node.args) > 1 else node.kwargs.get("size")
     try:
         real.view(shape)
     except RuntimeError:

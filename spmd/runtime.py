@@ -115,7 +115,6 @@ class Executable:
         leaves = [next(it) if c is tracing.TENSOR_OUT else c for c in self.out_constants]
         return pytree.tree_unflatten(leaves, self.out_spec)
 
-
     def _first_run(self, flat: list[torch.Tensor]) -> Any:
         """Run the graph checking real against traced layouts, fixing it where they differ."""
         _, outs, fixes = fix_layouts(self.gm, flat)

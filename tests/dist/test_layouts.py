@@ -18,7 +18,10 @@ MISMATCHING = {"transpose_batchnorm1d", "unfold", "as_strided"}
 CASES = [(name, style, {}) for name in L.MODELS for style in ("replicate", "fully_shard")] + [
     (name, style, opts)
     for name in sorted(MISMATCHING)
-    for style, opts in [("fully_shard", {"reshard_after_forward": False}), ("hybrid_shard", {"mesh_2d": True})]
+    for style, opts in [
+        ("fully_shard", {"reshard_after_forward": False}),
+        ("hybrid_shard", {"mesh_2d": True}),
+    ]
 ]
 
 

@@ -18,7 +18,9 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p
 
 
-def layout_family(rank: int, world: int, cases: list[tuple[str, str, dict[str, Any]]], steps: int) -> list[str]:
+def layout_family(
+    rank: int, world: int, cases: list[tuple[str, str, dict[str, Any]]], steps: int
+) -> list[str]:
     """Every (model, style, DataParallel options) compiled against DDP, different data per rank.
 
     Returns the mismatches (losses and parameters, bit for bit) and, for each case, how many

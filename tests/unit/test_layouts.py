@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spmd
+from passes.invariants import check_invariants
 from passes.meta import LAYOUT_FIX
 from tests import layout_models as L
 from tests import models
@@ -38,7 +39,11 @@ def _train(model: torch.nn.Module, name: str, steps: int = 3, optim: str = "sgd_
     step = spmd.compile(**kw)(models.train_step)
     g = torch.Generator().manual_seed(1)
     for i in range(steps):
-        x, y = L.batch(name, g) if name in L.MODELS else (torch.randn(4, 6, 8, generator=g), torch.randint(0, 4, (4,), generator=g))
+        x, y = (
+            L.batch(name, g)
+            if name in L.MODELS
+            else (torch.randn(4, 6, 8, generator=g), torch.randint(0, 4, (4,), generator=g))
+        )
         got, want = step(model, co, x, y), models.train_step(eager, eo, x, y)
         assert torch.equal(got, want), f"step {i}: loss {got.item()!r} != eager {want.item()!r}"
     for (n, p), q in zip(model.named_parameters(), eager.parameters()):
@@ -54,6 +59,7 @@ def test_layout_family_matches_eager_bitwise(name: str) -> None:
     assert step.num_graphs == 1
     assert bool(_fixes(step)) == (name in MISMATCHING), _fixes(step)
     assert ("fix_layouts" in step.graphs) == (name in MISMATCHING)
+    check_invariants(step.graphs["final"])  # fix-ups carry val, role and phase
 
 
 def test_fixed_graph_is_a_stage_and_marked_in_the_dump(tmp_path) -> None:
