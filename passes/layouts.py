@@ -223,7 +223,8 @@ class _Checker(fx.Interpreter):
         super().__init__(gm, garbage_collect_values=True)
         self.extra_traceback = False  # raise the graph's errors as the compiled graph would
         self.fixes: list[fx.Node] = []
-        # producer node -> its fix-up, shared between readers when nothing writes the producer
+        # producer node -> its latest fix-up, shared with later readers when nothing in
+        # between writes in place (the producer may alias a tensor that is written)
         self.shared: dict[fx.Node, fx.Node] = {}
 
     def run_node(self, n: fx.Node) -> Any:
@@ -264,7 +265,7 @@ class _Checker(fx.Interpreter):
     def _fix(self, reader: fx.Node, arg: fx.Node, real: torch.Tensor, traced: torch.Tensor) -> None:
         size, stride, offset = list(traced.shape), list(traced.stride()), traced.storage_offset()
         fix = self.shared.get(arg)
-        if fix is None or fix.args[1:] != (size, stride, offset):
+        if fix is None or fix.args[1:] != (size, stride, offset) or _write_between(fix, reader):
             graph = reader.graph
             with graph.inserting_before(reader):
                 fix = graph.call_function(RESTRIDE, (arg, size, stride, offset))
@@ -276,8 +277,7 @@ class _Checker(fx.Interpreter):
             if "stack_trace" in reader.meta:
                 fix.meta["stack_trace"] = reader.meta["stack_trace"]
             self.fixes.append(fix)
-            if not _is_written_anywhere(arg):
-                self.shared[arg] = fix
+            self.shared[arg] = fix
             if reader.target in (aten.as_strided.default, aten.as_strided_copy.default):
                 # Unlike every other fix-up this one can change values against eager, whose
                 # as_strided reads whatever layout the kernel returned; the graph's backward
@@ -313,8 +313,14 @@ def _view_ok(real: torch.Tensor, node: fx.Node) -> bool:
     return True
 
 
-def _is_written_anywhere(node: fx.Node) -> bool:
-    return any(node in _written_args(u.target, u) for u in node.users)
+def _write_between(first: fx.Node, last: fx.Node) -> bool:
+    """Whether a node after ``first`` and before ``last`` writes any tensor in place."""
+    node = first.next
+    while node is not last and node.op != "output":
+        if _written_args(node.target, node):
+            return True
+        node = node.next
+    return False
 
 
 def fix_layouts(gm: fx.GraphModule, inputs: Sequence[Any]) -> tuple[fx.GraphModule, Any, list[fx.Node]]:

@@ -62,6 +62,13 @@ def test_layout_family_matches_eager_bitwise(name: str) -> None:
     check_invariants(step.graphs["final"])  # fix-ups carry val, role and phase
 
 
+@pytest.mark.parametrize("optim", ["adamw_fused", "sgd_momentum_fused"])
+@pytest.mark.parametrize("name", sorted(MISMATCHING))
+def test_fixed_models_with_fused_optimizers(name: str, optim: str) -> None:
+    step = _train(L.build(name), name, optim=optim)
+    assert _fixes(step)
+
+
 def test_fixed_graph_is_a_stage_and_marked_in_the_dump(tmp_path) -> None:
     step = _train(L.build("transpose_batchnorm1d"), "transpose_batchnorm1d", steps=2, dump_dir=str(tmp_path))
     stages = list(step.graphs)

@@ -141,3 +141,17 @@ def test_group_norm_backward_gets_the_contiguous_grad_its_trace_assumed() -> Non
     assert len(fixes) == 1
     for got, exp in zip(out, want):
         assert torch.equal(got, exp)
+
+
+def test_a_copy_is_not_shared_across_an_in_place_write() -> None:
+    def f(x, buf):
+        a = aten.cumsum(x, 1)
+        aten.copy_(buf, a)  # a write between the two readers of x
+        return a + aten.cumsum(x, 0) + buf
+
+    gm = _trace(f, (4, 6), (4, 6))
+    x, buf = _transposed(4, 6), torch.zeros(4, 6)
+    _, out, fixes = fix_layouts(gm, [x, buf.clone()])
+    assert len(fixes) == 2
+    xc = x.contiguous()
+    assert torch.equal(out, 2 * aten.cumsum(xc, 1) + aten.cumsum(xc, 0))
