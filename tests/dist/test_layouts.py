@@ -36,3 +36,14 @@ def test_layout_family_matches_ddp() -> None:
             tag, n = ln[len("fixes ") :].rsplit(" ", 1)
             model = tag.split("/", 1)[0]
             assert (int(n) > 0) == (model in MISMATCHING), f"rank {rank}: {tag}: {n} fix-ups"
+
+
+def test_peer_dies_during_the_checking_first_run() -> None:
+    """The first call runs the graph through the layout checker: a failed collective there is
+    still a CollectiveError naming the collective, within the process group's timeout."""
+    survivor, dead = run_ranks(
+        w.killed_before_first_run, 2, "replicate", timeout=90, pg_timeout=10, may_die={1}
+    )
+    assert dead is None
+    assert survivor["type"] == "CollectiveError" and survivor["step"] == 0, survivor
+    assert "(collective #" in survivor["msg"] and survivor["seconds"] < 30, survivor

@@ -54,3 +54,20 @@ def layout_family(
         fixes = sum(1 for n in step.graphs["final"].graph.nodes if n.meta.get("spmd_layout_fix"))
         out.append(f"fixes {tag} {fixes}")
     return out
+
+
+def killed_before_first_run(rank: int, world: int, style: str) -> dict[str, Any]:
+    """Both ranks compile (``lower``); rank 1 SIGKILLs itself; rank 0 makes the first call,
+    whose checking run (passes.layouts) meets the dead peer in a collective."""
+    import os
+    import signal
+
+    from tests.dist import workers_reliability as wr
+
+    step = wr._step_until(rank, style, 0)
+    model, opt = step.state  # type: ignore[attr-defined]
+    step.lower(model, opt, *wr._batch("mlp", 0, rank, 4))
+    torch.distributed.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return wr._survive(rank, step, 0)
