@@ -35,13 +35,14 @@ writes in place cannot be replaced by a copy: a mismatch there raises
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from passes.meta import LAYOUT_FIX, copy_meta
+from passes.meta import LAYOUT_FIX, copy_meta, module_of
 
 log = logging.getLogger("spmd.passes")
 
@@ -202,17 +203,20 @@ def _mismatch(real: Any, traced: Any, *, offset: bool) -> bool:
 
 
 def _where(node: fx.Node) -> str:
-    """The module path and source line that produced ``node``, when the trace recorded them."""
-    from passes.meta import module_of
-
-    parts = []
-    if module_of(node):
-        parts.append(module_of(node))
-    stack = node.meta.get("stack_trace")
-    if stack:
-        lines = [ln.strip() for ln in stack.strip().splitlines() if ln.strip().startswith("File ")]
-        if lines:
-            parts.append(lines[-1])
+    """The module path and the model's source line that produced ``node``, when recorded."""
+    parts = [module_of(node)] if module_of(node) else []
+    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines()]
+    frames = [
+        (ln, lines[i + 1] if i + 1 < len(lines) else "")
+        for i, ln in enumerate(lines)
+        if ln.startswith("File ")
+    ]
+    # The innermost frame outside torch itself: the user's line, not nn.functional's.
+    user = [f for f in frames if "/torch/" not in f[0]] or frames
+    if user:
+        m = re.match(r'File "([^"]+)", line (\d+)', user[-1][0])
+        where = f"{m.group(1)}:{m.group(2)}" if m else user[-1][0]
+        parts.append(f"{where}: {user[-1][1]}" if user[-1][1] else where)
     return "; ".join(parts) or "unknown origin"
 
 
@@ -285,8 +289,9 @@ class _Checker(fx.Interpreter):
                 log.warning(
                     "spmd: as_strided (%s) reads %s, whose real layout (stride %s) differs from the "
                     "traced one (stride %s); the compiled step reads it in the traced layout, in "
-                    "forward and backward alike. Eager reads the kernel's layout, so the two agree "
-                    "only if the model calls .contiguous() before as_strided (recommended).",
+                    "forward and backward alike. If the model calls .contiguous() before as_strided "
+                    "this is that copy (the trace dropped it as a no-op) and results equal eager's; "
+                    "if not, eager reads the kernel's layout and results differ: add .contiguous().",
                     _where(reader),
                     arg.name,
                     tuple(real.stride()),
