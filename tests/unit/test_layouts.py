@@ -118,3 +118,41 @@ def test_random_layout_models_match_eager_bitwise(ops: list[str], seed: int) -> 
     torch.manual_seed(seed)
     step = _train(L.RandomLayoutModel(ops, seed=seed), "random", steps=2)
     assert step.num_graphs == 1
+
+
+def _eval_step(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(x)
+
+
+def _accumulating_step(model, optim, x, y):
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        models.loss_fn(model(xs), ys).backward()
+    optim.step()
+    optim.zero_grad()
+
+
+@pytest.mark.parametrize("name", sorted(MISMATCHING))
+def test_eval_and_accumulating_steps(name: str) -> None:
+    """The fix-ups hold in an eval step (BatchNorm on running stats) and with two backward
+    passes per step (the second one's layouts are checked as well)."""
+    model = L.build(name)
+    eager = copy.deepcopy(model)
+    co, eo = (
+        models.make_optimizer("sgd_momentum_foreach", model),
+        models.make_optimizer("sgd_momentum_foreach", eager),
+    )
+    step = spmd.compile()(_accumulating_step)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x, y = L.batch(name, g)
+        step(model, co, x, y)
+        _accumulating_step(eager, eo, x, y)
+    assert len(_fixes(step)) > 0
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.equal(p, q)
+    model.eval(), eager.eval()
+    evaluate = spmd.compile()(_eval_step)
+    x, _ = L.batch(name, g)
+    assert torch.equal(evaluate(model, x), _eval_step(eager, x))
+    assert _fixes(evaluate)
