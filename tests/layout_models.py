@@ -158,6 +158,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tor
     "transpose_instancenorm": (lambda: TransposedNorm(nn.InstanceNorm1d(_C, affine=True)), _seq),
     "permute_instancenorm2d": (lambda: PermutedNorm2d(nn.InstanceNorm2d(_C, affine=True)), _hwc),
     "channels_last_conv_bn": (ChannelsLastConvBN, _image),
+    # the model itself in channels_last: conv weights with channels-last strides
+    "channels_last_model": (lambda: ChannelsLastConvBN().to(memory_format=torch.channels_last), _image),
     "unfold": (Unfold, _image),
     "expand_view": (ExpandView, lambda g: torch.randn(_B, _C, generator=g)),
     "as_strided": (AsStrided, _seq),
