@@ -159,7 +159,7 @@ def _insensitive(target: Any) -> bool:
     if target in _INSENSITIVE:
         return True
     name = target._schema.name
-    if name.startswith("_c10d_functional::wait_tensor") or name == "spmd::tag_grad":
+    if name.startswith("_c10d_functional::wait_tensor") or name in ("spmd::tag_grad", "spmd::restride"):
         return True
     return torch.Tag.pointwise in target.tags
 
@@ -334,13 +334,16 @@ def fix_layouts(gm: fx.GraphModule, inputs: Sequence[Any]) -> tuple[fx.GraphModu
     Returns ``(gm, outputs, fixes)``: the same GraphModule (recompiled when fix-ups were
     inserted), the outputs of this run (computed with the fix-ups, so correct), and the
     inserted fix-up nodes (empty when every layout agreed; then ``gm`` is untouched).
-    Run it with gradients off, as the graph is run.
+    Run it with gradients off, as the graph is run. If the run raises, the fix-ups met so
+    far stay (recompiled) and a second call checks the rest.
     """
     checker = _Checker(gm)
-    outputs = checker.run(*inputs)
-    if checker.fixes:
-        gm.graph.lint()
-        gm.recompile()
+    try:
+        outputs = checker.run(*inputs)
+    finally:
+        if checker.fixes:
+            gm.graph.lint()
+            gm.recompile()
     return gm, outputs, checker.fixes
 
 

@@ -156,3 +156,19 @@ def test_a_copy_is_not_shared_across_an_in_place_write() -> None:
     xc = x.contiguous()
     a = aten.cumsum(xc, 1)
     assert torch.equal(out, a + aten.cumsum(xc, 0) + a)
+
+
+def test_a_second_check_after_a_failed_run_adds_nothing_twice() -> None:
+    def f(x, y):
+        return aten.cumsum(x, 1).sum() + aten.mm(aten.view(x, [6, 4]), y).sum()
+
+    gm = _trace(f, (4, 6), (4, 3))
+    x = _transposed(4, 6)
+X
+        fix_layouts(gm, [x, torch.randn(5, 3)])
+    assert len(_restrides(gm)) == 1
+    y = torch.randn(4, 3)
+    _, out, fixes = fix_layouts(gm, [x, y])
+    assert fixes == [] and len(_restrides(gm)) == 1
+    xc = x.contiguous()
+    assert torch.equal(out, aten.cumsum(xc, 1).sum() + aten.mm(xc.view(6, 4), y).sum())
