@@ -164,9 +164,8 @@ def test_a_second_check_after_a_failed_run_adds_nothing_twice() -> None:
 
     gm = _trace(f, (4, 6), (4, 3))
     x = _transposed(4, 6)
-    with pytest.raises(
-        RuntimeError
-    ):  # mm shapes do not fit: raises after the fix-up (shared by cumsum and view)
+    # mm's shapes do not fit: the run raises after the fix-up (shared by cumsum and view)
+    with pytest.raises(RuntimeError):
         fix_layouts(gm, [x, torch.randn(5, 3)])
     assert len(_restrides(gm)) == 1
     y = torch.randn(4, 3)
