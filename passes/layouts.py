@@ -28,8 +28,8 @@ Each fix-up node carries ``meta[LAYOUT_FIX]`` (what it fixed, in words) and the
 role/phase/module of its reader. Run it on the final graph, after every other pass,
 on the first call with real inputs (it executes the graph, collectives included, so
 every rank must call it at the same point, as for any run). An argument the reader
-writes in place cannot be replaced by a copy: a mismatch there raises
-:class:`LayoutError`.
+writes in place is read and written through its own copy, and ``aten.copy_(arg, copy)``
+after the reader puts the written values back.
 """
 
 from __future__ import annotations
@@ -47,10 +47,6 @@ from passes.meta import LAYOUT_FIX, copy_meta, module_of
 log = logging.getLogger("spmd.passes")
 
 aten = torch.ops.aten
-
-
-class LayoutError(RuntimeError):
-    """A tensor's real layout differs from its traced one where no copy can fix it."""
 
 
 @torch.library.custom_op("spmd::restride", mutates_args=())
@@ -230,18 +226,40 @@ class _Checker(fx.Interpreter):
         # producer node -> its latest fix-up, shared with later readers when nothing in
         # between writes in place (the producer may alias a tensor that is written)
         self.shared: dict[fx.Node, fx.Node] = {}
+        # (argument, its copy) written in place by the node being run: copied back after it
+        self.copy_back: list[tuple[fx.Node, fx.Node]] = []
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "call_function":
             self._check_reader(n)
         try:
-            return super().run_node(n)
+            out = super().run_node(n)
         except Exception as exc:
             # The caller maps errors to nodes (e.g. a failed collective); generated code
             # shows it in the traceback, an interpreter does not.
             if not hasattr(exc, FAILING_NODE):
                 setattr(exc, FAILING_NODE, n)
             raise
+        self._copy_back(n)
+        return out
+
+    def _copy_back(self, reader: fx.Node) -> None:
+        """After ``reader`` wrote into copies: ``copy_(arg, copy)`` for each, run here (the
+        interpreter skips nodes already in its environment; it has already planned to
+        free ``arg`` after ``reader``)."""
+        last = reader
+        for arg, fix in self.copy_back:
+            with reader.graph.inserting_after(last):
+                back = reader.graph.call_function(aten.copy_.default, (arg, fix))
+            copy_meta(back, reader)
+            back.meta["val"] = arg.meta["val"]
+            back.meta[LAYOUT_FIX] = (
+                f"{arg.name}: written through {fix.name}, copied back after {reader.target}"
+            )
+            self.fixes.append(back)
+            self.env[back] = self.env[arg].copy_(self.env[fix])
+            last = back
+        self.copy_back.clear()
 
     def _check_reader(self, n: fx.Node) -> None:
         target = n.target
@@ -256,19 +274,15 @@ class _Checker(fx.Interpreter):
                 continue
             if target in _VIEWS and _view_ok(real, n):
                 continue
-            if arg in written:
-                raise LayoutError(
-                    f"spmd: {target} writes in place into {arg.name}, whose real memory layout "
-                    f"(stride {tuple(real.stride())}) differs from the traced one (stride "
-                    f"{tuple(traced.stride())}) ({_where(n)}); a copy cannot stand in for a tensor "
-                    "written in place. Make the tensor contiguous in the model "
-                    "(x = x.contiguous()) before this operation."
-                )
-            self._fix(n, arg, real, traced)
+            self._fix(n, arg, real, traced, written=arg in written)
 
-    def _fix(self, reader: fx.Node, arg: fx.Node, real: torch.Tensor, traced: torch.Tensor) -> None:
+    def _fix(
+        self, reader: fx.Node, arg: fx.Node, real: torch.Tensor, traced: torch.Tensor, *, written: bool
+    ) -> None:
+        """Make ``reader`` read ``arg`` through a copy in the traced layout. An argument the
+        reader writes in place gets its own copy, copied back into ``arg`` after the reader."""
         size, stride, offset = list(traced.shape), list(traced.stride()), traced.storage_offset()
-        fix = self.shared.get(arg)
+        fix = None if written else self.shared.get(arg)
         if fix is None or fix.args[1:] != (size, stride, offset) or _write_between(fix, reader):
             graph = reader.graph
             with graph.inserting_before(reader):
@@ -281,7 +295,10 @@ class _Checker(fx.Interpreter):
             if "stack_trace" in reader.meta:
                 fix.meta["stack_trace"] = reader.meta["stack_trace"]
             self.fixes.append(fix)
-            self.shared[arg] = fix
+            if written:
+                self.copy_back.append((arg, fix))
+            else:
+                self.shared[arg] = fix
             if reader.target in (aten.as_strided.default, aten.as_strided_copy.default):
                 # Unlike every other fix-up this one can change values against eager, whose
                 # as_strided reads whatever layout the kernel returned; the graph's backward
@@ -347,4 +364,4 @@ def fix_layouts(gm: fx.GraphModule, inputs: Sequence[Any]) -> tuple[fx.GraphModu
     return gm, outputs, checker.fixes
 
 
-__all__ = ["FAILING_NODE", "LAYOUT_FIX", "RESTRIDE", "LayoutError", "fix_layouts", "restride"]
+__all__ = ["FAILING_NODE", "LAYOUT_FIX", "RESTRIDE", "fix_layouts", "restride"]

@@ -25,10 +25,10 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from passes import collectives as C
-from passes.layouts import FAILING_NODE, LayoutError, fix_layouts
+from passes.layouts import FAILING_NODE, fix_layouts
 from passes.meta import Role
 from spmd import tracing
-from spmd.errors import CollectiveError, ModelChangedError, SpmdError
+from spmd.errors import CollectiveError, ModelChangedError
 from spmd.parallel.sharding import local
 
 # Backend errors of a broken or timed-out collective, where the failing op is not
@@ -103,8 +103,6 @@ class Executable:
         try:
             with torch.no_grad():
                 outs = self.gm(*flat) if self.layouts_checked else self._first_run(flat)
-        except LayoutError as exc:
-            raise SpmdError(str(exc)) from exc
         except RuntimeError as exc:
             node = _failing_node(exc, self.gm)
             is_comm = node is not None and (C.is_collective(node) or C.is_wait(node))

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from passes.layouts import LAYOUT_FIX, RESTRIDE, LayoutError, fix_layouts, restride
+from passes.layouts import LAYOUT_FIX, RESTRIDE, fix_layouts, restride
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -90,16 +90,23 @@ def test_as_strided_reads_the_traced_layout() -> None:
     assert torch.equal(out, x.contiguous().as_strided([3, 4], [4, 1], 2))
 
 
-def test_a_mismatched_tensor_written_in_place_is_an_error() -> None:
+def test_a_mismatched_tensor_written_in_place_is_written_through_a_copy() -> None:
     def f(x):
         y = x * 1
         aten.cumsum_(y, 1)  # an in-place, layout-sensitive write
-        return y
+        return y + 1, aten.cumsum(y, 0)
 
     gm = _trace(f, (4, 6))
     # The real product keeps x's transposed layout; the trace assumed contiguous.
-    with pytest.raises(LayoutError, match="writes in place"):
-        fix_layouts(gm, [_transposed(4, 6)])
+    x = _transposed(4, 6)
+    _, out, fixes = fix_layouts(gm, [x])
+    y = (x * 1).contiguous()
+    aten.cumsum_(y, 1)
+    want = (y + 1, aten.cumsum(y, 0))
+    assert all(torch.equal(a, b) for a, b in zip(out, want))
+    # (later reads go through cumsum_'s result, the copy, which has the traced layout)
+    assert [f.target for f in fixes] == [RESTRIDE, aten.copy_.default]
+    assert all(torch.equal(a, b) for a, b in zip(gm(x), want))
 
 
 def test_collective_inputs_are_fixed(world) -> None:
@@ -173,3 +180,22 @@ def test_a_second_check_after_a_failed_run_adds_nothing_twice() -> None:
     assert fixes == [] and len(_restrides(gm)) == 1
     xc = x.contiguous()
     assert torch.equal(out, aten.cumsum(xc, 1).sum() + aten.mm(xc.view(6, 4), y).sum())
+
+
+def test_an_input_written_in_place_through_a_copy_is_updated() -> None:
+    """The caller's tensor (a buffer, say) sees the write: the copy goes back into it."""
+
+    def f(buf):
+        aten.cumsum_(buf, 1)
+        return buf * 2
+
+    gm = _trace(f, (4, 6))
+    buf = _transposed(4, 6)
+    want = aten.cumsum(buf.contiguous(), 1)
+    _, out, fixes = fix_layouts(gm, [buf])
+    assert len(fixes) == 2
+    assert torch.equal(buf, want) and torch.equal(out, want * 2)
+    buf2 = _transposed(4, 6)
+    want2 = aten.cumsum(buf2.contiguous(), 1)
+    gm(buf2)  # the fixed graph does the same on later runs
+    assert torch.equal(buf2, want2)
