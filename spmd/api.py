@@ -229,7 +229,9 @@ class CompiledStep:
                 "spmd: new input signature for %s, tracing graph #%d", self.__name__, len(self._cache) + 1
             )
         state = tracing.lift_state(module, optimizer)
-        traced = tracing.trace_step(self.fn, step_args, state, casts=self.parallel_mode.trace_casts())
+        traced = tracing.trace_step(
+            self.fn, self.parallel_mode.trace_args(step_args), state, casts=self.parallel_mode.trace_casts()
+        )
         unused_fresh = _forget_unused_state(traced, optimizer, fresh, module)
         if unused_fresh:
             state = tracing.lift_state(module, optimizer)
