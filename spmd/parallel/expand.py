@@ -357,14 +357,20 @@ class _Expander(fx.Interpreter):
             if isinstance(g, DTensor):
                 if want is not None and tuple(g.placements) != tuple(want):
                     g = g.redistribute(self.mesh, want)
-                local = TAG_GRAD(g._local_tensor, name)
-                return DTensor.from_local(
-                    local, self.mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride()
-                )
+                return _wrap(TAG_GRAD(g._local_tensor, name), self.mesh, g.placements, g)
             return TAG_GRAD(g, name)
         if target is operator.getitem:
             return super().call_function(target, args, kwargs)
         return super().call_function(target, args, kwargs)
+
+
+def _wrap(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], like: torch.Tensor) -> DTensor:
+    """A DTensor over ``local`` with the global shape of ``like``; records no op (``from_local``
+    would record a view)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(like.shape, like.stride(), like.dtype))
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
 
 
 def _placement_tree(x: Any) -> Any:
@@ -434,8 +440,7 @@ def expand_graph(
             if pl is None:
                 ins.append(t)
                 continue
-            glob = ph.meta["val"]
-            ins.append(DTensor.from_local(t, mesh, pl, run_check=False, shape=glob.shape, stride=glob.stride()))
+            ins.append(_wrap(t, mesh, pl, ph.meta["val"]))
         with implicit_replication():
             outs = expander.run(*ins)
         return [o._local_tensor if isinstance(o, DTensor) else o for o in pytree.tree_leaves(outs)]
@@ -492,7 +497,8 @@ def _finish(
         src_name = (n.meta.get(_CUSTOM) or {}).pop(_SRC, None)
         src = old.get(src_name) if src_name else None
         if src is None:
-            src = last  # a node with no traced origin (none expected): the previous node's meta
+            # No traced origin (none expected): the metadata of what it reads, else of the node before.
+            src = next((i for i in n.all_input_nodes if ROLE in i.meta), last)
         if src is not None:
             for k in _COPIED:
                 if k in src.meta:
