@@ -328,7 +328,15 @@ def describe_placements(pl: Any) -> str:
         return "-"
     if isinstance(pl, list):
         return "[" + ", ".join(describe_placements(p) for p in pl) + "]"
-    return "(" + ", ".join(str(p) for p in pl) + ")"
+    return "(" + ", ".join(_word(p) for p in pl) + ")"
+
+
+def _word(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"Shard({p.dim})"
+    if isinstance(p, Partial):
+        return f"Partial({p.reduce_op})"
+    return f"{type(p).__name__}()"
 
 
 class _Expander(fx.Interpreter):
