@@ -88,8 +88,10 @@ class DTensorExpandMode(ParallelMode):
 
     Args:
         mesh: a ``DeviceMesh``; or a shape, as a tuple (``(2, 2)``) or a dict of dimension
-            names to sizes (``{"dp": 2, "tp": 2}``), made over every rank of the default
-            group. Default: a 1-D mesh of all ranks (pure data parallelism).
+            names to sizes (``{"dp": 2, "tp": 2}``; one size may be -1, "the rest", as in
+            ``{"dp": -1, "tp": 2}``), made over every rank of the default group (row-major:
+            the last dimension's ranks are consecutive). Default: a 1-D mesh of all ranks
+            (pure data parallelism).
         input_placements: the placements of the step's tensor arguments on the mesh, one
             tuple (one Placement per mesh dimension) for all of them, or a list with one
             per tensor argument. Each rank passes its *local* piece (its batch shard, as
@@ -159,17 +161,16 @@ class DTensorExpandMode(ParallelMode):
             shape, names = tuple(self.mesh.values()), tuple(self.mesh.keys())
         else:
             shape, names = tuple(self.mesh), None
-        world = sharding.world_info()[1]
-        if math.prod(shape) != world:
-            raise ConfigError(
-                f"spmd.DTensorExpandMode: mesh shape {shape} holds {math.prod(shape)} ranks but the default "
-                f"process group has {world}. Give a shape whose sizes multiply to the world size."
-            )
-        key = (device_type, shape, names)
-        cache = _MESHES.setdefault(id(torch.distributed.distributed_c10d._get_default_group()), {})
-        if key not in cache:
-            cache[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        return cache[key]
+        shape = _fill_shape(shape, sharding.world_info()[1])
+        group = torch.distributed.distributed_c10d._get_default_group()
+        # Cached with sharding's default meshes, which are dropped with their process group.
+        key = (device_type, id(group), sharding.world_info()[1], ("expand", shape, names))
+        meshes: dict[Any, DeviceMesh] = sharding._DEFAULT_MESHES  # type: ignore[assignment]
+        if key not in meshes:
+            if any(k[1] != id(group) for k in meshes):
+                meshes.clear()
+            meshes[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        return meshes[key]
 
     def _param_placements(self, fqn: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
         for pat, pl in (self.param_placements or {}).items():
@@ -259,7 +260,17 @@ class DTensorExpandMode(ParallelMode):
         return {"bucket_mode": "size"}
 
 
-_MESHES: dict[int, dict[Any, DeviceMesh]] = {}
+def _fill_shape(shape: tuple[int, ...], world: int) -> tuple[int, ...]:
+    """``shape`` with a -1 size replaced by what fills ``world``; checks the product."""
+    known = math.prod(s for s in shape if s != -1)
+    if shape.count(-1) == 1 and known > 0 and world % known == 0:
+        shape = tuple(world // known if s == -1 else s for s in shape)
+    if math.prod(shape) != world or any(s < 1 for s in shape):
+        raise ConfigError(
+            f"spmd.DTensorExpandMode: mesh shape {shape} does not fit the default process group's {world} "
+            "ranks. Give sizes that multiply to the world size (one of them may be -1: the rest)."
+        )
+    return shape
 
 
 def _as_placements(pl: Any, what: str) -> tuple[Placement, ...]:
