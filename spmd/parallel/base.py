@@ -12,6 +12,9 @@ import torch.nn as nn
 if TYPE_CHECKING:
     from spmd.tracing import ComputeCasts, LiftedState, StepArgs
 
+# Attribute of an Override's stand-in module: the (input, output) placements it declared.
+OVERRIDE_PLACEMENTS = "_spmd_override_placements"
+
 
 class ParallelMode(abc.ABC):
     """Turns the traced single-device graph into the graph each rank runs.

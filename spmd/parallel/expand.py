@@ -37,7 +37,6 @@ import dataclasses
 import fnmatch
 import logging
 import math
-import operator
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -54,12 +53,12 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from passes import collectives as C
-from passes.meta import CAST_OF, GRAD_OF, MICROBATCH, MODULE, PHASE, PLACEMENT, ROLE, STATE_NAME, Role
+from passes.meta import CAST_OF, GRAD_OF, MICROBATCH, MODULE, PHASE, PLACEMENT, ROLE, STATE_NAME, Phase, Role
 from passes.ops import TAG_GRAD
 from spmd import optim as optim_utils
 from spmd.errors import ConfigError, ShardingPropagationError
 from spmd.parallel import expand_rules, sharding
-from spmd.parallel.base import ParallelMode
+from spmd.parallel.base import OVERRIDE_PLACEMENTS, ParallelMode
 
 if TYPE_CHECKING:
     from spmd.tracing import LiftedState, StepArgs
@@ -250,7 +249,12 @@ class DTensorExpandMode(ParallelMode):
         in_specs += [self._input_placements(i, n, mesh) for i in range(n)]
         reals = [sharding.local(t) for t in state.tensors(args.optimizer)] + args.tensors
         param_pl = {name: _placements_of(p) for name, p in state.params}
-        out = expand_graph(gm, mesh, reals, in_specs, param_pl)
+        regions = {
+            fqn: _override_placements(fqn, pl, mesh)
+            for fqn, m in args.module.named_modules()
+            if (pl := getattr(m, OVERRIDE_PLACEMENTS, None)) is not None
+        }
+        out = expand_graph(gm, mesh, reals, in_specs, param_pl, regions)
         for f in self.custom_passes:
             res = f(out)
             out = res if isinstance(res, fx.GraphModule) else out
@@ -284,15 +288,29 @@ def _as_placements(pl: Any, what: str) -> tuple[Placement, ...]:
     )
 
 
-def _check_ndim(pl: tuple[Placement, ...], mesh: DeviceMesh, what: str) -> tuple[Placement, ...]:
+def _check_ndim(
+    pl: tuple[Placement, ...], mesh: DeviceMesh, what: str, *, allow_partial: bool = False
+) -> tuple[Placement, ...]:
     if len(pl) != mesh.ndim:
         raise ConfigError(
             f"spmd.DTensorExpandMode: {what} gives {len(pl)} placements {list(pl)} but the mesh has "
             f"{mesh.ndim} dimensions {mesh.mesh_dim_names or ''}; give one placement per mesh dimension."
         )
-    if any(isinstance(p, Partial) for p in pl):
+    if not allow_partial and any(isinstance(p, Partial) for p in pl):
         raise ConfigError(f"spmd.DTensorExpandMode: {what}: state cannot be Partial ({list(pl)}).")
     return pl
+
+
+def _override_placements(fqn: str, pl: Any, mesh: DeviceMesh) -> tuple[tuple[Placement, ...], ...]:
+    what = f"Override.placements({fqn!r})"
+    if not isinstance(pl, tuple | list) or len(pl) != 2:
+        raise ConfigError(
+            f"spmd.DTensorExpandMode: {what} must return (input_placements, output_placements) or None, "
+            f"got {pl!r}."
+        )
+    return tuple(
+        _check_ndim(_as_placements(x, what), mesh, f"{what}[{i}]", allow_partial=i == 1) for i, x in enumerate(pl)
+    )
 
 
 def _check_divisible(fqn: str, shape: torch.Size, pl: tuple[Placement, ...], mesh: DeviceMesh) -> None:
@@ -351,23 +369,98 @@ def _word(p: Placement) -> str:
 
 
 class _Expander(fx.Interpreter):
-    """Runs the traced graph on DTensors; records each node's output placements."""
+    """Runs the traced graph on DTensors; records each node's output placements.
 
-    def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, param_pl: dict[str, Any]):
+    Nodes of an Override stand-in that declared placements (``regions``: module fqn ->
+    (input placements, output placements)) run on local tensors instead (``local_map``
+    semantics): a DTensor flowing in is redistributed to the declared placements and
+    unwrapped, a local tensor flowing out is wrapped with them.
+    """
+
+    def __init__(
+        self, gm: fx.GraphModule, mesh: DeviceMesh, param_pl: dict[str, Any], regions: dict[str, Any]
+    ):
         super().__init__(gm)
         self.mesh = mesh
         self.param_pl = param_pl
+        self.regions = regions
         self.placements: dict[str, Any] = {}
+        self.region_of: dict[fx.Node, str] = {}
+        self._into: dict[tuple[fx.Node, Any], Any] = {}
+
+    def _region(self, n: fx.Node) -> str | None:
+        if not self.regions or n.op != "call_function" or n.target is TAG_GRAD:
+            return None
+        if n.meta.get(PHASE) is Phase.OPTIMIZER:
+            return None
+        mod = n.meta.get(MODULE, "")
+        return next((f for f in self.regions if mod == f or mod.startswith(f + ".")), None)
 
     def run_node(self, n: fx.Node) -> Any:
+        region = self._region(n)
         try:
-            out = super().run_node(n)
+            with self._set_current_node(n):
+                args = fx.node.map_arg(n.args, lambda a: self._fetch(a, n, region))
+                kwargs = fx.node.map_arg(n.kwargs, lambda a: self._fetch(a, n, region))
+                out = getattr(self, n.op)(n.target, args, kwargs)
         except ShardingPropagationError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure here is a propagation failure at n
             raise ShardingPropagationError(_explain(n, self.env, exc)) from exc
-        self.placements[n.name] = _placement_tree(out)
+        if region is not None:
+            self.region_of[n] = region
+            self.placements[n.name] = f"local ({region})"
+        else:
+            self.placements[n.name] = _placement_tree(out)
         return out
+
+    def _fetch(self, a: fx.Node, consumer: fx.Node, region: str | None) -> Any:
+        v = self.env[a]
+        src_region = self.region_of.get(a)
+        if region is not None and src_region is None:
+            return self._into_region(a, v, region)
+        if region is None and src_region is not None:
+            return self._out_of_region(a, v, consumer, src_region)
+        return v
+
+    def _into_region(self, a: fx.Node, v: Any, region: str) -> Any:
+        in_pl, out_pl = self.regions[region]
+        # Forward values (the stand-in's inputs, saved for backward too) take the input
+        # placements; backward values flowing in are gradients of its outputs.
+        want = out_pl if a.meta.get(PHASE) is Phase.BACKWARD else in_pl
+        own = a.op == "placeholder" and a.meta.get(ROLE) in (Role.PARAM, Role.BUFFER)
+        key = (a, None if own else want)
+        if key not in self._into:
+
+            def conv(x: Any) -> Any:
+                if not isinstance(x, DTensor):
+                    return x
+                if not own and tuple(x.placements) != tuple(want):
+                    x = x.redistribute(self.mesh, want)
+                return x._local_tensor
+
+            self._into[key] = pytree.tree_map(conv, v)
+        return self._into[key]
+
+    def _out_of_region(self, a: fx.Node, v: Any, consumer: fx.Node, region: str) -> Any:
+        in_pl, out_pl = self.regions[region]
+        if consumer.target is TAG_GRAD:
+            # A parameter's gradient, computed on this rank's piece of the input: partial sums
+            # over the mesh dimensions the input is sharded on and the parameter is not.
+            own = self.param_pl.get(consumer.args[1]) or (Replicate(),) * self.mesh.ndim
+            want = tuple(
+                Partial() if isinstance(p, Replicate) and isinstance(i, Shard) else p for p, i in zip(own, in_pl)
+            )
+        else:
+            want = in_pl if a.meta.get(PHASE) is Phase.BACKWARD else out_pl
+        vals = a.meta.get("val")
+
+        def wrap(x: Any, like: Any) -> Any:
+            return _wrap(x, self.mesh, want, like) if isinstance(x, torch.Tensor) else x
+
+        if isinstance(v, list | tuple):
+            return type(v)(wrap(x, like) for x, like in zip(v, vals))
+        return wrap(v, vals)
 
     def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if target is TAG_GRAD:
@@ -378,8 +471,6 @@ class _Expander(fx.Interpreter):
                     g = g.redistribute(self.mesh, want)
                 return _wrap(TAG_GRAD(g._local_tensor, name), self.mesh, g.placements, g)
             return TAG_GRAD(g, name)
-        if target is operator.getitem:
-            return super().call_function(target, args, kwargs)
         return super().call_function(target, args, kwargs)
 
 
@@ -437,11 +528,13 @@ def expand_graph(
     reals: list[torch.Tensor],
     in_specs: list[tuple[Placement, ...] | None],
     param_pl: dict[str, Any],
+    regions: dict[str, Any] | None = None,
 ) -> fx.GraphModule:
     """The graph one rank runs: ``gm`` (global semantics) expanded on ``mesh``.
 
     ``reals`` are the local tensors fed to the placeholders (their shapes and dtypes are
     used, not their values); ``in_specs`` their placements (None: a plain, replicated tensor).
+    ``regions``: Override stand-ins that run on local tensors (see :class:`_Expander`).
     """
     expand_rules.register()
     old_nodes = {n.name: n for n in gm.graph.nodes}
@@ -451,7 +544,7 @@ def expand_graph(
     for n in gm.graph.nodes:
         saved_custom[n] = n.meta.get(_CUSTOM)
         n.meta[_CUSTOM] = {**(n.meta.get(_CUSTOM) or {}), _SRC: n.name}
-    expander = _Expander(gm, mesh, param_pl)
+    expander = _Expander(gm, mesh, param_pl, regions or {})
 
     def run(*locals_: torch.Tensor) -> list[Any]:
         ins: list[Any] = []
