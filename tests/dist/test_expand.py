@@ -23,6 +23,15 @@ def test_defaults_match_ddp_and_replicate_bitwise() -> None:
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.timeout(300)
+def test_override_with_placements_runs_locally_bitwise() -> None:
+    """An Override stand-in whose custom op has no sharding rule, declared Shard(0) -> Shard(0),
+    runs on local tensors; the step equals DDP over the same stand-in bit for bit."""
+    results = run_ranks(workers_expand.override_vs_ddp, 2, timeout=280)
+    problems = [p for r in results for p in r]
+    assert not problems, "\n".join(problems)
+
+
 def _check_tp(results: list[dict], tp: int) -> None:
     for rank, r in enumerate(results):
         assert r["moved"] > 1e-3, "the reference did not train"

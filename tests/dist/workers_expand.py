@@ -145,3 +145,105 @@ def tensor_parallel(
             (n.meta.get("spmd_placement") for n in gm.graph.nodes if n.name == "p_blocks_0_fc_weight"), None
         ),
     }
+
+
+# ----------------------------------------------------------------------------- Override with placements
+
+
+@torch.library.custom_op("spmd_test::scaled_tanh", mutates_args=())
+def scaled_tanh(x: torch.Tensor, s: float) -> torch.Tensor:
+    """An op DTensor has no sharding strategy for (elementwise, so any placement would do)."""
+    return torch.tanh(x) * s
+
+
+@scaled_tanh.register_fake
+def _(x: torch.Tensor, s: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[0])
+    ctx.s = inputs[1]
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    (x,) = ctx.saved_tensors
+    return grad * ctx.s * (1 - torch.tanh(x) ** 2), None
+
+
+scaled_tanh.register_autograd(_backward, setup_context=_setup)
+
+
+class HostAct(torch.nn.Module):
+    """A linear layer and an activation that reads a tensor's value in Python: untraceable."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * float(x.abs().max().item() > -1)
+
+
+class ScaledTanh(torch.nn.Module):
+    """The traceable stand-in: the original's linear layer, then the custom op."""
+
+    def __init__(self, lin: torch.nn.Linear) -> None:
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scaled_tanh(self.lin(x), 1.0)
+
+
+class ActMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.act = HostAct()
+        self.fc2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class LocalAct(spmd.Override):
+    """Swap ``act`` for ScaledTanh; with ``declare``, say it takes and returns batch shards."""
+
+    def __init__(self, declare: bool) -> None:
+        self.declare = declare
+
+    def replacement(self, fqn: str, orig: torch.nn.Module) -> torch.nn.Module:
+        return ScaledTanh(orig.lin) if fqn == "act" else orig
+
+    def placements(self, fqn: str) -> Any:
+        return ((Shard(0),), (Shard(0),)) if self.declare and fqn == "act" else None
+
+
+def override_vs_ddp(rank: int, world: int, steps: int = 4) -> list[str]:
+    """An Override stand-in with a strategy-less custom op, declared Shard(0) in and out: trains
+    bit for bit like DDP over a model with the same stand-in."""
+    torch.manual_seed(0)
+    model = ActMLP()
+    ref = copy.deepcopy(model)
+    ref.act = LocalAct(True).replacement("act", ref.act)
+    ddp = DDP(ref)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    ref_opt = torch.optim.SGD(ddp.module.parameters(), lr=0.1, momentum=0.9, fused=True)
+    step = spmd.compile([LocalAct(True)], parallel_mode=spmd.DTensorExpandMode(), check_invariants=True)(
+        train_step
+    )
+    problems = []
+    for i in range(steps):
+        x, y = pm.batch("mlp", i, rank)
+        loss = step(model, opt, x, y)
+        want = train_step(ddp, ref_opt, x, y)
+        if not torch.equal(loss, want):
+            problems.append(f"override: step {i} loss {loss.item()!r} != ddp {want.item()!r}")
+    for (n, p), (_, q) in zip(model.named_parameters(), ddp.module.named_parameters()):
+        if not torch.equal(_full(p), q):
+            problems.append(f"override: param {n} differs from DDP by {_diff(_full(p), q)}")
+    gm = step.graphs["partitioned"]
+    if not any(n.meta.get("spmd_expand_placements") == "local (act)" for n in gm.graph.nodes):
+        problems.append("override: no node of the stand-in is marked local")
+    return problems
