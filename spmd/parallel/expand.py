@@ -53,7 +53,19 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from passes import collectives as C
-from passes.meta import CAST_OF, GRAD_OF, MICROBATCH, MODULE, PHASE, PLACEMENT, ROLE, STATE_NAME, Phase, Role
+from passes.meta import (
+    CAST_OF,
+    GRAD_OF,
+    MICROBATCH,
+    MODULE,
+    NODE_PLACEMENTS,
+    PHASE,
+    PLACEMENT,
+    ROLE,
+    STATE_NAME,
+    Phase,
+    Role,
+)
 from passes.ops import TAG_GRAD
 from spmd import optim as optim_utils
 from spmd.errors import ConfigError, ShardingPropagationError
@@ -67,7 +79,7 @@ log = logging.getLogger("spmd")
 
 # On every node of the expanded graph: the placements of the traced node it computes
 # (a tuple of Placements, a list of them for multi-output ops, or None for non-tensors).
-EXPAND_PLACEMENTS = "spmd_expand_placements"
+EXPAND_PLACEMENTS = NODE_PLACEMENTS
 _SRC = "spmd_expand_src"  # the traced node a new node was recorded for (in meta["custom"])
 _CUSTOM = "custom"
 
@@ -353,8 +365,11 @@ def _rekey_optimizer(
 
 
 def describe_placements(pl: Any) -> str:
+    """``(Replicate(), Shard(0))``; ``[..., ...]`` for several outputs; ``-`` for a non-tensor."""
     if pl is None:
         return "-"
+    if isinstance(pl, str):
+        return pl
     if isinstance(pl, list):
         return "[" + ", ".join(describe_placements(p) for p in pl) + "]"
     return "(" + ", ".join(_word(p) for p in pl) + ")"
