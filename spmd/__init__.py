@@ -21,7 +21,7 @@ from spmd.errors import (
     TraceError,
     UntraceableOpError,
 )
-from spmd.parallel import DTensorExpandMode, DataParallel, MixedPrecision, ParallelMode
+from spmd.parallel import DataParallel, DTensorExpandMode, MixedPrecision, ParallelMode
 from spmd.parallel.offload import CPUOffloadPolicy
 from spmd.parallel.sharding import full_state_dict
 from spmd.report import StepReport

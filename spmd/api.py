@@ -27,8 +27,8 @@ from spmd import tracing
 from spmd.dump import dump_report, dump_stages
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.parallel import DataParallel, ParallelMode
-from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.parallel.agreement import check_rank_agreement
+from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.pipeline import build_pipeline
 from spmd.report import StepReport, build_report, describe_mode
 from spmd.runtime import Executable, make_executable

@@ -10,7 +10,17 @@ from typing import TYPE_CHECKING
 import torch.fx as fx
 
 from passes import collectives as C
-from passes.meta import CAST_OF, MICROBATCH, MODULE, NODE_PLACEMENTS, PHASE, PLACEMENT, ROLE, STATE_NAME, Phase
+from passes.meta import (
+    CAST_OF,
+    MICROBATCH,
+    MODULE,
+    NODE_PLACEMENTS,
+    PHASE,
+    PLACEMENT,
+    ROLE,
+    STATE_NAME,
+    Phase,
+)
 
 if TYPE_CHECKING:
     from spmd.report import StepReport

@@ -143,15 +143,17 @@ class DTensorExpandMode(ParallelMode):
                 if not isinstance(pat, str):
                     raise ConfigError(f"spmd.DTensorExpandMode: param_placements key {pat!r} is not a str.")
                 _as_placements(pl, f"param_placements[{pat!r}]")
-        if self.input_placements is not None and not isinstance(self.input_placements, Placement):
-            if not isinstance(self.input_placements, list | tuple):
-                raise ConfigError(
-                    "spmd.DTensorExpandMode: input_placements must be a tuple of Placements (one per mesh "
-                    f"dimension) or a list of such tuples, got {self.input_placements!r}."
-                )
+        ip = self.input_placements
+        if ip is not None and not isinstance(ip, Placement | list | tuple):
+            raise ConfigError(
+                "spmd.DTensorExpandMode: input_placements must be a tuple of Placements (one per mesh "
+                f"dimension) or a list of such tuples, got {ip!r}."
+            )
         for f in self.custom_passes:
             if not callable(f):
-                raise ConfigError(f"spmd.DTensorExpandMode: custom_passes items must be callables, got {f!r}.")
+                raise ConfigError(
+                    f"spmd.DTensorExpandMode: custom_passes items must be callables, got {f!r}."
+                )
 
     # ------------------------------------------------------------------ mesh and placements
 
@@ -186,7 +188,9 @@ class DTensorExpandMode(ParallelMode):
     def _param_placements(self, fqn: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
         for pat, pl in (self.param_placements or {}).items():
             if fnmatch.fnmatchcase(fqn, pat):
-                return _check_ndim(_as_placements(pl, f"param_placements[{pat!r}]"), mesh, f"parameter {fqn!r}")
+                return _check_ndim(
+                    _as_placements(pl, f"param_placements[{pat!r}]"), mesh, f"parameter {fqn!r}"
+                )
         return (Replicate(),) * mesh.ndim
 
     def _input_placements(self, i: int, n: int, mesh: DeviceMesh) -> tuple[Placement, ...]:
@@ -199,7 +203,9 @@ class DTensorExpandMode(ParallelMode):
                     dp = k
                     break
             return tuple(Shard(0) if k == dp else Replicate() for k in range(mesh.ndim))
-        if isinstance(ip, Placement) or (isinstance(ip, tuple | list) and ip and isinstance(ip[0], Placement)):
+        if isinstance(ip, Placement) or (
+            isinstance(ip, tuple | list) and ip and isinstance(ip[0], Placement)
+        ):
             return _check_ndim(_as_placements(ip, "input_placements"), mesh, "input_placements")
         if len(ip) != n:
             raise ConfigError(
@@ -210,7 +216,9 @@ class DTensorExpandMode(ParallelMode):
 
     # ------------------------------------------------------------------ ParallelMode
 
-    def prepare(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, args: StepArgs | None) -> None:
+    def prepare(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer | None, args: StepArgs | None
+    ) -> None:
         if all(isinstance(p, DTensor) for p in module.parameters()) and module in _MESH_OF:
             return
         if sharding.world_info()[1] == 1 and not isinstance(self.mesh, DeviceMesh) and self.mesh is None:
@@ -226,7 +234,7 @@ class DTensorExpandMode(ParallelMode):
                 fqn = f"{prefix}.{name}" if prefix else name
                 if id(p) not in new_of:
                     pl = self._param_placements(fqn, mesh)
-                    _check_divisible(fqn, p.shape, pl, mesh)
+                    _check_dims(fqn, p.shape, pl)
                     dt = distribute_tensor(p.detach(), mesh, pl, src_data_rank=None)
                     new_of[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
                 mod._parameters[name] = new_of[id(p)]
@@ -321,12 +329,13 @@ def _override_placements(fqn: str, pl: Any, mesh: DeviceMesh) -> tuple[tuple[Pla
             f"got {pl!r}."
         )
     return tuple(
-        _check_ndim(_as_placements(x, what), mesh, f"{what}[{i}]", allow_partial=i == 1) for i, x in enumerate(pl)
+        _check_ndim(_as_placements(x, what), mesh, f"{what}[{i}]", allow_partial=i == 1)
+        for i, x in enumerate(pl)
     )
 
 
-def _check_divisible(fqn: str, shape: torch.Size, pl: tuple[Placement, ...], mesh: DeviceMesh) -> None:
-    for k, p in enumerate(pl):
+def _check_dims(fqn: str, shape: torch.Size, pl: tuple[Placement, ...]) -> None:
+    for p in pl:
         if isinstance(p, Shard):
             d = p.dim if p.dim >= 0 else p.dim + len(shape)
             if not 0 <= d < len(shape):
@@ -462,13 +471,14 @@ class _Expander(fx.Interpreter):
         if consumer.target is TAG_GRAD:
             # A parameter's gradient, computed on this rank's piece of the input: partial sums
             # over the mesh dimensions the input is sharded on and the parameter is not.
-            own = self.param_pl.get(consumer.args[1]) or (Replicate(),) * self.mesh.ndim
+            own = self.param_pl.get(str(consumer.args[1])) or (Replicate(),) * self.mesh.ndim
             want = tuple(
-                Partial() if isinstance(p, Replicate) and isinstance(i, Shard) else p for p, i in zip(own, in_pl)
+                Partial() if isinstance(p, Replicate) and isinstance(i, Shard) else p
+                for p, i in zip(own, in_pl)
             )
         else:
             want = in_pl if a.meta.get(PHASE) is Phase.BACKWARD else out_pl
-        vals = a.meta.get("val")
+        vals: Any = a.meta.get("val")
 
         def wrap(x: Any, like: Any) -> Any:
             return _wrap(x, self.mesh, want, like) if isinstance(x, torch.Tensor) else x
@@ -489,7 +499,9 @@ class _Expander(fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
 
-def _wrap(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], like: torch.Tensor) -> DTensor:
+def _wrap(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], like: torch.Tensor
+) -> DTensor:
     """A DTensor over ``local`` with the global shape of ``like``; records no op (``from_local``
     would record a view)."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta

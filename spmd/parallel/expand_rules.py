@@ -51,7 +51,9 @@ def register() -> None:
 
     def _mask_free(op_schema: OpSchema, what: str) -> None:
         if op_schema.kwargs_schema.get("attn_mask") is not None:
-            raise NotImplementedError(f"{what} with an attn_mask has no sharding rule; pass is_causal instead")
+            raise NotImplementedError(
+                f"{what} with an attn_mask has no sharding rule; pass is_causal instead"
+            )
 
     @register_op_strategy(RULES[2], schema_info=RuntimeSchemaInfo(3))
     def _flash_cpu(op_schema: OpSchema) -> StrategyType:

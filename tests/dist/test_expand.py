@@ -65,5 +65,10 @@ def test_data_x_tensor_parallel_2d_matches_single_device() -> None:
     _check_tp(results, 2)
     # Sharded weights take half the bytes of replicated ones; the report sees the local shards.
     assert results[0]["param_bytes"] < 0.75 * 4 * sum(
-        (64 * 32, 16 * 32, 2 * (96 * 32 + 96 + 32 * 32 + 32 + 128 * 32 + 128 + 32 * 128 + 32 + 4 * 32), 2 * 32)
+        (
+            64 * 32,
+            16 * 32,
+            2 * (96 * 32 + 96 + 32 * 32 + 32 + 128 * 32 + 128 + 32 * 128 + 32 + 4 * 32),
+            2 * 32,
+        )
     )

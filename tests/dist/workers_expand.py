@@ -57,7 +57,9 @@ def defaults_vs_ddp(rank: int, world: int, combos: list[tuple[str, str]], steps:
             dp_loss = dp_step(dp_model, dp_opt, *b)
             ref = train_step(ddp, ref_opt, *b)
             if not (torch.equal(loss, ref) and torch.equal(dp_loss, ref)):
-                problems.append(f"{tag}: step {i} loss {loss.item()!r} / dp {dp_loss.item()!r} != ddp {ref.item()!r}")
+                problems.append(
+                    f"{tag}: step {i} loss {loss.item()!r} / dp {dp_loss.item()!r} != ddp {ref.item()!r}"
+                )
         for (n, p), (_, d), (_, q) in zip(
             model.named_parameters(), dp_model.named_parameters(), ddp.module.named_parameters()
         ):
@@ -123,7 +125,10 @@ def tensor_parallel(
         got = loss.clone()
         dist.all_reduce(got)  # the mean of the dp shards' local losses (each tp rank holds it too)
         loss_diff = max(loss_diff, _diff(got / world, want))
-    param_diff = {n: _masked_diff(n, _full(p), q) for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())}
+    param_diff = {
+        n: _masked_diff(n, _full(p), q)
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())
+    }
     moved = max(_diff(q, p0) for q, p0 in zip(ref.parameters(), initial))
     local_shapes = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
     placements = {n: tuple(str(x) for x in p.placements) for n, p in model.named_parameters()}

@@ -64,7 +64,8 @@ def test_placements_visible_in_graph_and_dump() -> None:
         assert by_name["x_input_0"].meta[NODE_PLACEMENTS] == (Shard(0), Replicate())
         # The row-parallel matmul's output is a partial sum over "tp".
         assert any(
-            isinstance(pl, tuple) and pl == (Shard(0), Partial()) for pl in (n.meta.get(NODE_PLACEMENTS) for n in gm.graph.nodes)
+            isinstance(pl, tuple) and pl == (Shard(0), Partial())
+            for pl in (n.meta.get(NODE_PLACEMENTS) for n in gm.graph.nodes)
         )
         code = annotated_code(gm)
         assert "# blocks.0.fc.weight: (Replicate(), Shard(0))" in code
@@ -83,7 +84,9 @@ def test_simulate_2d_mesh_bytes_per_rank() -> None:
     r = spmd.simulate(spmd.compile(parallel_mode=mode)(wx.train_step), model, opt, *_tokens(2), world_size=8)
     full = sum(p.numel() * 4 for p in model.parameters())
     whole = sum(
-        p.numel() * 4 for n, p in model.named_parameters() if "ln" in n or n.endswith(("proj.bias", "out.bias"))
+        p.numel() * 4
+        for n, p in model.named_parameters()
+        if "ln" in n or n.endswith(("proj.bias", "out.bias"))
     )
     want = whole + (full - whole) // 2
     assert r.world_size == 8 and r.parallel_style == "dtensor_expand (dp=-1, tp=2)"
@@ -172,9 +175,16 @@ def test_config_errors_against_the_mesh() -> None:
         with pytest.raises(spmd.ConfigError, match="does not fit the default process group's 4 ranks"):
             _lower(spmd.DTensorExpandMode((3, 2)), model, opt, *_tokens())
         with pytest.raises(spmd.ConfigError, match="gives 1 placements .* mesh has 2 dimensions"):
-            _lower(spmd.DTensorExpandMode((2, 2), param_placements={"tok.*": Shard(0)}), model, opt, *_tokens())
+            _lower(
+                spmd.DTensorExpandMode((2, 2), param_placements={"tok.*": Shard(0)}), model, opt, *_tokens()
+            )
         with pytest.raises(spmd.ConfigError, match="state cannot be Partial"):
-            _lower(spmd.DTensorExpandMode((2, 2), param_placements={"tok.*": (Partial(), Replicate())}), model, opt, *_tokens())
+            _lower(
+                spmd.DTensorExpandMode((2, 2), param_placements={"tok.*": (Partial(), Replicate())}),
+                model,
+                opt,
+                *_tokens(),
+            )
 
 
 def test_world_size_one_is_the_plain_step() -> None:
