@@ -13,21 +13,17 @@ from tests.dist.launcher import run_ranks
 TOL = 1e-5
 
 
-@pytest.mark.timeout(400)
-def test_defaults_match_ddp_and_replicate_bitwise() -> None:
-    """Defaults (inputs Shard(0), parameters Replicate()): every loss and final parameter equals
-    DDP's and DataParallel('replicate')'s bit for bit, with different data on each rank."""
+@pytest.mark.timeout(500)
+def test_defaults_and_override_match_ddp_bitwise() -> None:
+    """One job of 2 ranks, different data on each:
+
+    * defaults (inputs Shard(0), parameters Replicate()): every loss, the final parameters and an
+      eval step's output equal DDP's and DataParallel('replicate')'s bit for bit;
+    * an Override stand-in whose custom op has no sharding rule, declared Shard(0) -> Shard(0), runs
+      on local tensors; the step equals DDP over the same stand-in bit for bit.
+    """
     combos = [("tinygpt", "adamw_fused"), ("mlp", "sgd_momentum_foreach"), ("nested", "sgd_momentum_fused")]
-    results = run_ranks(workers_expand.defaults_vs_ddp, 2, combos, timeout=380)
-    problems = [p for r in results for p in r]
-    assert not problems, "\n".join(problems)
-
-
-@pytest.mark.timeout(300)
-def test_override_with_placements_runs_locally_bitwise() -> None:
-    """An Override stand-in whose custom op has no sharding rule, declared Shard(0) -> Shard(0),
-    runs on local tensors; the step equals DDP over the same stand-in bit for bit."""
-    results = run_ranks(workers_expand.override_vs_ddp, 2, timeout=280)
+    results = run_ranks(workers_expand.data_parallel_cases, 2, combos, timeout=480)
     problems = [p for r in results for p in r]
     assert not problems, "\n".join(problems)
 

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import spmd
 from tests import models as shared
 from tests.dist import parity_models as pm
-from tests.dist.workers import train_step
+from tests.dist.workers import eval_step, train_step
 
 # Megatron-style tensor parallelism of tests.models.TinyGPT on the "tp" mesh dimension: the first
 # projection of attention (qkv) and of the MLP (fc) column-parallel (weight and bias Shard(0)),
@@ -69,6 +69,15 @@ def defaults_vs_ddp(rank: int, world: int, combos: list[tuple[str, str]], steps:
                 problems.append(f"{tag}: param {n} differs from DataParallel('replicate')")
         if not all(isinstance(p, DTensor) and p.placements == (Replicate(),) for p in model.parameters()):
             problems.append(f"{tag}: parameters are not Replicate() DTensors")
+        # A second compiled function (an eval step) on the distributed model: DDP's local output.
+        model.eval()
+        ddp.eval()
+        ev = spmd.compile(parallel_mode=spmd.DTensorExpandMode())(eval_step)
+        xs = pm.batch(model_name, 99, rank)[:-1]
+        with torch.no_grad():
+            got, want = ev(model, *xs), ddp(*xs)
+        if not torch.equal(got, want):
+            problems.append(f"{tag}: eval output differs from DDP by {_diff(got, want)}")
     return problems
 
 
@@ -252,3 +261,8 @@ def override_vs_ddp(rank: int, world: int, steps: int = 4) -> list[str]:
     if not any(n.meta.get("spmd_expand_placements") == "local (act)" for n in gm.graph.nodes):
         problems.append("override: no node of the stand-in is marked local")
     return problems
+
+
+def data_parallel_cases(rank: int, world: int, combos: list[tuple[str, str]]) -> list[str]:
+    """defaults_vs_ddp and override_vs_ddp in one spawned job."""
+    return defaults_vs_ddp(rank, world, combos) + override_vs_ddp(rank, world)
