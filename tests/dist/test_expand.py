@@ -49,8 +49,9 @@ def _check_tp(results: list[dict], tp: int) -> None:
 
 @pytest.mark.timeout(400)
 def test_tensor_parallel_1d_matches_single_device() -> None:
-    """Megatron TP on a 1-D mesh of 2 ranks, replicated inputs, fused SGD (spmd's own rule)."""
-    results = run_ranks(workers_expand.tensor_parallel, 2, {"tp": 2}, "sgd", timeout=380)
+    """Megatron TP on a 1-D mesh of 2 ranks, replicated inputs, clip_grad_norm_ (a norm over sharded
+    gradients), fused SGD (spmd's own rule)."""
+    results = run_ranks(workers_expand.tensor_parallel, 2, {"tp": 2}, "sgd", True, timeout=380)
     _check_tp(results, 2)
 
 

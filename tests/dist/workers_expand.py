@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import spmd
 from tests import models as shared
 from tests.dist import parity_models as pm
-from tests.dist.workers import eval_step, train_step
+from tests.dist.workers import eval_step, train_step, train_step_clip
 
 # Megatron-style tensor parallelism of tests.models.TinyGPT on the "tp" mesh dimension: the first
 # projection of attention (qkv) and of the MLP (fc) column-parallel (weight and bias Shard(0)),
@@ -101,7 +101,12 @@ def _masked_diff(name: str, a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def tensor_parallel(
-    rank: int, world: int, mesh_shape: dict[str, int], optim: str = "adamw", steps: int = 5
+    rank: int,
+    world: int,
+    mesh_shape: dict[str, int],
+    optim: str = "adamw",
+    clip: bool = False,
+    steps: int = 5,
 ) -> dict[str, Any]:
     """TinyGPT with Megatron placements (on a 1-D "tp" mesh, or a 2-D "dp" x "tp" one) against
     single-device training on the global batch. Returns the largest differences, the local shapes
@@ -121,7 +126,8 @@ def tensor_parallel(
         param_placements=_tp_placements(len(mesh_shape)),
         input_placements=None if "dp" in mesh_shape else (Replicate(),),
     )
-    step = spmd.compile(parallel_mode=mode, check_invariants=True)(train_step)
+    fn = train_step_clip if clip else train_step  # clip: a global norm over sharded gradients
+    step = spmd.compile(parallel_mode=mode, check_invariants=True)(fn)
     dp = mesh_shape.get("dp", 1)
     dp_rank = rank // (world // dp)  # row-major mesh: ranks of one dp index are consecutive
     loss_diff = 0.0
@@ -130,7 +136,7 @@ def tensor_parallel(
         x, y = batches[dp_rank]
         loss = step(model, opt, x, y)
         gx, gy = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        want = train_step(ref, ref_opt, gx, gy)
+        want = fn(ref, ref_opt, gx, gy)
         got = loss.clone()
         dist.all_reduce(got)  # the mean of the dp shards' local losses (each tp rank holds it too)
         loss_diff = max(loss_diff, _diff(got / world, want))
