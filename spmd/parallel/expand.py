@@ -214,6 +214,16 @@ class DTensorExpandMode(ParallelMode):
             )
         return _check_ndim(_as_placements(ip[i], f"input_placements[{i}]"), mesh, f"input_placements[{i}]")
 
+    def _single(self) -> bool:
+        """Whether the step runs on one device: world size 1 without an explicit DeviceMesh
+        (a shape must then have one rank; the same script runs under plain ``python``)."""
+        if isinstance(self.mesh, DeviceMesh) or sharding.world_info()[1] != 1:
+            return False
+        if self.mesh is not None:
+            shape = tuple(self.mesh.values()) if isinstance(self.mesh, dict) else tuple(self.mesh)
+            _fill_shape(shape, 1)
+        return True
+
     # ------------------------------------------------------------------ ParallelMode
 
     def prepare(
@@ -221,7 +231,7 @@ class DTensorExpandMode(ParallelMode):
     ) -> None:
         if all(isinstance(p, DTensor) for p in module.parameters()) and module in _MESH_OF:
             return
-        if sharding.world_info()[1] == 1 and not isinstance(self.mesh, DeviceMesh) and self.mesh is None:
+        if self._single():
             return
         mesh = self.device_mesh(module)
         if optimizer is not None:
@@ -249,7 +259,7 @@ class DTensorExpandMode(ParallelMode):
         tensor (no communication: every rank passes an equal-sized local piece), whose
         shape is the global one the trace bakes in.
         """
-        if sharding.world_info()[1] == 1 and self.mesh is None:
+        if self._single():
             return args
         mesh = self.device_mesh(args.module)
         leaves = list(args.leaves)
@@ -261,7 +271,7 @@ class DTensorExpandMode(ParallelMode):
         return dataclasses.replace(args, leaves=leaves)
 
     def partition(self, gm: fx.GraphModule, state: LiftedState, args: StepArgs) -> fx.GraphModule:
-        if sharding.world_info()[1] == 1 and self.mesh is None:
+        if self._single():
             return gm
         mesh = self.device_mesh(args.module)
         n = len(args.tensor_positions)

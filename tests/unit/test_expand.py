@@ -40,8 +40,11 @@ def test_defaults_reduce_every_gradient_once() -> None:
     """Default placements at W=2: one all_reduce(sum) per gradient (plus the loss's token count)."""
     with fake_process_group(2):
         model, opt = _gpt()
-        _, graphs = _lower(spmd.DTensorExpandMode(), model, opt, *_tokens())
+        seen = []
+        mode = spmd.DTensorExpandMode(custom_passes=[lambda gm: seen.append(len(gm.graph.nodes)) or gm])
+        _, graphs = _lower(mode, model, opt, *_tokens())
         gm = graphs["partitioned"]
+        assert seen == [len(gm.graph.nodes)]  # custom passes run on the expanded graph
         reduces = [n for n in gm.graph.nodes if C.is_collective(n) and C.kind_of(n) is C.Kind.ALL_REDUCE]
         grads = [n for n in gm.graph.nodes if n.meta.get(ROLE) is Role.GRAD]
         n_params = len(list(model.parameters()))
@@ -188,10 +191,15 @@ def test_config_errors_against_the_mesh() -> None:
 
 
 def test_world_size_one_is_the_plain_step() -> None:
+    """Without a process group (plain ``python``) the step is the single-device one; a mesh shape
+    must then hold one rank."""
     model, opt = _gpt()
-    step, graphs = _lower(spmd.DTensorExpandMode(), model, opt, *_tokens())
-    assert not any(C.is_collective(n) for n in graphs["final"].graph.nodes)
+    for mesh in (None, {"dp": -1, "tp": 1}):
+        step, graphs = _lower(spmd.DTensorExpandMode(mesh), model, opt, *_tokens())
+        assert not any(C.is_collective(n) for n in graphs["final"].graph.nodes)
     assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    with pytest.raises(spmd.ConfigError, match="does not fit the default process group's 1 ranks"):
+        _lower(spmd.DTensorExpandMode({"dp": 1, "tp": 2}), model, opt, *_tokens())
 
 
 def test_rules_are_listed() -> None:
