@@ -112,7 +112,8 @@ class DTensorExpandMode(ParallelMode):
         param_placements: ``{fqn pattern: placements}``: parameters whose fully qualified
             name matches the ``fnmatch`` pattern (``"blocks.*.fc.weight"``) take these
             placements (one per mesh dimension; a single Placement on a 1-D mesh). The
-            first matching pattern wins; parameters nobody matches are ``Replicate()``.
+            first matching pattern wins; parameters nobody matches are ``Replicate()``. A tied
+            parameter takes the placements of its first name (``named_parameters()`` order).
             Optimizer state shaped like a parameter follows it.
         custom_passes: extra ``gm -> gm`` functions run on the expanded graph, in order,
             before the built-in pass pipeline.
@@ -236,16 +237,19 @@ class DTensorExpandMode(ParallelMode):
         mesh = self.device_mesh(module)
         if optimizer is not None:
             optim_utils.ensure_state(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
+        # Every placement is checked before any parameter changes: a bad one leaves the model as it was.
+        placements: dict[int, tuple[Placement, ...]] = {}
+        for fqn, p in module.named_parameters():
+            if not isinstance(p, DTensor):
+                placements[id(p)] = self._param_placements(fqn, mesh)
+                _check_dims(f"parameter {fqn!r}", p.shape, placements[id(p)])
         new_of: dict[int, nn.Parameter] = {}
-        for prefix, mod in module.named_modules(remove_duplicate=False):
+        for _, mod in module.named_modules(remove_duplicate=False):
             for name, p in list(mod._parameters.items()):
                 if p is None or isinstance(p, DTensor):
                     continue
-                fqn = f"{prefix}.{name}" if prefix else name
                 if id(p) not in new_of:
-                    pl = self._param_placements(fqn, mesh)
-                    _check_dims(fqn, p.shape, pl)
-                    dt = distribute_tensor(p.detach(), mesh, pl, src_data_rank=None)
+                    dt = distribute_tensor(p.detach(), mesh, placements[id(p)], src_data_rank=None)
                     new_of[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
                 mod._parameters[name] = new_of[id(p)]
         _rekey_optimizer(optimizer, new_of, mesh)
@@ -267,6 +271,7 @@ class DTensorExpandMode(ParallelMode):
         for i, pos in enumerate(args.tensor_positions):
             t = leaves[pos]
             pl = self._input_placements(i, n, mesh)
+            _check_dims(f"argument #{i} (a tensor argument of the step)", t.shape, pl)
             leaves[pos] = DTensor.from_local(t, mesh, pl, run_check=False)
         return dataclasses.replace(args, leaves=leaves)
 
@@ -344,13 +349,14 @@ def _override_placements(fqn: str, pl: Any, mesh: DeviceMesh) -> tuple[tuple[Pla
     )
 
 
-def _check_dims(fqn: str, shape: torch.Size, pl: tuple[Placement, ...]) -> None:
+def _check_dims(what: str, shape: torch.Size, pl: tuple[Placement, ...]) -> None:
+    """Raise :class:`ShardingPropagationError` unless every ``Shard(d)`` names a dimension of ``shape``."""
     for p in pl:
         if isinstance(p, Shard):
             d = p.dim if p.dim >= 0 else p.dim + len(shape)
             if not 0 <= d < len(shape):
                 raise ShardingPropagationError(
-                    f"spmd.DTensorExpandMode: parameter {fqn!r} of shape {tuple(shape)} cannot take "
+                    f"spmd.DTensorExpandMode: {what} of shape {tuple(shape)} cannot take "
                     f"{list(pl)}: it has no dimension {p.dim}. Shard one of its {len(shape)} dimensions."
                 )
 

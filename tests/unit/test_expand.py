@@ -154,6 +154,11 @@ def test_error_shard_of_missing_dimension() -> None:
         mode = spmd.DTensorExpandMode(param_placements={"blocks.0.ln1.weight": Shard(1)})
         with pytest.raises(spmd.ShardingPropagationError, match=r"'blocks.0.ln1.weight' of shape \(32,\)"):
             _lower(mode, model, opt, *_tokens())
+        mode = spmd.DTensorExpandMode(input_placements=Shard(2))
+        with pytest.raises(
+            spmd.ShardingPropagationError, match=r"argument #0 .* of shape \(4, 16\) cannot take"
+        ):
+            _lower(mode, model, opt, *_tokens())
 
 
 @pytest.mark.parametrize(
