@@ -671,8 +671,27 @@ def _finish(
         if not (n.meta.get(_CUSTOM) or {}):
             n.meta.pop(_CUSTOM, None)
         last = n
+    _strip_reduced_tags(graph)
     graph.lint()
     gm.recompile()
+
+
+def _strip_reduced_tags(graph: fx.Graph) -> None:
+    """Drop the tag of every gradient that arrives through a collective: its wait becomes the gradient.
+
+    As ``DataParallel`` does: the wait's result is a fresh tensor only the tag reads, so the tag
+    (a copy) is not needed, and without a reader right after each wait the gradients' collectives
+    are adjacent for :func:`passes.bucketing.bucket_collectives`. Tags of gradients that need no
+    communication stay for ``strip_grad_tags``.
+    """
+    for n in [n for n in graph.nodes if n.op == "call_function" and n.target is TAG_GRAD]:
+        w = n.args[0]
+        if not (isinstance(w, fx.Node) and C.is_wait(w) and len(w.users) == 1):
+            continue
+        for k in [k for k in n.meta if k.startswith("spmd_")]:
+            w.meta[k] = n.meta[k]
+        n.replace_all_uses_with(w)
+        graph.erase_node(n)
 
 
 def _style(self: DTensorExpandMode) -> str:

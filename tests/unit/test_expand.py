@@ -37,7 +37,8 @@ def _lower(mode: spmd.DTensorExpandMode, model: nn.Module, opt: torch.optim.Opti
 
 
 def test_defaults_reduce_every_gradient_once() -> None:
-    """Default placements at W=2: one all_reduce(sum) per gradient (plus the loss's token count)."""
+    """Default placements at W=2: one all_reduce(sum) per gradient (plus the loss's token count),
+    bucketed by the pass pipeline."""
     with fake_process_group(2):
         model, opt = _gpt()
         seen = []
@@ -51,6 +52,9 @@ def test_defaults_reduce_every_gradient_once() -> None:
         assert len(grads) == n_params
         assert len(reduces) == n_params + 1
         assert all(n.args[1] == "sum" for n in reduces)
+        # The pass pipeline applies: the gradients' all-reduces share one bucket in the final graph.
+        final = [n for n in graphs["final"].graph.nodes if C.is_collective(n)]
+        assert len(final) == 2, [str(n.target) for n in final]
         # Every rank holds a full (replicated) copy; the local batch traced as the global one.
         assert all(p.placements == (Replicate(),) for p in model.parameters())
 
