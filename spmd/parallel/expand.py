@@ -183,7 +183,12 @@ class DTensorExpandMode(ParallelMode):
         if key not in meshes:
             if any(k[1] != id(group) for k in meshes):
                 meshes.clear()
-            meshes[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            if names is not None and len(names) > 1:
+                # A flattened dimension lets DTensor reduce a value partial over every dimension
+                # with one all-reduce instead of one per dimension.
+                mesh[names]._flatten()
+            meshes[key] = mesh
         return meshes[key]
 
     def _param_placements(self, fqn: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
