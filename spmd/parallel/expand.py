@@ -89,8 +89,8 @@ _MESH_OF: weakref.WeakKeyDictionary[nn.Module, DeviceMesh] = weakref.WeakKeyDict
 PlacementSpec = Placement | Sequence[Placement]
 
 
-def _dp_dim_names() -> tuple[str, ...]:
-    return ("dp", "data", "replicate", "batch")
+# Mesh dimension names that mean "data parallel" (the default input placement shards on it).
+_DP_NAMES = ("dp", "data", "replicate", "batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +205,7 @@ class DTensorExpandMode(ParallelMode):
             dp = 0
             names = mesh.mesh_dim_names or ()
             for k, name in enumerate(names):
-                if name in _dp_dim_names():
+                if name in _DP_NAMES:
                     dp = k
                     break
             return tuple(Shard(0) if k == dp else Replicate() for k in range(mesh.ndim))
@@ -235,8 +235,14 @@ class DTensorExpandMode(ParallelMode):
     def prepare(
         self, module: nn.Module, optimizer: torch.optim.Optimizer | None, args: StepArgs | None
     ) -> None:
-        if all(isinstance(p, DTensor) for p in module.parameters()) and module in _MESH_OF:
+        if module in _MESH_OF and all(isinstance(p, DTensor) for p in module.parameters()):
             return
+        if module not in _MESH_OF and any(isinstance(p, DTensor) for p in module.parameters()):
+            raise ConfigError(
+                "spmd.DTensorExpandMode: the model's parameters are DTensors already, distributed by another "
+                "parallel mode (e.g. DataParallel) or by hand. Give DTensorExpandMode a freshly built model: "
+                "it places every parameter itself from param_placements."
+            )
         if self._single():
             return
         mesh = self.device_mesh(module)

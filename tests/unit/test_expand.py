@@ -216,3 +216,15 @@ def test_rules_are_listed() -> None:
     names = {str(op) for op in expand_rules.RULES}
     assert "aten._fused_sgd_.default" in names
     assert "aten._scaled_dot_product_flash_attention_for_cpu_backward.default" in names
+
+
+def test_error_model_distributed_by_another_mode() -> None:
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = models.MLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        spmd.compile(parallel_mode=spmd.DataParallel("replicate"))(wx.train_step).lower(
+            model, opt, *_mlp_batch()
+        )
+        with pytest.raises(spmd.ConfigError, match="distributed by another parallel mode"):
+            _lower(spmd.DTensorExpandMode(), model, opt, *_mlp_batch())
