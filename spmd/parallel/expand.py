@@ -19,12 +19,24 @@ Where the expansion decides itself, rather than DTensor:
   gradient becomes an all-reduce (sum) or a reduce-scatter. The traced loss is the
   mean over the *global* batch, so the summed gradient is already the average DDP
   computes (bit for bit when the data-parallel degree is a power of two: dividing
-  by it is exact).
+  by it is exact). The collective's wait then becomes the gradient (its tag goes), so
+  the gradients' collectives are adjacent and the bucketing pass merges them.
+* a mesh made from a named shape is flattened too, so DTensor reduces a value partial
+  over every dimension with one all-reduce instead of one per dimension.
 * a graph output keeps its placement; the step returns its local tensor (for a
   ``Partial(avg)`` loss over a batch-sharded input: this rank's local loss, as DDP).
 * factory ops (``arange``, ``zeros``) and other plain tensors are replicated
   (DTensor's ``implicit_replication``): they are computed alike on every rank.
 * ops torch has no strategy for get one in :mod:`spmd.parallel.expand_rules`.
+* the nodes of an ``Override`` stand-in that declared placements
+  (``Override.placements``) run on local tensors, as ``local_map`` would run them.
+* any failure at a node (no strategy, a redistribution DTensor cannot do) is a
+  :class:`~spmd.errors.ShardingPropagationError` naming the op, module, source line and
+  the placements of its inputs.
+
+Each new node finds the traced node it was recorded for through ``meta["custom"]``,
+which ``make_fx`` copies from the node the interpreter is running
+(``fx.traceback.preserve_node_meta``); roles, phases and module paths come from there.
 
 Placements are recorded on every node of the partitioned graph
 (``node.meta["spmd_expand_placements"]``), and on parameter placeholders in the
