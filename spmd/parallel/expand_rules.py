@@ -10,7 +10,9 @@ fused Adam/AdamW kernels. What is missing on torch 2.13 and registered here:
   alike on every input and output, or all replicated (the CUDA flash kernel's rule
   without its RNG and sequence-length outputs).
 
-``spmd::tag_grad`` needs no rule: the expansion handles it itself
+Registration goes through DTensor's private helpers (``_ops.utils.register_op_strategy``,
+``expand_to_full_mesh_op_strategy``, the pointwise registrar); this module is the one
+place that uses them. ``spmd::tag_grad`` needs no rule: the expansion handles it itself
 (:mod:`spmd.parallel.expand`).
 """
 
