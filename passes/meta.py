@@ -32,6 +32,10 @@ INPUT_CAST = "<forward input>"
 # On a parameter placeholder, set by the partitioner: how the parameter is distributed, in words
 # (placements and the ranks of its groups, or "ignored"); the dump shows it.
 PLACEMENT = "spmd_placement"
+# On every node DTensorExpandMode expands: the DTensor placements of the value the traced node
+# computes (a tuple of Placements per tensor, a list of those for several outputs; a string for the
+# nodes of an Override stand-in that runs on local tensors). The dump shows them.
+NODE_PLACEMENTS = "spmd_expand_placements"
 
 
 class Role(str, enum.Enum):
@@ -82,3 +86,9 @@ def copy_meta(dst: fx.Node, src: fx.Node, *, role: Role | None = None) -> None:
     dst.meta[PHASE] = src.meta.get(PHASE, Phase.FORWARD)
     dst.meta[MODULE] = src.meta.get(MODULE, "")
     dst.meta[MICROBATCH] = src.meta.get(MICROBATCH, 0)
+
+
+# On a copy that :func:`passes.layouts.fix_layouts` inserted because a tensor's real memory
+# layout differed from the traced one where its reader depends on layout: what it fixed, in
+# words. The dump marks such lines "| layout fix-up".
+LAYOUT_FIX = "spmd_layout_fix"

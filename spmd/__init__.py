@@ -17,11 +17,12 @@ from spmd.errors import (
     ModelChangedError,
     PassError,
     RankDivergenceError,
+    ShardingPropagationError,
     SpmdError,
     TraceError,
     UntraceableOpError,
 )
-from spmd.parallel import DataParallel, MixedPrecision, ParallelMode
+from spmd.parallel import DataParallel, DTensorExpandMode, MixedPrecision, ParallelMode
 from spmd.parallel.offload import CPUOffloadPolicy
 from spmd.parallel.sharding import full_state_dict
 from spmd.report import StepReport
@@ -36,6 +37,7 @@ __all__ = [
     "CompiledStep",
     "ConfigError",
     "DataDependentControlFlowError",
+    "DTensorExpandMode",
     "DataParallel",
     "InvalidArgumentsError",
     "LoweringError",
@@ -45,6 +47,7 @@ __all__ = [
     "ParallelMode",
     "PassError",
     "RankDivergenceError",
+    "ShardingPropagationError",
     "SpmdError",
     "StepReport",
     "TraceError",

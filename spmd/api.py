@@ -29,6 +29,7 @@ from spmd.errors import CacheLimitError, ConfigError
 from spmd.lowering import check_backend, compile_graph
 from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
+from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.parallel.sharding import local
 from spmd.pipeline import build_pipeline
 from spmd.report import StepReport, build_report, describe_mode
@@ -62,6 +63,18 @@ class Override(abc.ABC):
 
     def transform(self, gm: fx.GraphModule, flat_state: list[torch.Tensor]) -> fx.GraphModule | fx.Graph:
         return gm
+
+    def placements(self, fqn: str) -> tuple[Any, Any] | None:
+        """For :class:`spmd.DTensorExpandMode`: ``(input_placements, output_placements)`` of the
+        stand-in at ``fqn`` (each one Placement per mesh dimension), or None (default).
+
+        With placements, the expansion runs the stand-in's forward and backward on local
+        tensors, like ``torch.distributed.tensor.experimental.local_map``: the tensors it takes
+        are redistributed to ``input_placements`` (its own parameters come as their local
+        shards), what it returns is taken to have ``output_placements``, and the ops inside
+        need no DTensor sharding rule. Without, the stand-in is expanded op by op.
+        """
+        return None
 
 
 def compile(
@@ -222,6 +235,9 @@ class CompiledStep:
                     swap(fqn, child)
                 else:
                     log.info("Override: %s (%s) -> %s", fqn, type(child).__name__, type(new).__name__)
+                    declared = [pl for o in self.module_override if (pl := o.placements(fqn)) is not None]
+                    if declared:
+                        setattr(new, OVERRIDE_PLACEMENTS, declared[0])
                     setattr(parent, name, new)
 
         swap("", module)
@@ -246,7 +262,9 @@ class CompiledStep:
                 "spmd: new input signature for %s, tracing graph #%d", self.__name__, len(self._cache) + 1
             )
         state = tracing.lift_state(module, optimizer)
-        traced = tracing.trace_step(self.fn, step_args, state, casts=self.parallel_mode.trace_casts())
+        traced = tracing.trace_step(
+            self.fn, self.parallel_mode.trace_args(step_args), state, casts=self.parallel_mode.trace_casts()
+        )
         unused_fresh = _forget_unused_state(traced, optimizer, fresh, module)
         if unused_fresh:
             state = tracing.lift_state(module, optimizer)
@@ -295,12 +313,28 @@ class CompiledStep:
             lower_s=lowered.lower_s if lowered else None,
             lowered_code=lowered.code if lowered else None,
         )
+        exe.on_layout_fix = functools.partial(self._record_layout_fix, entry)
         if self.dump_dir:
             where = dump_stages(self.dump_dir, self.__name__, graphs)
             if lowered is not None:
                 dump_code(where, len(graphs), lowered.backend, lowered.code)
             dump_report(where, _report(entry, "final"))
         return entry, _signature(step_args)
+
+    def _record_layout_fix(self, entry: _Entry, gm: fx.GraphModule) -> None:
+        """The first run inserted layout fix-ups into the final graph: show them as a stage."""
+        from passes.driver import copy_graph_module
+
+        old_index = list(entry.graphs).index("final")
+        entry.graphs.pop("final")
+        entry.graphs["fix_layouts"] = copy_graph_module(gm)
+        entry.graphs["final"] = gm
+        if self.dump_dir:
+            where = dump_stages(self.dump_dir, self.__name__, entry.graphs)
+            stale = os.path.join(where, f"{old_index:02d}_final.py")  # now NN_fix_layouts.py
+            if os.path.exists(stale):
+                os.remove(stale)
+            dump_report(where, _report(entry, "final"))
 
 
 def _report(entry: _Entry, stage: str) -> StepReport:
@@ -345,7 +379,10 @@ def _forget_unused_state(
 
 
 def _tensor_sig(t: torch.Tensor) -> tuple[Any, ...]:
-    return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+    # Strides too: the graph bakes in layout decisions (view vs copy, as_strided), so a
+    # differently laid-out input (a transposed or channels_last batch) gets its own graph.
+    layout = None if t.is_contiguous() else tuple(t.stride())
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, layout)
 
 
 def _signature(step_args: tracing.StepArgs) -> Hashable:

@@ -51,5 +51,11 @@ class PassError(SpmdError):
     """A graph pass failed or broke a graph invariant."""
 
 
+class ShardingPropagationError(SpmdError):
+    """DTensor cannot propagate declared placements through an op of the step (no strategy, or a
+    redistribution the mesh cannot do); names the op, the module path, the source line and the
+    placements."""
+
+
 class LoweringError(SpmdError):
     """A backend (inductor) could not compile the final graph, or changed its collective order."""

@@ -194,10 +194,11 @@ def describe_mode(parallel_mode: Any) -> tuple[str, int]:
             "param": mp.param_dtype,
             "reduce": mp.gradient_reduce_dtype,
             "buffer": mp.buffer_dtype,
+            "output": getattr(mp, "output_dtype", None),
         }
         style += ", mixed precision " + " ".join(
             f"{k}={str(v).removeprefix('torch.')}" for k, v in dtypes.items() if v is not None
         )
     mesh = getattr(parallel_mode, "mesh", None)
-    world = mesh.size() if mesh is not None else sharding.world_info()[1]
+    world = mesh.size() if mesh is not None and hasattr(mesh, "size") else sharding.world_info()[1]
     return style, world

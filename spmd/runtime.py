@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from passes import collectives as C
+from passes.layouts import FAILING_NODE, fix_layouts
 from passes.meta import Role
 from spmd import tracing
 from spmd.errors import CollectiveError, ModelChangedError
@@ -51,7 +53,12 @@ class Executable:
     # The module structure the graph was traced from; recorded at the first run, which
     # follows the trace with nothing in between.
     structure: tuple[tuple[str, type, Any], ...] | None = None
+    # The first run checks the real layouts against the traced ones (passes.layouts) and
+    # fixes the graph; ``on_layout_fix(gm)`` is told when it inserted fix-ups.
+    layouts_checked: bool = False
+    on_layout_fix: Callable[[fx.GraphModule], None] | None = None
     # What runs instead of ``gm`` when a backend compiled it (spmd.lowering); None: run ``gm``.
+    # inductor retraced the graph on the real inputs, so the first-run layout check is not needed.
     compiled: Any = None
 
     def inputs(self, step_args: tracing.StepArgs) -> list[torch.Tensor]:
@@ -98,7 +105,10 @@ class Executable:
         flat = [local(t) for t in self.inputs(step_args)]
         try:
             with torch.no_grad():
-                outs = (self.compiled or self.gm)(*flat)
+                if self.compiled is not None:
+                    outs = self.compiled(*flat)
+                else:
+                    outs = self.gm(*flat) if self.layouts_checked else self._first_run(flat)
         except RuntimeError as exc:
             node = _failing_node(exc, self.gm)
             is_comm = node is not None and (C.is_collective(node) or C.is_wait(node))
@@ -108,6 +118,14 @@ class Executable:
         it = iter(outs)
         leaves = [next(it) if c is tracing.TENSOR_OUT else c for c in self.out_constants]
         return pytree.tree_unflatten(leaves, self.out_spec)
+
+    def _first_run(self, flat: list[torch.Tensor]) -> Any:
+        """Run the graph checking real against traced layouts, fixing it where they differ."""
+        _, outs, fixes = fix_layouts(self.gm, flat)
+        self.layouts_checked = True
+        if fixes and self.on_layout_fix is not None:
+            self.on_layout_fix(self.gm)
+        return outs
 
 
 def _first_change(old: tuple[tuple[str, type, Any], ...], new: tuple[tuple[str, type, Any], ...]) -> str:
@@ -128,6 +146,8 @@ def _first_change(old: tuple[tuple[str, type, Any], ...], new: tuple[tuple[str, 
 
 def _failing_node(exc: BaseException, gm: fx.GraphModule) -> fx.Node | None:
     """The graph node whose line of generated code raised ``exc``, if any."""
+    if isinstance(node := getattr(exc, FAILING_NODE, None), fx.Node):  # raised in the first run
+        return node
     nodes = {n.name: n for n in gm.graph.nodes}
     for fr in reversed(traceback.extract_tb(exc.__traceback__)):
         if not fr.filename.startswith("<eval_with_key>"):
