@@ -10,11 +10,14 @@ data and times them in interleaved rounds (``worker.py``; how each number is mea
 ``measure.py``). Variants:
 
     no_comm                     each rank trains alone, eager: the lower bound
+    no_comm_compiled            each rank alone, torch.compile(model), eager fused AdamW
     ddp                         DistributedDataParallel, defaults
     fsdp2                       fully_shard on every block, then the root, defaults
     spmd_replicate              spmd.DataParallel("replicate")
     spmd_fully_shard            spmd.DataParallel("fully_shard", reshard_after_forward=True)
     spmd_fully_shard_noreshard  spmd.DataParallel("fully_shard", reshard_after_forward=False)
+    spmd_replicate_inductor     spmd_replicate with backend="inductor"
+    spmd_fully_shard_inductor   spmd_fully_shard with backend="inductor"
 
 Prints one table per model with ratios to fsdp2 and to no_comm, the issue's targets, and (for
 spmd_fully_shard) the predicted comparison with inductor's overlap scheduler (``overlap.py``);
@@ -41,6 +44,7 @@ sys.path.insert(0, HERE)
 from worker import VARIANTS  # noqa: E402
 
 MODELS = ("overhead", "gpt")
+INDUCTOR = ("spmd_replicate_inductor", "spmd_fully_shard_inductor")
 NPROC = 2
 MiB = 1024 * 1024
 
@@ -51,12 +55,12 @@ p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subs
 p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the variants")
 p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 24, quick 4)")
 p.add_argument("--out", default=os.path.join(ROOT, "bench.json"), help="where to write the records")
-p.add_argument("--timeout", type=int, default=None, help="seconds per torchrun job (default 900, quick 300)")
+p.add_argument("--timeout", type=int, default=None, help="seconds per torchrun job (default 1500, quick 600)")
 args = p.parse_args()
 steps = args.steps or (4 if args.quick else 24)  # the median is over at least 20
 rounds = 2 if args.quick else 4  # interleaved rounds the timed steps are split into
 warmup = 1 if args.quick else 3  # untimed steps after each variant's first call
-timeout = args.timeout or (300 if args.quick else 900)
+timeout = args.timeout or (600 if args.quick else 1500)  # inductor variants compile for minutes
 
 
 def torchrun(
@@ -198,10 +202,13 @@ def min_comm_bytes(rec: dict[str, Any]) -> int | None:
         return None
     return {
         "no_comm": 0,
+        "no_comm_compiled": 0,
         "ddp": P,
         "spmd_replicate": P,
+        "spmd_replicate_inductor": P,
         "fsdp2": 2 * P + B - rec.get("bwd_root_param_bytes", 0),
         "spmd_fully_shard": 2 * P + B,
+        "spmd_fully_shard_inductor": 2 * P + B,
         "spmd_fully_shard_noreshard": 2 * P,
     }.get(rec["variant"])
 
@@ -241,10 +248,15 @@ def table(records: list[dict[str, Any]]) -> str:
                 _mib(min_comm_bytes(r)),
                 _mib(r.get("wire_bytes")),
                 str(r.get("collectives")),
-                f"{r['compile_s']:.1f}",
+                _compile_cell(r),
             )
         )
     return markdown(head, rows)
+
+
+def _compile_cell(r: dict[str, Any]) -> str:
+    lower = r.get("report", {}).get("lower_s")
+    return f"{r['compile_s']:.1f}" + (f" (inductor {lower:.1f})" if lower else "")
 
 
 def markdown(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
@@ -306,23 +318,32 @@ def targets(model: str, records: list[dict[str, Any]]) -> list[str]:
     if model == "overhead":
         checks += [("spmd_fully_shard / fsdp2 step", _div(step("spmd_fully_shard"), step("fsdp2")), 0.25)]
         checks += [("spmd_fully_shard / no_comm step", _div(step("spmd_fully_shard"), step("no_comm")), 1.5)]
+        checks += [
+            (
+                "spmd_fully_shard_inductor / no_comm step",
+                _div(step("spmd_fully_shard_inductor"), step("no_comm")),
+                1.0,
+            )
+        ]
     if model == "gpt":
         checks += [("spmd_fully_shard / no_comm step", _div(step("spmd_fully_shard"), step("no_comm")), 1.05)]
         checks += [("spmd_replicate / no_comm step", _div(step("spmd_replicate"), step("no_comm")), 1.03)]
+        for v in ("spmd_fully_shard_inductor", "spmd_replicate_inductor"):
+            checks += [(f"{v} / no_comm step", _div(step(v), step("no_comm")), 0.95)]
     mem = lambda v: by.get(v, {}).get("peak_mem_bytes")  # noqa: E731
     checks += [("spmd_fully_shard / fsdp2 peak memory", _div(mem("spmd_fully_shard"), mem("fsdp2")), 0.9)]
     lines = []
     for name, val, bound in checks:
         verdict = "n/a" if val is None else ("met" if val <= bound else "NOT met")
         lines.append(
-            f"  {name:<38} {'-' if val is None else f'{val:.2f}':>6}  (target <= {bound})  {verdict}"
+            f"  {name:<42} {'-' if val is None else f'{val:.2f}':>6}  (target <= {bound})  {verdict}"
         )
-    for v in ("spmd_replicate", "spmd_fully_shard", "spmd_fully_shard_noreshard"):
+    for v in ("spmd_replicate", "spmd_fully_shard", "spmd_fully_shard_noreshard", *INDUCTOR):
         if v in by:
             got, least = by[v].get("comm_bytes"), min_comm_bytes(by[v])
             verdict = "met" if got == least else "NOT met"
             lines.append(
-                f"  {v + ' comm bytes = minimum':<38} {_mib(got):>6}  (minimum {_mib(least)} MiB)  {verdict}"
+                f"  {v + ' comm bytes = minimum':<42} {_mib(got):>6}  (minimum {_mib(least)} MiB)  {verdict}"
             )
     return lines
 
@@ -382,11 +403,12 @@ def main() -> None:
             print(overlap_table(fs))
     print(
         "\nIQR: interquartile range of the step times over the median; "
-        "peak MiB: MemTracker over one step (DDP's C++ gradient buckets not seen); "
+        "peak MiB: MemTracker over one step (DDP's C++ gradient buckets and inductor's buffers not seen: "
+        "benchmarks/backend_memory.py measures the inductor backend); "
         "pred MiB: spmd report(); "
         "comm MiB: per rank per step, larger side of each collective (profiler); min MiB: least the "
         "variant's semantics need; wire MiB: bytes written to sockets (/proc/self/io); colls: collective "
-        "launches per step; compile s: first call minus a step."
+        "launches per step; compile s: first call minus a step (of it, inductor's lowering)."
     )
     errors = [r for r in all_records if r.get("error")]
     print(f"\nwrote {args.out} ({len(all_records)} records) in {took:.0f} s; worker log: {log_path}")

@@ -2,6 +2,8 @@
 
     OMP_NUM_THREADS=1 python benchmarks/trace_time.py            # GPT-2 small: 12 x 768, vocab 50257
     OMP_NUM_THREADS=1 python benchmarks/trace_time.py --layers 2 # a quicker look
+    OMP_NUM_THREADS=1 python benchmarks/trace_time.py --backend inductor  # + inductor's lowering
+                                  # (run twice with one TORCHINDUCTOR_CACHE_DIR: cold, then warm)
 
 Prints the wall time of the first call (trace + partition + passes + one real step), the trace time
 spmd logs for make_fx alone, the node count of graphs['traced'], and the time of a cached step.
@@ -29,6 +31,7 @@ p.add_argument("--heads", type=int, default=12)  # 12
 p.add_argument("--vocab", type=int, default=50257)  # GPT-2 BPE vocabulary
 p.add_argument("--seq", type=int, default=256)  # tokens per sequence
 p.add_argument("--batch", type=int, default=1)  # sequences per step
+p.add_argument("--backend", default="eager")  # spmd.compile(backend=...): eager or inductor
 args = p.parse_args()
 
 
@@ -55,7 +58,9 @@ optim = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=T
 n_params = sum(p.numel() for p in model.parameters())
 
 
-train_step = spmd.compile()(spmd_models.train_step)  # next-token loss, backward, optimizer step
+train_step = spmd.compile(backend=args.backend)(
+    spmd_models.train_step
+)  # next-token loss, backward, optimizer step
 
 
 def batch():
@@ -80,3 +85,6 @@ print(f"first call     {first:.2f} s  (trace + partition + passes + one step)")
 print(f"make_fx trace  {handler.seconds:.2f} s  (from spmd's log)")
 print(f"traced graph   {len(gm.graph.nodes)} nodes")
 print(f"cached step    {cached:.2f} s")
+report = train_step.report()
+if report.lower_s is not None:
+    print(f"{report.backend} lowering {report.lower_s:.2f} s  (part of the first call)")

@@ -24,11 +24,13 @@ import torch.nn as nn
 
 from spmd import optim as optim_utils
 from spmd import tracing
-from spmd.dump import dump_report, dump_stages
+from spmd.dump import dump_code, dump_report, dump_stages
 from spmd.errors import CacheLimitError, ConfigError
+from spmd.lowering import check_backend, compile_graph
 from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
+from spmd.parallel.sharding import local
 from spmd.pipeline import build_pipeline
 from spmd.report import StepReport, build_report, describe_mode
 from spmd.runtime import Executable, make_executable
@@ -40,6 +42,8 @@ _OPTIONS: dict[str, str] = {
     "cache_size_limit": "most graphs kept for one compiled step before raising CacheLimitError (8)",
     "disabled_passes": "names of pipeline passes to skip",
     "check_invariants": "run the graph invariant checker after every pass (env SPMD_DEBUG=1)",
+    "backend": "'eager' (default: the final graph runs op by op) or 'inductor' (compiled; see spmd.lowering)",
+    "inductor_config": "dict of torch._inductor.config settings for backend='inductor' (applied over spmd's)",
 }
 
 
@@ -102,6 +106,7 @@ def compile(
         for o in module_override:
             if not isinstance(o, Override):
                 raise ConfigError(f"spmd.compile: module_override items must be spmd.Override, got {o!r}.")
+    check_backend(options.get("backend", "eager"))
 
     def decorate(fn: Callable[..., Any]) -> CompiledStep:
         return CompiledStep(
@@ -124,6 +129,9 @@ class _Entry:
     parallel_style: str = ""
     trace_s: float | None = None
     compile_s: float | None = None
+    backend: str = "eager"
+    lower_s: float | None = None  # the backend's compile time (part of compile_s)
+    lowered_code: str | None = None  # the backend's generated code (None for eager)
 
 
 class CompiledStep:
@@ -150,6 +158,8 @@ class CompiledStep:
         self.check_invariants: bool = bool(
             options.get("check_invariants", os.environ.get("SPMD_DEBUG", "") not in ("", "0"))
         )
+        self.backend: str = check_backend(options.get("backend", "eager"))
+        self.inductor_config: dict[str, Any] = dict(options.get("inductor_config") or {})
         self._cache: dict[Hashable, _Entry] = {}
         self._last: _Entry | None = None
         self._overridden: set[int] = set()
@@ -171,6 +181,13 @@ class CompiledStep:
             )
         assert self._last is not None
         return _report(self._last, stage)
+
+    @property
+    def lowered_code(self) -> str | None:
+        """The backend's generated code for the most recently run graph (None with backend='eager')."""
+        if self._last is None:
+            raise RuntimeError("spmd: the step has not been called yet; code exists after the first call.")
+        return self._last.lowered_code
 
     @property
     def num_graphs(self) -> int:
@@ -279,6 +296,11 @@ class CompiledStep:
         graphs["final"] = gm
         check_rank_agreement(gm, step_name=self.__name__)
         exe = make_executable(gm, traced, state)
+        lowered = None
+        if self.backend != "eager":
+            flat = [local(t) for t in exe.inputs(step_args)]
+            lowered = compile_graph(gm, flat, self.backend, inductor_config=self.inductor_config)
+            exe.compiled = lowered.fn
         style, world = describe_mode(self.parallel_mode)
         entry = _Entry(
             exe=exe,
@@ -287,10 +309,15 @@ class CompiledStep:
             parallel_style=style,
             trace_s=traced.trace_s,
             compile_s=time.perf_counter() - t0,
+            backend=self.backend,
+            lower_s=lowered.lower_s if lowered else None,
+            lowered_code=lowered.code if lowered else None,
         )
         exe.on_layout_fix = functools.partial(self._record_layout_fix, entry)
         if self.dump_dir:
             where = dump_stages(self.dump_dir, self.__name__, graphs)
+            if lowered is not None:
+                dump_code(where, len(graphs), lowered.backend, lowered.code)
             dump_report(where, _report(entry, "final"))
         return entry, _signature(step_args)
 
@@ -318,6 +345,8 @@ def _report(entry: _Entry, stage: str) -> StepReport:
         stage=stage,
         trace_s=entry.trace_s,
         compile_s=entry.compile_s,
+        backend=entry.backend,
+        lower_s=entry.lower_s,
     )
 
 

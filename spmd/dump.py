@@ -99,6 +99,13 @@ def dump_stages(dump_dir: str, step_name: str, graphs: Mapping[str, fx.GraphModu
     return where
 
 
+def dump_code(where: str, index: int, stage: str, code: str) -> None:
+    """Write a backend's generated code as the stage after the graphs: ``where/NN_<stage>.py``."""
+    with open(os.path.join(where, f"{index:02d}_{stage}.py"), "w") as f:
+        f.write(f"# stage {stage!r}: the final graph as the {stage} backend compiled it\n")
+        f.write(code)
+
+
 def dump_report(where: str, report: StepReport) -> None:
     """Write ``report`` as ``report.json`` and ``report.txt`` into ``where`` (next to the stages)."""
     with open(os.path.join(where, "report.json"), "w") as f:

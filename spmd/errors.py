@@ -55,3 +55,7 @@ class ShardingPropagationError(SpmdError):
     """DTensor cannot propagate declared placements through an op of the step (no strategy, or a
     redistribution the mesh cannot do); names the op, the module path, the source line and the
     placements."""
+
+
+class LoweringError(SpmdError):
+    """A backend (inductor) could not compile the final graph, or changed its collective order."""

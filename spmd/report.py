@@ -54,7 +54,9 @@ class StepReport:
     num_grads: int  # gradients the graph produces
     stage: str = "final"  # the graph stage reported on
     trace_s: float | None = None  # make_fx time of the first call
-    compile_s: float | None = None  # whole first-call compile (trace, partition, passes)
+    compile_s: float | None = None  # whole first-call compile (trace, partition, passes, lowering)
+    backend: str = "eager"  # what runs the final graph: "eager" (op by op) or "inductor"
+    lower_s: float | None = None  # the backend's compile time (inductor), part of compile_s
 
     @property
     def comm_bytes(self) -> int:
@@ -77,6 +79,10 @@ class StepReport:
         ]
         if self.trace_s is not None:
             rows.append(("trace / compile", f"{self.trace_s:.2f} s / {_secs(self.compile_s)}"))
+        backend = (
+            self.backend if self.lower_s is None else f"{self.backend} (lowered in {self.lower_s:.2f} s)"
+        )
+        rows.append(("backend", backend))
         rows += [
             ("params", f"{_size(self.param_bytes)}  ({self.num_params} tensors)"),
             ("grads", f"{_size(self.grad_bytes)}  ({self.num_grads} tensors)"),
@@ -131,6 +137,8 @@ def build_report(
     stage: str = "final",
     trace_s: float | None = None,
     compile_s: float | None = None,
+    backend: str = "eager",
+    lower_s: float | None = None,
 ) -> StepReport:
     """The report of one graph stage of a compiled step (see :class:`StepReport`)."""
     by_role: dict[Role, int] = {}
@@ -168,6 +176,8 @@ def build_report(
         stage=stage,
         trace_s=trace_s,
         compile_s=compile_s,
+        backend=backend,
+        lower_s=lower_s,
     )
 
 

@@ -57,6 +57,9 @@ class Executable:
     # fixes the graph; ``on_layout_fix(gm)`` is told when it inserted fix-ups.
     layouts_checked: bool = False
     on_layout_fix: Callable[[fx.GraphModule], None] | None = None
+    # What runs instead of ``gm`` when a backend compiled it (spmd.lowering); None: run ``gm``.
+    # inductor retraced the graph on the real inputs, so the first-run layout check is not needed.
+    compiled: Any = None
 
     def inputs(self, step_args: tracing.StepArgs) -> list[torch.Tensor]:
         module, optimizer = step_args.module, step_args.optimizer
@@ -102,7 +105,10 @@ class Executable:
         flat = [local(t) for t in self.inputs(step_args)]
         try:
             with torch.no_grad():
-                outs = self.gm(*flat) if self.layouts_checked else self._first_run(flat)
+                if self.compiled is not None:
+                    outs = self.compiled(*flat)
+                else:
+                    outs = self.gm(*flat) if self.layouts_checked else self._first_run(flat)
         except RuntimeError as exc:
             node = _failing_node(exc, self.gm)
             is_comm = node is not None and (C.is_collective(node) or C.is_wait(node))

@@ -1,0 +1,115 @@
+"""Per-rank bodies of the inductor-backend tests (module level, so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch.fx as fx
+
+import spmd
+from passes import collectives as C
+from spmd.lowering import code_order, compile_graph, graph_order
+from spmd.parallel.sharding import local
+from tests import models as shared
+from tests.dist import parity_models as pm
+from tests.dist.workers import _diff, _full, train_step
+
+# Per step, inductor vs the eager backend (fusion changes float rounding, nothing else).
+TOL = 1e-5
+
+
+def inductor_vs_eager(
+    rank: int, world: int, cases: list[tuple[str, str, str]], steps: int = 3, reorder: bool = True
+) -> dict[str, Any]:
+    """For each (style, model, optimizer): the same training on backend='eager' and 'inductor'.
+
+    Returns the problems found, the largest differences, per-case compile times and the
+    generated code's collective order next to the final graph's. With ``reorder``, the last
+    case's final graph is lowered once more with a pass that swaps two collectives, and
+    ``out["reorder"]`` is the LoweringError's message.
+    """
+    problems: list[str] = []
+    out: dict[str, Any] = {"problems": problems, "max_diff": {}, "lower_s": {}, "orders": {}}
+    for style, model_name, opt_name in cases:
+        tag = f"{style}/{model_name}/{opt_name}"
+        model = pm.build(model_name)
+        twin = shared.twin(model)
+        opt, twin_opt = shared.make_optimizer(opt_name, model), shared.make_optimizer(opt_name, twin)
+        mode = spmd.DataParallel(style)
+        ind = spmd.compile(parallel_mode=mode, backend="inductor")(train_step)
+        eag = spmd.compile(parallel_mode=spmd.DataParallel(style))(train_step)
+        worst = 0.0
+        for i in range(steps):
+            b = pm.batch(model_name, i, rank)
+            ptrs = [local(p).data_ptr() for p in model.parameters()]
+            got, want = ind(model, opt, *b), eag(twin, twin_opt, *b)
+            # (the first call turns parameters into DTensors: storage is checked from then on)
+            if i > 0 and [local(p).data_ptr() for p in model.parameters()] != ptrs:
+                problems.append(f"{tag}: step {i} replaced parameter storage (not updated in place)")
+            worst = max(worst, _diff(got, want))
+            if _diff(got, want) > TOL:
+                problems.append(f"{tag}: step {i} loss {got.item()!r} vs eager backend {want.item()!r}")
+            for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+                d = _diff(_full(p), _full(q))
+                worst = max(worst, d)
+                if d > TOL:
+                    problems.append(f"{tag}: step {i} param {n} differs from the eager backend by {d:.3g}")
+        report = ind.report()
+        if report.backend != "inductor" or not report.lower_s:
+            problems.append(f"{tag}: report says backend={report.backend!r} lower_s={report.lower_s!r}")
+        want_order = graph_order(ind.graphs["final"])
+        got_order = code_order(ind.lowered_code or "")
+        # (sizes the code does not show read as None; check_collective_order treats them as unknown)
+        if not want_order or [o[:3] for o in got_order] != [o[:3] for o in want_order]:
+            problems.append(f"{tag}: code order {got_order} vs graph order {want_order}")
+        out["max_diff"][tag] = worst
+        out["lower_s"][tag] = report.lower_s
+        out["orders"][tag] = len(got_order)
+    if reorder:
+        t0 = time.perf_counter()
+        out["reorder"] = reorder_detected(eag, twin, twin_opt, *pm.batch(model_name, steps, rank))
+        out["lower_s"]["reorder"] = time.perf_counter() - t0
+    return out
+
+
+def _swap_first_independent_collectives(graph: fx.Graph) -> None:
+    """A deliberately wrong inductor post-grad pass: issue some collective before the one preceding it."""
+    order = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+    colls = [n for n in order if C.is_collective(n)]
+    for c1, c2 in zip(colls, colls[1:]):
+        if c1.meta["val"].shape == c2.meta["val"].shape:
+            continue  # swapping equal-sized collectives of one group is not an observable reorder
+        # c2's ancestors that run after c1 move with it; legal unless c2 depends on c1.
+        todo, moving = list(c2.all_input_nodes), {c2}
+        while todo:
+            a = todo.pop()
+            if a is c1:
+                break
+            if pos[a] > pos[c1] and a not in moving:
+                moving.add(a)
+                todo.extend(a.all_input_nodes)
+        else:
+            for n in sorted(moving, key=pos.__getitem__):
+                c1.prepend(n)
+            return
+    raise AssertionError("no two independent adjacent collectives to swap")
+
+
+def reorder_detected(step: spmd.CompiledStep, *step_args: Any) -> str:
+    """Lower ``step``'s final graph with a pass that reorders two collectives; return the error."""
+    from spmd import tracing
+
+    exe = step._last.exe  # type: ignore[union-attr]
+    flat = [local(t) for t in exe.inputs(tracing.split_args(step_args, {}))]
+    try:
+        compile_graph(
+            step.graphs["final"],
+            flat,
+            "inductor",
+            inductor_config={"post_grad_custom_post_pass": _swap_first_independent_collectives},
+        )
+    except spmd.LoweringError as exc:
+        return str(exc)
+    return "no LoweringError"

@@ -1,0 +1,128 @@
+"""spmd.lowering: backend='inductor' at world size 1, and the collective order check.
+
+The order check is tested on hand-written graphs and code (no compile); one inductor
+compile (ConvBN: parameters, BatchNorm buffers and fused SGD momentum all mutated in
+place) runs three steps against the eager backend. (Not Adam here: BatchNorm makes the
+conv bias gradient ~1e-9 of noise, which Adam scales up to lr-sized steps of either sign,
+so any rounding difference shows; the dist test covers fused AdamW.)
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.fx as fx
+
+import spmd
+from spmd.lowering import check_collective_order, code_order, graph_order
+from tests import models
+
+# Per step, inductor vs the eager backend: fusion changes float rounding, nothing else.
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+_c10d = torch.ops._c10d_functional
+
+
+def _two_all_reduces() -> fx.GraphModule:
+    """x(8) -> all_reduce -> wait ; y(4) -> all_reduce -> wait ; return both."""
+    g = fx.Graph()
+    outs = []
+    for name, n in (("x", 8), ("y", 4)):
+        p = g.placeholder(name)
+        p.meta["val"] = torch.empty(n)
+        ar = g.call_function(_c10d.all_reduce.default, (p, "avg", "0"))
+        ar.meta["val"] = torch.empty(n)
+        w = g.call_function(_c10d.wait_tensor.default, (ar,))
+        w.meta["val"] = torch.empty(n)
+        outs.append(w)
+    g.output(outs)
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+_CODE = """
+        buf0 = empty_strided_cpu((8, ), (1, ), torch.float32)
+        buf3 = buf0; del buf0  # reuse
+        # Topologically Sorted Source Nodes: [all_reduce], Original ATen: [_c10d_functional.all_reduce]
+        torch.ops._c10d_functional.all_reduce_.default(buf3, 'avg', '0')
+        torch.ops._c10d_functional.wait_tensor.default(buf3)
+        buf5 = torch.ops._c10d_functional.all_gather_into_tensor.default(arg1_1, 2, '0')
+        assert_size_stride(buf5, (6, 2), (2, 1), 'torch.ops._c10d_functional.all_gather_into_tensor.default')
+        torch.ops._c10d_functional.all_reduce_.default(arg0_1, 'sum', '0')
+"""
+
+
+def test_code_order_reads_kinds_groups_and_sizes() -> None:
+    """Sizes come from the assert after a call, or from the buffer (followed through reuse) or
+    graph input an in-place all_reduce_ works on; waits are not collectives."""
+    got = code_order(_CODE, [torch.empty(4), torch.empty(3, 2)])
+    assert got == [
+        ("all_reduce", False, "0", (8,)),
+        ("all_gather", False, "0", (12,)),
+        ("all_reduce", False, "0", (4,)),
+    ]
+
+
+def test_check_collective_order_accepts_same_order_and_names_first_difference() -> None:
+    gm = _two_all_reduces()
+    assert [o[3] for o in graph_order(gm)] == [(8,), (4,)]
+    same = "torch.ops._c10d_functional.all_reduce_.default(arg0_1, 'avg', '0')\n"
+    same += "torch.ops._c10d_functional.all_reduce_.default(arg1_1, 'avg', '0')\n"
+    inputs = [torch.empty(8), torch.empty(4)]
+    assert len(check_collective_order(gm, same, inputs)) == 2
+    swapped = "\n".join(reversed(same.splitlines()))
+    with pytest.raises(
+        spmd.LoweringError, match=r"first difference at collective #0: the graph issues all_reduce of 8"
+    ):
+        check_collective_order(gm, swapped, inputs)
+    with pytest.raises(spmd.LoweringError, match=r"1 in the code, 2 in the graph"):
+        check_collective_order(gm, same.splitlines()[0], inputs)
+
+
+def test_unknown_backend_is_a_config_error() -> None:
+    with pytest.raises(spmd.ConfigError, match="backend='tvm' is not supported"):
+        spmd.compile(backend="tvm")
+
+
+@pytest.fixture
+def inductor_cache(tmp_path, monkeypatch):
+    # A fresh cache: a .so truncated by a killed run corrupts later runs.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    return tmp_path
+
+
+def test_world_size_1_inductor_matches_eager_backend_in_place(inductor_cache) -> None:
+    """ConvBN + fused SGD with momentum, three steps: loss, parameters, BatchNorm buffers and optimizer state
+    within TOL of the eager backend after every step, all updated in their own storage; the
+    report and the dump show the backend and its code."""
+    compiled = models.build("convbn")
+    eager = models.twin(compiled)
+    co, eo = (
+        models.make_optimizer("sgd_momentum_fused", compiled),
+        models.make_optimizer("sgd_momentum_fused", eager),
+    )
+    dump = inductor_cache / "dump"
+    ind = spmd.compile(backend="inductor", dump_dir=str(dump))(models.train_step)
+    eag = spmd.compile()(models.train_step)
+    ptrs = None
+    for x, y in models.batches("convbn", 3):
+        torch.testing.assert_close(ind(compiled, co, x, y), eag(eager, eo, x, y), **TOL)
+        state = [*compiled.parameters(), *compiled.buffers()]
+        state += [v for s in co.state.values() for v in s.values()]
+        ptrs = ptrs or [t.data_ptr() for t in state]
+        assert [t.data_ptr() for t in state] == ptrs
+        for (n, a), (_, b) in zip(compiled.state_dict().items(), eager.state_dict().items()):
+            torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+        for a, b in zip(co.state.values(), eo.state.values()):
+            for k in a:
+                torch.testing.assert_close(a[k], b[k], **TOL)
+    assert compiled.bn.num_batches_tracked.item() == 3
+    report = ind.report()
+    assert report.backend == "inductor" and report.lower_s and report.lower_s <= report.compile_s
+    assert "inductor (lowered in" in str(report)
+    assert eag.report().backend == "eager" and eag.lowered_code is None
+    assert "def call(" in ind.lowered_code
+    files = sorted(os.listdir(dump / "train_step" / "rank0"))
+    assert files[files.index(next(f for f in files if f.endswith("_final.py"))) + 1].endswith("_inductor.py")
