@@ -229,7 +229,13 @@ class CompiledStep:
                 "spmd: new input signature for %s, tracing graph #%d", self.__name__, len(self._cache) + 1
             )
         state = tracing.lift_state(module, optimizer)
-        traced = tracing.trace_step(self.fn, step_args, state, casts=self.parallel_mode.trace_casts())
+        traced = tracing.trace_step(
+            self.fn,
+            step_args,
+            state,
+            casts=self.parallel_mode.trace_casts(),
+            accumulate_after_reduce=self.parallel_mode.accumulate_after_reduce(),
+        )
         unused_fresh = _forget_unused_state(traced, optimizer, fresh, module)
         if unused_fresh:
             state = tracing.lift_state(module, optimizer)
@@ -331,7 +337,8 @@ def _signature(step_args: tracing.StepArgs) -> Hashable:
             arg_sig.append((type(x), x))
     module, optimizer = step_args.module, step_args.optimizer
     model_sig: tuple[Any, ...] = tuple(m.training for m in module.modules())
-    model_sig += tuple((n, id(p), *_tensor_sig(p)) for n, p in module.named_parameters())
+    # A parameter's existing .grad is a graph input (accumulated onto): its presence picks the graph.
+    model_sig += tuple((n, id(p), *_tensor_sig(p), p.grad is None) for n, p in module.named_parameters())
     model_sig += tuple((n, *_tensor_sig(b)) for n, b in module.named_buffers())
     optim_sig: tuple[Any, ...] = ()
     if optimizer is not None:

@@ -28,6 +28,7 @@ from passes.meta import Role
 from spmd import tracing
 from spmd.errors import CollectiveError, ModelChangedError
 from spmd.parallel.sharding import local
+from torch.distributed.tensor import DTensor
 
 # Backend errors of a broken or timed-out collective, where the failing op is not
 # identifiable from the traceback (e.g. raised by a later op on a poisoned group).
@@ -51,6 +52,9 @@ class Executable:
     # The module structure the graph was traced from; recorded at the first run, which
     # follows the trace with nothing in between.
     structure: tuple[tuple[str, type, Any], ...] | None = None
+    # Parameters whose .grad the graph outputs (after the step's outputs), and those it clears.
+    grad_outs: list[str] = dataclasses.field(default_factory=list)
+    grad_cleared: list[str] = dataclasses.field(default_factory=list)
 
     def inputs(self, step_args: tracing.StepArgs) -> list[torch.Tensor]:
         module, optimizer = step_args.module, step_args.optimizer
@@ -70,6 +74,8 @@ class Executable:
             elif slot.role is Role.HYPERPARAM:
                 assert optimizer is not None
                 flat.append(tracing.lr_tensor(optimizer.param_groups[slot.key]["lr"]))
+            elif slot.role is Role.PARAM_GRAD:
+                flat.append(params[slot.key].grad)
             else:
                 flat.append(tensors[int(slot.name.rsplit(".", 1)[1])])
         return flat
@@ -105,7 +111,29 @@ class Executable:
             raise CollectiveError(_collective_message(exc, self.gm, node if is_comm else None)) from exc
         it = iter(outs)
         leaves = [next(it) if c is tracing.TENSOR_OUT else c for c in self.out_constants]
+        if self.grad_outs or self.grad_cleared:
+            params = dict(step_args.module.named_parameters())
+            for name, g in zip(self.grad_outs, it, strict=True):
+                set_grad(params[name], g)
+            for name in self.grad_cleared:
+                params[name].grad = None
         return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+def set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Set ``param.grad`` from the graph's local gradient, as eager (DDP, FSDP2) leaves it:
+    a DTensor with the parameter's placements (the local shard for a sharded parameter)."""
+    if isinstance(param, DTensor):
+        if not isinstance(grad, DTensor):
+            grad = DTensor.from_local(
+                grad,
+                param.device_mesh,
+                param.placements,
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
+    param.grad = grad
 
 
 def _first_change(old: tuple[tuple[str, type, Any], ...], new: tuple[tuple[str, type, Any], ...]) -> str:
@@ -173,5 +201,10 @@ def _pg_timeout_s() -> float | None:
 
 def make_executable(gm: fx.GraphModule, traced: tracing.TracedStep, state: tracing.LiftedState) -> Executable:
     return Executable(
-        gm=gm, slots=list(traced.slots), out_spec=traced.out_spec, out_constants=traced.out_constants
+        gm=gm,
+        slots=list(traced.slots),
+        out_spec=traced.out_spec,
+        out_constants=traced.out_constants,
+        grad_outs=list(traced.grad_outs),
+        grad_cleared=list(traced.grad_cleared),
     )

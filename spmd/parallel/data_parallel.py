@@ -263,6 +263,9 @@ class DataParallel(ParallelMode):
     def trace_casts(self) -> ComputeCasts | None:
         return self.mixed_precision.compute_casts() if self.mixed_precision is not None else None
 
+    def accumulate_after_reduce(self) -> bool:
+        return self.parallel_style != "replicate"  # FSDP2 order for sharded styles, DDP's for replicate
+
     def _check_per_parameter_knobs(self) -> None:
         for knob in ("ignored_modules", "ignored_params"):
             v = getattr(self, knob)
