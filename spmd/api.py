@@ -303,7 +303,9 @@ def _forget_unused_state(
     if optimizer is None or not fresh:
         return False
     fqns = tracing.param_fqns(module)
-    unused = [p for p in fresh if fqns.get(id(p)) not in set(traced.grads)]
+    # A parameter with a .grad from an earlier call is stepped on it even without a new one.
+    used = set(traced.grads) | {s.key for s in traced.slots if s.role.value == "param_grad"}
+    unused = [p for p in fresh if fqns.get(id(p)) not in used]
     if not unused:
         return False
     unused_names = {fqns[id(p)] for p in unused}
