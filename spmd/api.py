@@ -22,10 +22,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from spmd import guards
 from spmd import optim as optim_utils
 from spmd import tracing
 from spmd.dump import dump_report, dump_stages
 from spmd.errors import CacheLimitError, ConfigError
+from spmd.lastcall import LastCall
 from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
 from spmd.pipeline import build_pipeline
@@ -111,6 +113,8 @@ class _Entry:
     parallel_style: str = ""
     trace_s: float | None = None
     compile_s: float | None = None
+    # Plain module attributes the trace read (spmd.guards): the graph is reused only while they hold.
+    attr_guards: list[guards.Guard] = dataclasses.field(default_factory=list)
 
 
 class CompiledStep:
@@ -137,8 +141,11 @@ class CompiledStep:
         self.check_invariants: bool = bool(
             options.get("check_invariants", os.environ.get("SPMD_DEBUG", "") not in ("", "0"))
         )
-        self._cache: dict[Hashable, _Entry] = {}
+        # signature -> the graphs traced for it, each valid while its attribute guards hold
+        self._cache: dict[Hashable, list[_Entry]] = {}
         self._last: _Entry | None = None
+        self._last_call: LastCall | None = None
+        guards.install()
         self._overridden: set[int] = set()
 
     # ------------------------------------------------------------------ inspection
@@ -161,13 +168,24 @@ class CompiledStep:
 
     @property
     def num_graphs(self) -> int:
-        return len(self._cache)
+        return sum(len(es) for es in self._cache.values())
 
     # ------------------------------------------------------------------ call path
 
     def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
+        fast = self._last_call
+        if fast is not None:
+            flat = fast.inputs(args, kwargs)
+            if flat is not None:
+                self._last = fast.entry
+                return fast.run(flat)
+        self._last_call = None
         step_args = tracing.split_args(args, kwargs)
-        return self._entry(step_args).exe.run(step_args)
+        entry = self._entry(step_args)
+        grad_key = [p.grad is None for p in step_args.module.parameters()]
+        out = entry.exe.run(step_args)
+        self._last_call = LastCall.build(entry, step_args, args, kwargs, grad_key)
+        return out
 
     def lower(self, *args: Any, **kwargs: Any) -> OrderedDict[str, fx.GraphModule]:
         """Compile for these arguments without running the step; returns the graph stages.
@@ -184,10 +202,18 @@ class CompiledStep:
             self._overridden.add(id(module))
         self.parallel_mode.prepare(module, optimizer, step_args)
         key = _signature(step_args)
-        entry = self._cache.get(key)
+        candidates = self._cache.get(key, [])
+        entry = next((e for e in candidates if guards.first_failing(e.attr_guards) is None), None)
         if entry is None:
+            if candidates:
+                changed = guards.first_failing(candidates[-1].attr_guards)
+                log.info(
+                    "spmd: %s: %s since the step was traced; retracing",
+                    self.__name__,
+                    changed.describe() if changed is not None else "a module attribute changed",
+                )
             entry, key = self._compile(step_args)
-            self._cache[key] = entry
+            self._cache.setdefault(key, []).append(entry)
         self._last = entry
         return entry
 
@@ -210,11 +236,11 @@ class CompiledStep:
         swap("", module)
 
     def _compile(self, step_args: tracing.StepArgs) -> tuple[_Entry, Hashable]:
-        if len(self._cache) >= self.cache_size_limit:
+        if self.num_graphs >= self.cache_size_limit:
             raise CacheLimitError(
-                f"spmd.compile: {self.__name__} has traced {len(self._cache)} graphs, the limit "
+                f"spmd.compile: {self.__name__} has traced {self.num_graphs} graphs, the limit "
                 f"(cache_size_limit={self.cache_size_limit}). Each new input shape/dtype, Python argument "
-                "value, model structure or (for optimizers without a tensor learning rate, e.g. SGD "
+                "value, module attribute the step reads (Dropout.p, a flag), model structure or (for optimizers without a tensor learning rate, e.g. SGD "
                 "without fused=True) learning-rate value traces a new graph. Pad inputs to fixed shapes, "
                 "use fused=True optimizers, or raise cache_size_limit."
             )
@@ -225,17 +251,16 @@ class CompiledStep:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             fresh = optim_utils.ensure_state(optimizer, params)
         if self._cache:
-            log.info(
-                "spmd: new input signature for %s, tracing graph #%d", self.__name__, len(self._cache) + 1
-            )
+            log.info("spmd: new input signature for %s, tracing graph #%d", self.__name__, self.num_graphs + 1)
         state = tracing.lift_state(module, optimizer)
-        traced = tracing.trace_step(
-            self.fn,
-            step_args,
-            state,
-            casts=self.parallel_mode.trace_casts(),
-            accumulate_after_reduce=self.parallel_mode.accumulate_after_reduce(),
-        )
+        with guards.record_reads(module) as read:
+            traced = tracing.trace_step(
+                self.fn,
+                step_args,
+                state,
+                casts=self.parallel_mode.trace_casts(),
+                accumulate_after_reduce=self.parallel_mode.accumulate_after_reduce(),
+            )
         unused_fresh = _forget_unused_state(traced, optimizer, fresh, module)
         if unused_fresh:
             state = tracing.lift_state(module, optimizer)
@@ -275,6 +300,7 @@ class CompiledStep:
             parallel_style=style,
             trace_s=traced.trace_s,
             compile_s=time.perf_counter() - t0,
+            attr_guards=read,
         )
         if self.dump_dir:
             where = dump_stages(self.dump_dir, self.__name__, graphs)
