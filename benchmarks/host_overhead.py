@@ -83,7 +83,9 @@ real_call = median_ms(lambda: step(model, optim, x, y), args.calls)
 
 exe = step._last.exe
 real_gm = exe.gm
-flat = [spmd.parallel.sharding.local(t) for t in exe.inputs(spmd.tracing.split_args((model, optim, x, y), {}))]
+flat = [
+    spmd.parallel.sharding.local(t) for t in exe.inputs(spmd.tracing.split_args((model, optim, x, y), {}))
+]
 
 
 def run_graph() -> None:
@@ -100,7 +102,8 @@ exe.gm = real_gm
 
 n_mod = len(list(model.modules()))
 print(
-    f"blocks={args.blocks} modules={n_mod} params={len(list(model.parameters()))} zero_grad={args.zero_grad}\n"
+    f"blocks={args.blocks} modules={n_mod} params={len(list(model.parameters()))} "
+    f"zero_grad={args.zero_grad}\n"
     f"host overhead per call (null graph): {overhead:.3f} ms\n"
     f"graph alone: {graph_only:.3f} ms   real call: {real_call:.3f} ms"
 )

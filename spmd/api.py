@@ -22,9 +22,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from spmd import guards
+from spmd import guards, tracing
 from spmd import optim as optim_utils
-from spmd import tracing
 from spmd.dump import dump_report, dump_stages
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.lastcall import LastCall
@@ -240,7 +239,8 @@ class CompiledStep:
             raise CacheLimitError(
                 f"spmd.compile: {self.__name__} has traced {self.num_graphs} graphs, the limit "
                 f"(cache_size_limit={self.cache_size_limit}). Each new input shape/dtype, Python argument "
-                "value, module attribute the step reads (Dropout.p, a flag), model structure or (for optimizers without a tensor learning rate, e.g. SGD "
+                "value, module attribute the step reads (Dropout.p, a flag), model structure or (for "
+                "optimizers without a tensor learning rate, e.g. SGD "
                 "without fused=True) learning-rate value traces a new graph. Pad inputs to fixed shapes, "
                 "use fused=True optimizers, or raise cache_size_limit."
             )
@@ -251,7 +251,9 @@ class CompiledStep:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             fresh = optim_utils.ensure_state(optimizer, params)
         if self._cache:
-            log.info("spmd: new input signature for %s, tracing graph #%d", self.__name__, self.num_graphs + 1)
+            log.info(
+                "spmd: new input signature for %s, tracing graph #%d", self.__name__, self.num_graphs + 1
+            )
         state = tracing.lift_state(module, optimizer)
         with guards.record_reads(module) as read:
             traced = tracing.trace_step(

@@ -150,7 +150,7 @@ def record_reads(module: nn.Module) -> Iterator[list[Guard]]:
         return value
 
     guards: list[Guard] = []
-    nn.Module.__getattribute__ = getattribute  # type: ignore[method-assign]
+    nn.Module.__getattribute__ = getattribute  # type: ignore[method-assign,assignment]
     try:
         yield guards
     finally:

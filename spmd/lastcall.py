@@ -30,9 +30,8 @@ import torch
 import torch.nn as nn
 
 from passes.meta import Role
-from spmd import guards
+from spmd import guards, tracing
 from spmd import optim as optim_utils
-from spmd import tracing
 from spmd.parallel.sharding import local
 
 
@@ -76,7 +75,11 @@ class LastCall:
 
     @staticmethod
     def build(
-        entry: Any, step_args: tracing.StepArgs, args: tuple[Any, ...], kwargs: dict[str, Any], grad_key: list[bool]
+        entry: Any,
+        step_args: tracing.StepArgs,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        grad_key: list[bool],
     ) -> LastCall | None:
         """The recipe of a call that just ran ``entry``; ``grad_key`` is ``[p.grad is None]`` at its start.
 
@@ -86,10 +89,12 @@ class LastCall:
         if len(values) != len(step_args.leaves) or any(a is not b for a, b in zip(values, step_args.leaves)):
             return None  # a container among the arguments: the slow path flattens it
         module, optimizer = step_args.module, step_args.optimizer
-        params = dict(module.named_parameters())
+        params: dict[str, torch.Tensor] = dict(module.named_parameters())
         exe = entry.exe
         template: list[torch.Tensor | None] = [None] * len(exe.slots)
-        lr_slots, grad_slots, arg_slots = [], [], []
+        lr_slots: list[tuple[int, int]] = []
+        grad_slots: list[tuple[int, torch.Tensor]] = []
+        arg_slots: list[tuple[int, int]] = []
         for i, (slot, t) in enumerate(zip(exe.slots, exe.inputs(step_args), strict=True)):
             if slot.role is Role.HYPERPARAM:
                 lr_slots.append((i, slot.key))
@@ -99,9 +104,11 @@ class LastCall:
                 arg_slots.append((i, step_args.tensor_positions[int(slot.name.rsplit(".", 1)[1])]))
             else:
                 template[i] = local(t)
-        plist = list(module.parameters())
+        plist: list[torch.Tensor] = list(module.parameters())
         lifted = (
-            [optim_utils.lr_is_liftable(optimizer, g) for g in optimizer.param_groups] if optimizer is not None else []
+            [optim_utils.lr_is_liftable(optimizer, g) for g in optimizer.param_groups]
+            if optimizer is not None
+            else []
         )
         return LastCall(
             entry=entry,
@@ -166,11 +173,10 @@ class LastCall:
             assert opt is not None
             flat[i] = tracing.lr_tensor(opt.param_groups[g]["lr"])
         for i, p in self.grad_slots:
-            flat[i] = local(p.grad)
+            flat[i] = local(p.grad)  # type: ignore[arg-type]  # not None: grad_key matched
         for i, a in self.arg_slots:
             flat[i] = local(values[a])
         return flat  # type: ignore[return-value]
 
     def run(self, flat: list[torch.Tensor]) -> Any:
         return self.entry.exe.call(flat, self.grad_params, self.cleared)
-

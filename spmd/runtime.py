@@ -22,13 +22,13 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
 from passes import collectives as C
 from passes.meta import Role
 from spmd import tracing
 from spmd.errors import CollectiveError, ModelChangedError
 from spmd.parallel.sharding import local
-from torch.distributed.tensor import DTensor
 
 # Backend errors of a broken or timed-out collective, where the failing op is not
 # identifiable from the traceback (e.g. raised by a later op on a poisoned group).
@@ -39,7 +39,9 @@ def module_structure(module: nn.Module) -> tuple[tuple[str, type, Any, tuple[int
     """What the graph bakes in about the module tree beyond its state: each submodule's
     path, its class, an instance-level ``forward`` override, if any, and the ids of its
     forward and backward hooks (a hook added or removed after the trace changes the step)."""
-    return tuple((name, type(m), m.__dict__.get("forward"), _hook_ids(m)) for name, m in module.named_modules())
+    return tuple(
+        (name, type(m), m.__dict__.get("forward"), _hook_ids(m)) for name, m in module.named_modules()
+    )
 
 
 def _hook_ids(m: nn.Module) -> tuple[int, ...]:
@@ -84,7 +86,9 @@ class Executable:
                 assert optimizer is not None
                 flat.append(tracing.lr_tensor(optimizer.param_groups[slot.key]["lr"]))
             elif slot.role is Role.PARAM_GRAD:
-                flat.append(params[slot.key].grad)
+                grad = params[slot.key].grad
+                assert grad is not None, f"{slot.key}.grad is in the signature"
+                flat.append(grad)
             else:
                 flat.append(tensors[int(slot.name.rsplit(".", 1)[1])])
         return flat
@@ -102,7 +106,8 @@ class Executable:
             "The compiled graph would still compute the old model. spmd retraces by itself when "
             "parameters, buffers, requires_grad, train/eval mode, optimizer param_groups or input "
             "shapes change, but not when a submodule without parameters is swapped, a forward is "
-            "replaced or module hooks are added or removed: compile a new step (spmd.compile(...)(train_step)) after such a change, or make "
+            "replaced or module hooks are added or removed: compile a new step "
+            "(spmd.compile(...)(train_step)) after such a change, or make "
             "the change before the first call."
         )
 
@@ -117,7 +122,9 @@ class Executable:
             cleared = [params[n] for n in self.grad_cleared]
         return self.call(flat, grad_params, cleared)
 
-    def call(self, flat: list[torch.Tensor], grad_params: list[torch.Tensor], cleared: list[torch.Tensor]) -> Any:
+    def call(
+        self, flat: list[torch.Tensor], grad_params: list[torch.Tensor], cleared: list[torch.Tensor]
+    ) -> Any:
         """Run the graph on its local inputs; set ``.grad`` of ``grad_params`` (``grad_outs``
         order) from its gradient outputs and clear that of ``cleared``."""
         try:
@@ -141,21 +148,21 @@ class Executable:
 def set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """Set ``param.grad`` from the graph's local gradient, as eager (DDP, FSDP2) leaves it:
     a DTensor with the parameter's placements (the local shard for a sharded parameter)."""
-    if isinstance(param, DTensor):
-        if not isinstance(grad, DTensor):
-            grad = DTensor.from_local(
-                grad,
-                param.device_mesh,
-                param.placements,
-                run_check=False,
-                shape=param.shape,
-                stride=param.stride(),
-            )
+    if isinstance(param, DTensor) and not isinstance(grad, DTensor):
+        grad = DTensor.from_local(
+            grad,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
     param.grad = grad
 
 
 def _first_change(
-    old: tuple[tuple[str, type, Any, tuple[int, ...]], ...], new: tuple[tuple[str, type, Any, tuple[int, ...]], ...]
+    old: tuple[tuple[str, type, Any, tuple[int, ...]], ...],
+    new: tuple[tuple[str, type, Any, tuple[int, ...]], ...],
 ) -> str:
     before, after = {n: (t, f) for n, t, f, _ in old}, {n: (t, f) for n, t, f, _ in new}
     hooks_before, hooks_after = {n: h for n, _, _, h in old}, {n: h for n, _, _, h in new}

@@ -550,8 +550,9 @@ def _grad_tags(
         def hook(p: torch.Tensor, name: str = name) -> None:
             if name in added:
                 raise TraceError(
-                    f"spmd.compile: parameter {name!r} had a gradient from an earlier call (no zero_grad) and "
-                    "gets several backward passes in this step; a sharded parallel style cannot accumulate "
+                    f"spmd.compile: parameter {name!r} had a gradient from an earlier call (no zero_grad) "
+                    "and gets several backward passes in this step; a sharded parallel style cannot "
+                    "accumulate "
                     "both. Call optimizer.zero_grad() at the end of the step, or use "
                     "DataParallel('replicate')."
                 )
@@ -573,7 +574,7 @@ def _grad_tags(
         try:
             return real_backward(*args, **kwargs)
         finally:
-            for name, g in list(held.items()):  # no gradient came: p.grad stays as it was
+            for name in list(held):  # no gradient came: p.grad stays as it was
                 params[name].grad = held.pop(name)
 
     if after_reduce and old_grads:
@@ -785,7 +786,7 @@ def trace_step(
         grad_outs = [n for n, p in params.items() if p.grad is not None and p.grad is not old_grads.get(n)]
         out_box["grad_outs"] = grad_outs
         out_box["grad_cleared"] = [n for n in old_grads if params[n].grad is None]
-        end_grads = [params[n].grad for n in grad_outs]
+        end_grads = [pg for n in grad_outs if (pg := params[n].grad) is not None]
         return [x for x in out_leaves if isinstance(x, torch.Tensor)] + end_grads
 
     # A fake mode without a ShapeEnv, so that reading a tensor's value (`.item()`, `if tensor:`)
