@@ -95,15 +95,24 @@ class LastCall:
         lr_slots: list[tuple[int, int]] = []
         grad_slots: list[tuple[int, torch.Tensor]] = []
         arg_slots: list[tuple[int, int]] = []
-        for i, (slot, t) in enumerate(zip(exe.slots, exe.inputs(step_args), strict=True)):
-            if slot.role is Role.HYPERPARAM:
+        buffers = dict(module.named_buffers())
+        for i, slot in enumerate(exe.slots):
+            # Read after the run: what the call leaves is what the next call feeds.
+            if slot.role is Role.PARAM:
+                template[i] = local(params[slot.name])
+            elif slot.role is Role.BUFFER:
+                template[i] = local(buffers[slot.name])
+            elif slot.role is Role.OPTIM_STATE:
+                assert optimizer is not None
+                template[i] = local(optimizer.state[params[slot.key[0]]][slot.key[1]])
+            elif slot.role is Role.HYPERPARAM:
                 lr_slots.append((i, slot.key))
             elif slot.role is Role.PARAM_GRAD:
                 grad_slots.append((i, params[slot.key]))
             elif slot.role is Role.INPUT:
                 arg_slots.append((i, step_args.tensor_positions[int(slot.name.rsplit(".", 1)[1])]))
             else:
-                template[i] = local(t)
+                return None  # a slot kind this recipe does not know: always take the slow path
         plist: list[torch.Tensor] = list(module.parameters())
         lifted = (
             [optim_utils.lr_is_liftable(optimizer, g) for g in optimizer.param_groups]

@@ -540,42 +540,40 @@ def _grad_tags(
     old_grads = old_grads or {}
     for name, g in old_grads.items():
         params[name].grad = g
-    held: dict[str, torch.Tensor] = {}
-    added: set[str] = set()
+    held: dict[str, torch.Tensor] = {}  # old gradients kept out of p.grad during a backward
+    restore: dict[str, torch.Tensor] = {}  # what p.grad was before that backward
+    bare: dict[str, torch.Tensor] = {}  # the tagged new gradient (without the old one)
+    combined: dict[str, torch.Tensor] = {}  # old + tagged new: what p.grad holds between backwards
     handles = []
     for name, p in params.items():
         if not p.requires_grad:
             continue
 
         def hook(p: torch.Tensor, name: str = name) -> None:
-            if name in added:
-                raise TraceError(
-                    f"spmd.compile: parameter {name!r} had a gradient from an earlier call (no zero_grad) "
-                    "and gets several backward passes in this step; a sharded parallel style cannot "
-                    "accumulate "
-                    "both. Call optimizer.zero_grad() at the end of the step, or use "
-                    "DataParallel('replicate')."
-                )
             got_grad.add(name)
             p.grad = tag_grad(p.grad, name)
             old = held.pop(name, None)
             if old is not None:
-                added.add(name)
-                p.grad = old + p.grad
+                restore.pop(name)
+                bare[name] = p.grad
+                p.grad = combined[name] = old + p.grad
 
         handles.append(p.register_post_accumulate_grad_hook(hook))
     real_backward = torch.autograd.backward
 
     def backward(*args: Any, **kwargs: Any) -> Any:
+        # Micro-batches accumulate onto the new gradient alone (reduced once, at the last tag).
         for name, g in old_grads.items():
-            if params[name].grad is g and name not in added:
-                held[name] = g
-                params[name].grad = None
+            now = params[name].grad
+            if now is g or (name in combined and now is combined[name]):
+                held[name], restore[name] = g, now  # type: ignore[assignment]
+                params[name].grad = bare.get(name) if now is not g else None
         try:
             return real_backward(*args, **kwargs)
         finally:
-            for name in list(held):  # no gradient came: p.grad stays as it was
-                params[name].grad = held.pop(name)
+            for name in list(restore):  # no gradient came: p.grad stays as it was
+                params[name].grad = restore.pop(name)
+                held.pop(name)
 
     if after_reduce and old_grads:
         torch.autograd.backward = backward  # type: ignore[assignment]

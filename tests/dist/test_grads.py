@@ -16,3 +16,12 @@ def test_accumulation_across_calls_matches_ddp_and_fsdp2() -> None:
     results = run_ranks(workers_grads.accumulate, 2, "uneven", "sgd_momentum_foreach", timeout=240)
     problems = [p for r in results for p in r]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(300)
+def test_micro_batches_on_top_of_old_gradients() -> None:
+    """Two micro-batches per call, no zero_grad: replicate equals DDP with no_sync on the first,
+    fully_shard equals FSDP2 without gradient sync on the first, bit for bit."""
+    results = run_ranks(workers_grads.accumulate, 2, "mlp", "adamw_fused", True, timeout=240)
+    problems = [p for r in results for p in r]
+    assert not problems, "\n".join(problems)
