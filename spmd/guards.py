@@ -13,7 +13,8 @@ submodule registration, ``_apply`` (``to()``, ``cuda()``, ``half()``), hook
 registration on modules and the removal of any hook handle. While it has not moved
 since the last call, that call's checks (structure walk, signature, guards) still hold,
 which lets a cached step skip them (:class:`LastCall` in :mod:`spmd.api`). A bump is
-only ever a reason to take the slow path, so counting too much is harmless.
+only ever a reason to take the slow path, so counting too much is harmless; assigning the
+object an attribute already holds (``model.train()`` on a training model) does not bump.
 """
 
 from __future__ import annotations
@@ -58,8 +59,31 @@ def _bumping(fn: Any) -> Any:
     return wrapper
 
 
+def _setattr_bumping(fn: Any) -> Any:
+    """``__setattr__`` that bumps only when the value is not the very object already there:
+    ``model.train()`` on a model already training (every step, in many loops) stays free."""
+
+    @functools.wraps(fn)
+    def wrapper(self: nn.Module, name: str, value: Any) -> None:
+        d = self.__dict__
+        if name in d:
+            same = d[name] is value
+        else:
+            same = False
+            for kind in ("_parameters", "_buffers", "_modules"):
+                members = d.get(kind)
+                if members is not None and name in members:
+                    same = members[name] is value
+                    break
+        if not same:
+            _version[0] += 1
+        fn(self, name, value)
+
+    wrapper.__spmd_bumps__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 _MODULE_METHODS = (
-    "__setattr__",
     "__delattr__",
     "register_parameter",
     "register_buffer",
@@ -82,6 +106,8 @@ def install() -> None:
         fn = getattr(nn.Module, name)
         if not getattr(fn, "__spmd_bumps__", False):
             setattr(nn.Module, name, _bumping(fn))
+    if not getattr(nn.Module.__setattr__, "__spmd_bumps__", False):
+        nn.Module.__setattr__ = _setattr_bumping(nn.Module.__setattr__)  # type: ignore[method-assign]
     handle = torch.utils.hooks.RemovableHandle
     if not getattr(handle.remove, "__spmd_bumps__", False):
         handle.remove = _bumping(handle.remove)  # type: ignore[method-assign]

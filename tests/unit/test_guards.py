@@ -124,7 +124,7 @@ def test_fast_path_taken_and_invalidated(monkeypatch: pytest.MonkeyPatch) -> Non
         lambda: opt.param_groups[0].__setitem__("lr", 0.05),
         lambda: model.net[0].weight.requires_grad_(False),
         lambda: model.net[0].weight.requires_grad_(True),
-        lambda: setattr(model.net[1], "inplace", False),  # a module attribute write (same value)
+        lambda: setattr(model.net[1], "note", "new"),  # any module attribute write
         lambda: model.net[0].register_forward_hook(lambda *a: None).remove(),
         lambda: torch.nn.modules.module.register_module_forward_hook(lambda *a: None).remove(),
     ]
@@ -134,6 +134,9 @@ def test_fast_path_taken_and_invalidated(monkeypatch: pytest.MonkeyPatch) -> Non
         assert len(slow) == 2 + i, f"change {i} did not take the slow path"
         step(model, opt, x, y)
         assert len(slow) == 2 + i, f"after change {i} the fast path was not taken again"
+    model.train()  # already training: assigns the same objects, the fast path stays
+    step(model, opt, x, y)
+    assert len(slow) == len(changes) + 1
     step(model, opt, x[:2], y[:2])  # a new shape
     assert len(slow) == len(changes) + 2
     step(model, opt, x=x[:2], y=y[:2])  # keyword arguments
