@@ -11,7 +11,8 @@ the things that can change without touching a module:
 - the arguments (the same module and optimizer objects; each tensor's shape, dtype,
   device and ``requires_grad``; each constant's type and value),
 - per parameter: whether it has a ``.grad`` and whether it requires one,
-- the optimizer's state object, its number of entries and its groups' hyperparameters,
+- the optimizer's state: the same per-parameter dicts holding the same tensors, and its
+  groups' hyperparameters,
 - ``torch.is_grad_enabled()`` and the number of global module hooks.
 
 If all agree, the signature, structure and guards of the last call agree too, and the
@@ -24,6 +25,7 @@ Only calls whose arguments are all top-level (no lists or dicts of tensors) qual
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch
@@ -63,7 +65,8 @@ class LastCall:
     hooks: tuple[int, ...]
     optimizer: torch.optim.Optimizer | None
     optim_state: Any
-    optim_len: int
+    state_dicts: list[dict[str, Any]]  # optimizer.state's values, in order
+    state_reads: tuple[list[dict[str, Any]], list[str], list[torch.Tensor]]  # dict, key, tensor per slot
     lifted: list[bool]
     optim_key: tuple[Any, ...]
     template: list[torch.Tensor | None]  # graph inputs; None where read per call
@@ -96,6 +99,7 @@ class LastCall:
         grad_slots: list[tuple[int, torch.Tensor]] = []
         arg_slots: list[tuple[int, int]] = []
         buffers = dict(module.named_buffers())
+        reads: tuple[list[dict[str, Any]], list[str], list[torch.Tensor]] = ([], [], [])
         for i, slot in enumerate(exe.slots):
             # Read after the run: what the call leaves is what the next call feeds.
             if slot.role is Role.PARAM:
@@ -104,7 +108,11 @@ class LastCall:
                 template[i] = local(buffers[slot.name])
             elif slot.role is Role.OPTIM_STATE:
                 assert optimizer is not None
-                template[i] = local(optimizer.state[params[slot.key[0]]][slot.key[1]])
+                per_param = optimizer.state[params[slot.key[0]]]
+                reads[0].append(per_param)
+                reads[1].append(slot.key[1])
+                reads[2].append(per_param[slot.key[1]])
+                template[i] = local(per_param[slot.key[1]])
             elif slot.role is Role.HYPERPARAM:
                 lr_slots.append((i, slot.key))
             elif slot.role is Role.PARAM_GRAD:
@@ -131,7 +139,8 @@ class LastCall:
             hooks=guards.global_hooks_key(),
             optimizer=optimizer,
             optim_state=optimizer.state if optimizer is not None else None,
-            optim_len=len(optimizer.state) if optimizer is not None else 0,
+            state_dicts=list(optimizer.state.values()) if optimizer is not None else [],
+            state_reads=reads,
             lifted=lifted,
             optim_key=_optim_key(optimizer, lifted) if optimizer is not None else (),
             template=template,
@@ -173,7 +182,13 @@ class LastCall:
             return None
         opt = self.optimizer
         if opt is not None:
-            if opt.state is not self.optim_state or len(opt.state) != self.optim_len:
+            if opt.state is not self.optim_state or len(opt.state) != len(self.state_dicts):
+                return None
+            # C-level identity checks: ~10 us for hundreds of state tensors.
+            if not all(map(operator.is_, opt.state.values(), self.state_dicts)):
+                return None
+            dicts, keys, tensors = self.state_reads
+            if not all(map(operator.is_, map(dict.get, dicts, keys), tensors)):
                 return None
             if len(opt.param_groups) != len(self.lifted) or _optim_key(opt, self.lifted) != self.optim_key:
                 return None

@@ -145,6 +145,22 @@ def test_fast_path_taken_and_invalidated(monkeypatch: pytest.MonkeyPatch) -> Non
     assert len(slow) == len(changes) + 3
 
 
+def test_fast_path_sees_replaced_optimizer_state() -> None:
+    """A state tensor replaced inside optimizer.state (not through load_state_dict) is fed."""
+    model = models.build("mlp")
+    ref = models.twin(model)
+    opt, ref_opt = (models.make_optimizer("adamw_fused", m) for m in (model, ref))
+    step = spmd.compile()(train_step)
+    for i, (x, y) in enumerate(models.batches("mlp", 4)):
+        if i == 2:
+            for o, m in ((opt, model), (ref_opt, ref)):
+                st = o.state[m.net[0].weight]
+                st["exp_avg"] = st["exp_avg"] * 0.5
+        assert torch.equal(step(model, opt, x, y), train_step(ref, ref_opt, x, y)), f"call {i}"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_fast_path_sees_gradients_appear_and_go() -> None:
     """A step without zero_grad leaves .grad set: the next call must take the graph that
     accumulates onto it, and after a manual zero_grad the one that does not."""
