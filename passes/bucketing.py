@@ -69,7 +69,9 @@ def bucket_collectives(
     (or unit), is not bucketable, would pass the cap, or cannot legally join (below).
 
     The rewrite, with ``W`` the group size (this layout keeps every element's value exact):
-      - all-reduce: flatten and concatenate the inputs, all-reduce, wait, split, view back;
+      - all-reduce: flatten and concatenate the inputs (a dense non-contiguous input, such as a
+        channels_last gradient, in memory order), all-reduce, wait, split, view back (with the
+        input's own strides);
       - all-gather (rank ``r`` holds shard ``r`` of every tensor): concatenate the flattened
         local shards, all-gather, wait, view as ``(W, total)``, split along dim 1, and copy
         each piece to a contiguous tensor shaped as its original wait returned (``W`` shards
@@ -264,6 +266,23 @@ def _common_module(members: list[fx.Node]) -> str:
     return ".".join(common)
 
 
+def memory_order(t: torch.Tensor) -> list[int] | None:
+    """The dim permutation that makes a dense, non-contiguous ``t`` contiguous (dims outermost
+    first in memory: ``[0, 2, 3, 1]`` for a channels_last tensor); None for a contiguous tensor
+    or one that is not a permutation of a dense layout (those are packed in logical order)."""
+    if t.dim() < 2 or t.is_contiguous():
+        return None
+    perm = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    return perm if t.permute(perm).is_contiguous() else None
+
+
+def _inverse(perm: list[int]) -> list[int]:
+    inv = [0] * len(perm)
+    for i, d in enumerate(perm):
+        inv[d] = i
+    return inv
+
+
 def _tensor(node: fx.Node) -> torch.Tensor:
     val = _val(node)
     assert val is not None, f"{node.name} has no tensor value"  # planning only takes members with values
@@ -305,9 +324,14 @@ def _pack_and_send(graph: fx.Graph, like: fx.Node, ins: list[fx.Node], meta: dic
         grid = _call(graph, _aten.cat.default, (rows, 1), meta)
         flat = _call(graph, _aten.view.default, (grid, [-1]), meta)
     else:
-        parts = [
-            x if _tensor(x).dim() == 1 else _call(graph, _aten.reshape.default, (x, [-1]), meta) for x in ins
-        ]
+        parts = []
+        for x in ins:
+            perm = memory_order(_tensor(x)) if kind is C.Kind.ALL_REDUCE else None
+            if perm is not None:
+                x = _call(graph, _aten.permute.default, (x, perm), meta)
+            if _tensor(x).dim() != 1:
+                x = _call(graph, _aten.reshape.default, (x, [-1]), meta)
+            parts.append(x)
         flat = _call(graph, _aten.cat.default, (parts,), meta)
     if kind is C.Kind.ALL_REDUCE:
         return C.emit_all_reduce(graph, flat, reduce_op=str(op), group_name=group)[1]
@@ -336,6 +360,7 @@ def _unpack(
     else:
         parts = _call(graph, _aten.split_with_sizes.default, (wait, [o.numel() for o in outs]), meta)
         copy = False
+    reduce = C.kind_of(like) is C.Kind.ALL_REDUCE
     pieces = []
     for i, (old, out) in enumerate(zip(old_waits, outs)):
         part = _call(graph, operator.getitem, (parts, i), meta)
@@ -346,7 +371,15 @@ def _unpack(
             part = _call(
                 graph, _aten.clone.default, (part,), meta, {"memory_format": torch.contiguous_format}
             )
-        piece = _call(graph, _aten.view.default, (part, list(out.shape)), meta)
+        perm = memory_order(_tensor(ins[i])) if reduce else None
+        if perm is None:
+            piece = _call(graph, _aten.view.default, (part, list(out.shape)), meta)
+        else:
+            # Packed in memory order: view in that order, permute back (a view with the
+            # member's own strides; a fused optimizer reads gradient and parameter as flat
+            # memory, so a channels_last gradient must stay channels_last).
+            piece = _call(graph, _aten.view.default, (part, [out.shape[d] for d in perm]), meta)
+            piece = _call(graph, _aten.permute.default, (piece, _inverse(perm)), meta)
         # The piece stands for the member's wait: it keeps that node's spmd metadata (a
         # partitioner may have marked the wait as the gradient).
         piece.meta.update({k: v for k, v in old.meta.items() if k.startswith("spmd_")})

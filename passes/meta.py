@@ -83,3 +83,9 @@ def copy_meta(dst: fx.Node, src: fx.Node, *, role: Role | None = None) -> None:
     dst.meta[PHASE] = src.meta.get(PHASE, Phase.FORWARD)
     dst.meta[MODULE] = src.meta.get(MODULE, "")
     dst.meta[MICROBATCH] = src.meta.get(MICROBATCH, 0)
+
+
+# On a copy that :func:`passes.layouts.fix_layouts` inserted because a tensor's real memory
+# layout differed from the traced one where its reader depends on layout: what it fixed, in
+# words. The dump marks such lines "| layout fix-up".
+LAYOUT_FIX = "spmd_layout_fix"

@@ -33,7 +33,12 @@ from passes.meta import MICROBATCH, PHASE, Phase, module_of
 def default_unit_of(node: fx.Node) -> str:
     """The FSDP unit of a collective: its module path up to the first numeric component
     (``blocks.3.attn.qkv`` -> ``blocks.3``), else its first component (``tok_emb``)."""
-    parts = module_of(node).split(".")
+    return unit_path(module_of(node))
+
+
+def unit_path(path: str) -> str:
+    """The FSDP unit of a module path (see :func:`default_unit_of`)."""
+    parts = path.split(".")
     for i, p in enumerate(parts):
         if p.isdigit():
             return ".".join(parts[: i + 1])

@@ -304,10 +304,26 @@ class CompiledStep:
             compile_s=time.perf_counter() - t0,
             attr_guards=read,
         )
+        exe.on_layout_fix = functools.partial(self._record_layout_fix, entry)
         if self.dump_dir:
             where = dump_stages(self.dump_dir, self.__name__, graphs)
             dump_report(where, _report(entry, "final"))
         return entry, _signature(step_args)
+
+    def _record_layout_fix(self, entry: _Entry, gm: fx.GraphModule) -> None:
+        """The first run inserted layout fix-ups into the final graph: show them as a stage."""
+        from passes.driver import copy_graph_module
+
+        old_index = list(entry.graphs).index("final")
+        entry.graphs.pop("final")
+        entry.graphs["fix_layouts"] = copy_graph_module(gm)
+        entry.graphs["final"] = gm
+        if self.dump_dir:
+            where = dump_stages(self.dump_dir, self.__name__, entry.graphs)
+            stale = os.path.join(where, f"{old_index:02d}_final.py")  # now NN_fix_layouts.py
+            if os.path.exists(stale):
+                os.remove(stale)
+            dump_report(where, _report(entry, "final"))
 
 
 def _report(entry: _Entry, stage: str) -> StepReport:
@@ -352,7 +368,10 @@ def _forget_unused_state(
 
 
 def _tensor_sig(t: torch.Tensor) -> tuple[Any, ...]:
-    return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+    # Strides too: the graph bakes in layout decisions (view vs copy, as_strided), so a
+    # differently laid-out input (a transposed or channels_last batch) gets its own graph.
+    layout = None if t.is_contiguous() else tuple(t.stride())
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, layout)
 
 
 def _signature(step_args: tracing.StepArgs) -> Hashable:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch.fx as fx
 
 from passes import collectives as C
-from passes.meta import CAST_OF, MICROBATCH, MODULE, PHASE, PLACEMENT, ROLE, STATE_NAME, Phase
+from passes.meta import CAST_OF, LAYOUT_FIX, MICROBATCH, MODULE, PHASE, PLACEMENT, ROLE, STATE_NAME, Phase
 
 if TYPE_CHECKING:
     from spmd.report import StepReport
@@ -52,6 +52,8 @@ def annotated_code(gm: fx.GraphModule) -> str:
                 note += f" | {n.meta[MODULE]}"
             if n.meta.get(CAST_OF):  # a mixed-precision compute cast
                 note += f" | cast of {n.meta[CAST_OF]}"
+            if n.meta.get(LAYOUT_FIX):  # a copy into the traced layout (passes.layouts)
+                note += " | layout fix-up"
             if C.is_collective(n) and (ranks := group_ranks(C.group_of(n))):
                 note += f" | ranks {ranks}"
             notes[n.name] = note

@@ -9,7 +9,7 @@ the things that can change without touching a module:
 - :func:`spmd.guards.module_version` (attributes, submodules, parameters, buffers,
   hooks, ``to()``: anything that changes the tree through a module bumps it),
 - the arguments (the same module and optimizer objects; each tensor's shape, dtype,
-  device and ``requires_grad``; each constant's type and value),
+  device, ``requires_grad`` and layout; each constant's type and value),
 - per parameter: whether it has a ``.grad`` and whether it requires one,
 - the optimizer's state: the same per-parameter dicts holding the same tensors, and its
   groups' hyperparameters,
@@ -39,10 +39,15 @@ from spmd.parallel.sharding import local
 
 def _kind(x: Any) -> tuple[Any, ...]:
     if isinstance(x, torch.Tensor):
-        return ("t", x.shape, x.dtype, x.device, x.requires_grad)
+        return ("t", x.shape, x.dtype, x.device, x.requires_grad, _layout(x))
     if isinstance(x, nn.Module | torch.optim.Optimizer):
         return ("o", id(x))
     return ("c", type(x), x)
+
+
+def _layout(t: torch.Tensor) -> tuple[int, ...] | None:
+    """As the signature keys layouts (spmd.api._tensor_sig): strides unless contiguous."""
+    return None if t.is_contiguous() else tuple(t.stride())
 
 
 def _optim_key(optimizer: torch.optim.Optimizer, lifted: list[bool]) -> tuple[Any, ...]:
@@ -166,6 +171,7 @@ class LastCall:
                     and x.dtype == k[2]
                     and x.device == k[3]
                     and x.requires_grad == k[4]
+                    and _layout(x) == k[5]
                 ):
                     return None
             elif k[0] == "o":

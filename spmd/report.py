@@ -184,6 +184,7 @@ def describe_mode(parallel_mode: Any) -> tuple[str, int]:
             "param": mp.param_dtype,
             "reduce": mp.gradient_reduce_dtype,
             "buffer": mp.buffer_dtype,
+            "output": getattr(mp, "output_dtype", None),
         }
         style += ", mixed precision " + " ".join(
             f"{k}={str(v).removeprefix('torch.')}" for k, v in dtypes.items() if v is not None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from passes import collectives as C
+from passes.layouts import FAILING_NODE, fix_layouts
 from passes.meta import Role
 from spmd import tracing
 from spmd.errors import CollectiveError, ModelChangedError
@@ -66,6 +68,10 @@ class Executable:
     # Parameters whose .grad the graph outputs (after the step's outputs), and those it clears.
     grad_outs: list[str] = dataclasses.field(default_factory=list)
     grad_cleared: list[str] = dataclasses.field(default_factory=list)
+    # The first run checks the real layouts against the traced ones (passes.layouts) and
+    # fixes the graph; ``on_layout_fix(gm)`` is told when it inserted fix-ups.
+    layouts_checked: bool = False
+    on_layout_fix: Callable[[fx.GraphModule], None] | None = None
 
     def inputs(self, step_args: tracing.StepArgs) -> list[torch.Tensor]:
         module, optimizer = step_args.module, step_args.optimizer
@@ -129,7 +135,7 @@ class Executable:
         order) from its gradient outputs and clear that of ``cleared``."""
         try:
             with torch.no_grad():
-                outs = self.gm(*flat)
+                outs = self.gm(*flat) if self.layouts_checked else self._first_run(flat)
         except RuntimeError as exc:
             node = _failing_node(exc, self.gm)
             is_comm = node is not None and (C.is_collective(node) or C.is_wait(node))
@@ -143,6 +149,14 @@ class Executable:
         for p in cleared:
             p.grad = None
         return pytree.tree_unflatten(leaves, self.out_spec)
+
+    def _first_run(self, flat: list[torch.Tensor]) -> Any:
+        """Run the graph checking real against traced layouts, fixing it where they differ."""
+        _, outs, fixes = fix_layouts(self.gm, flat)
+        self.layouts_checked = True
+        if fixes and self.on_layout_fix is not None:
+            self.on_layout_fix(self.gm)
+        return outs
 
 
 def set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -184,6 +198,8 @@ def _first_change(
 
 def _failing_node(exc: BaseException, gm: fx.GraphModule) -> fx.Node | None:
     """The graph node whose line of generated code raised ``exc``, if any."""
+    if isinstance(node := getattr(exc, FAILING_NODE, None), fx.Node):  # raised in the first run
+        return node
     nodes = {n.name: n for n in gm.graph.nodes}
     for fr in reversed(traceback.extract_tb(exc.__traceback__)):
         if not fr.filename.startswith("<eval_with_key>"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import inspect
 import logging
 import os
@@ -43,6 +44,7 @@ from passes.cleanup import strip_grad_tag
 from passes.graph_utils import mutated_nodes
 from passes.meta import CAST_OF, GRAD_OF, INPUT_CAST, MICROBATCH, MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
 from passes.ops import TAG_GRAD, tag_grad
+from passes.prefetch import unit_path
 from spmd import optim as optim_utils
 from spmd.errors import (
     DataDependentControlFlowError,
@@ -219,7 +221,12 @@ class ComputeCasts:
 
     param_dtype: torch.dtype | None = None  # floating parameters, as modules see them
     buffer_dtype: torch.dtype | None = None  # floating buffers, as modules see them
-    input_dtype: torch.dtype | None = None  # floating tensors passed to the root module's forward
+    input_dtype: torch.dtype | None = None  # floating tensors passed to a cast module's forward
+    # fnmatch patterns of the module paths whose forward inputs (and outputs) are cast besides
+    # the root; None: every communication unit (``passes.prefetch.unit_path``), as FSDP2 casts at
+    # each ``fully_shard``-ed block.
+    input_cast_at: tuple[str, ...] | None = None
+    output_dtype: torch.dtype | None = None  # floating forward outputs of the cast modules
 
 
 # ----------------------------------------------------------------------------- lifted state
@@ -415,27 +422,64 @@ def _compute_copies(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None)
     }
 
 
+def cast_modules(module: nn.Module, patterns: tuple[str, ...] | None) -> list[str]:
+    """The module paths whose forward inputs/outputs are cast: the root (``""``), plus every
+    communication unit (``patterns=None``) or every path matching one of ``patterns``."""
+    out = []
+    for path, _ in module.named_modules():
+        if path == "":
+            out.append(path)
+        elif patterns is None:
+            if unit_path(path) == path and path.rpartition(".")[2].isdigit():
+                out.append(path)  # a numbered block (``layers.3``), not a top-level leaf
+        elif any(fnmatch.fnmatchcase(path, pat) for pat in patterns):
+            out.append(path)
+    return out
+
+
 @contextlib.contextmanager
-def _cast_forward_inputs(module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
-    """Cast the floating tensors passed to ``module``'s forward to ``dtype`` (FSDP2's
-    ``cast_forward_inputs``, at the root module)."""
-    if dtype is None:
+def _cast_forward_io(module: nn.Module, casts: ComputeCasts) -> Iterator[None]:
+    """FSDP2's ``cast_forward_inputs`` and ``output_dtype``: at each module of
+    :func:`cast_modules`, cast the floating tensors passed to its forward to
+    ``casts.input_dtype`` and those it returns to ``casts.output_dtype``."""
+    if casts.input_dtype is None and casts.output_dtype is None:
         yield
         return
 
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return _cast(x, dtype, INPUT_CAST, "")
-        return x
+    def caster(dtype: torch.dtype, path: str) -> Callable[[Any], Any]:
+        def cast(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+                return _cast(x, dtype, INPUT_CAST, path)
+            return x
 
-    def hook(mod: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        return pytree.tree_map(cast, args), pytree.tree_map(cast, kwargs)
+        return cast
 
-    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    def pre(path: str, dtype: torch.dtype) -> Callable[..., Any]:
+        cast = caster(dtype, path)
+
+        def hook(mod: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+            return pytree.tree_map(cast, args), pytree.tree_map(cast, kwargs)
+
+        return hook
+
+    def post(path: str, dtype: torch.dtype) -> Callable[..., Any]:
+        cast = caster(dtype, path)
+        return lambda mod, args, out: pytree.tree_map(cast, out)
+
+    subs = dict(module.named_modules())
+    handles = []
+    for path in cast_modules(module, casts.input_cast_at):
+        if casts.input_dtype is not None:
+            handles.append(
+                subs[path].register_forward_pre_hook(pre(path, casts.input_dtype), with_kwargs=True)
+            )
+        if casts.output_dtype is not None:
+            handles.append(subs[path].register_forward_hook(post(path, casts.output_dtype)))
     try:
         yield
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
 
 
 def _seq_nr_modules(graph: fx.Graph) -> dict[int, str]:
@@ -772,7 +816,7 @@ def trace_step(
                 stack.enter_context(_swapped_optimizer(optimizer, by_id, st, lrs))
             stack.enter_context(_grad_tags(params, got_grad, old_grads, accumulate_after_reduce))
             stack.enter_context(_module_paths(module))
-            stack.enter_context(_cast_forward_inputs(module, casts.input_dtype))
+            stack.enter_context(_cast_forward_io(module, casts))
             calls = stack.enter_context(_backward_phases())
             _annotate(**{_PHASE_KEY: Phase.FORWARD, _MODULE_KEY: "", _MICROBATCH_KEY: 0})
             out = fn(*args, **kwargs)

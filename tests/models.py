@@ -97,6 +97,73 @@ class ConvBN(nn.Module):
         return self.fc(h.mean(dim=(2, 3)))
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` (b, h, t, hd) by angles of shape (t, hd / 2), in the
+    dtype of ``cos``/``sin`` when that is wider (type promotion), returned in ``x``'s dtype."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+class LlamaLayer(nn.Module):
+    """Pre-RMSNorm decoder layer: causal attention with rotary q/k, then a SwiGLU MLP."""
+
+    def __init__(self, d_model: int, n_heads: int, d_hidden: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.attn_norm = RMSNorm(d_model)
+        self.wq = nn.Linear(d_model, d_model, bias=False)
+        self.wk = nn.Linear(d_model, d_model, bias=False)
+        self.wv = nn.Linear(d_model, d_model, bias=False)
+        self.wo = nn.Linear(d_model, d_model, bias=False)
+        self.mlp_norm = RMSNorm(d_model)
+        self.w1 = nn.Linear(d_model, d_hidden, bias=False)
+        self.w3 = nn.Linear(d_model, d_hidden, bias=False)
+        self.w2 = nn.Linear(d_hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (w(h).view(b, t, self.n_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        a = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, is_causal=True)
+        x = x + self.wo(a.transpose(1, 2).reshape(b, t, d))
+        h = self.mlp_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    """A small Llama: the rotary ``cos``/``sin`` are computed once at the root in fp32 and
+    passed to every layer as forward arguments (so per-layer input casts matter under mixed
+    precision, as in torchtitan's Llama)."""
+
+    def __init__(self, vocab: int = 64, d_model: int = 32, n_layers: int = 2, n_heads: int = 4):
+        super().__init__()
+        self.head_dim = d_model // n_heads
+        self.tok = nn.Embedding(vocab, d_model)
+        self.layers = nn.ModuleList(LlamaLayer(d_model, n_heads, 2 * d_model) for _ in range(n_layers))
+        self.norm = RMSNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        hd, t = self.head_dim, idx.shape[1]
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32, device=idx.device) / hd))
+        angles = torch.outer(torch.arange(t, dtype=torch.float32, device=idx.device), inv_freq)
+        cos, sin = angles.cos(), angles.sin()
+        x = self.tok(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.head(self.norm(x))
+
+
 class FrozenUnused(nn.Module):
     """One frozen parameter (``scale``, requires_grad=False) and one unused in forward (``unused``)."""
 
@@ -133,6 +200,7 @@ def _token_batch(g: torch.Generator, n: int = 2) -> tuple[torch.Tensor, torch.Te
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[..., tuple[torch.Tensor, torch.Tensor]]]] = {
     "mlp": (MLP, _classify_batch),
     "tinygpt": (TinyGPT, _token_batch),
+    "llama": (Llama, _token_batch),
     "convbn": (ConvBN, _image_batch),
     "frozen_unused": (FrozenUnused, _classify_batch),
     "dropout": (DropoutMLP, _classify_batch),

@@ -31,6 +31,9 @@ parameters. ``partition`` makes it the SPMD step:
   (skipped where the gradient is autograd's upcast of a ``reduce_dtype`` gradient:
   the round trip is exact) and the reduced gradient is cast back to the parameter's
   dtype, so the optimizer reads and updates fp32 master weights.
+* Memory formats: a channels_last parameter is gathered and its gradient reduce-scattered in
+  memory order (:mod:`spmd.parallel.layout`), so the gathered parameter and the gradient shard
+  keep the parameter's strides.
 * CPU offload (``offload_policy``): a parameter whose local shard is on the CPU while the
   trace saw it on the device is copied host-to-device before each of its all-gathers, and
   its reduced gradient device-to-host after the reduce-scatter's wait, so the optimizer
@@ -75,7 +78,7 @@ from passes.meta import (
 from passes.ops import TAG_GRAD
 from spmd import optim as optim_utils
 from spmd.errors import ConfigError, TraceError
-from spmd.parallel import plan, sharding
+from spmd.parallel import layout, plan, sharding
 from spmd.parallel.base import ParallelMode
 from spmd.parallel.mixed_precision import MixedPrecision
 from spmd.parallel.offload import CPU, CPUOffloadPolicy
@@ -476,6 +479,13 @@ class _Partitioner:
         self.comms = {name: plan.comm_plan(p, mesh) for name, p in state.params}
         # parameter fqn -> layout, for the sharded ones
         self.layouts = {name: c.layout for name, c in self.comms.items() if c.layout is not None}
+        # sharded parameter fqn -> its memory order, where that is not the logical one
+        # (channels_last): collectives run in memory order (see spmd.parallel.layout)
+        self.perms = {
+            name: perm
+            for name in self.layouts
+            if (perm := layout.memory_order(self.by_name[name].meta["val"])) is not None
+        }
         self.ignored_buffers = plan.ignored_buffers(args.module, dp.ignored_modules)
         # Partial norms of sharded gradients are summed over the shard group (the replicas agree).
         self.shard_group = next((c.shard.name for c in self.comms.values() if c.shard), self.group)
@@ -581,6 +591,9 @@ class _Partitioner:
             x.meta[CAST_OF] = name
         if name in self.offloaded:  # the shard lives on the CPU: host-to-device next
             x = self._to_device(x, self.offloaded[name], like)
+        perm = self.perms.get(name)
+        if perm is not None:  # gather in memory order (a view of a channels_last shard)
+            x = self._call(aten.permute.default, (x, perm), like)
         if lay.padded:
             pad_rows = lay.chunk - lay.local_rows
             ndim = len(self.params[name].shape)
@@ -589,6 +602,8 @@ class _Partitioner:
         full = self._call(C.WAIT, (coll,), like)
         if lay.padded:
             full = self._call(aten.slice.Tensor, (full, 0, 0, lay.rows), like, role=Role.ACTIVATION)
+        if perm is not None:  # back to logical order: the parameter's own strides
+            full = self._call(aten.permute.default, (full, layout.inverse(perm)), like, role=Role.ACTIVATION)
         return full
 
     def _gather_param(self, name: str) -> None:
@@ -716,6 +731,7 @@ class _Partitioner:
             if comm.local_only:
                 continue
             sharded = comm.shard is not None
+            perm = None if sharded else layout.memory_order(self.by_name[name].meta["val"])
             grad_dtype = g.meta["val"].dtype
             with self.graph.inserting_before(tag):
                 send = self._to_reduce_dtype(g, tag)
@@ -723,6 +739,11 @@ class _Partitioner:
                     coll = self._emit_reduce_scatter(send, name, tag)
                 else:
                     assert comm.reduce is not None
+                    # In memory order: the reduced gradient keeps the parameter's strides (a
+                    # fused optimizer reads a channels_last parameter and its gradient as flat
+                    # memory; the functional all-reduce returns a contiguous tensor).
+                    if perm is not None:
+                        send = self._call(aten.permute.default, (send, perm), tag)
                     coll = self._call(C._c10d.all_reduce.default, (send, "avg", comm.reduce.name), tag)
             # The wait (and the un-padding slice) sits just before the gradient's first use.
             anchor = self._first(users) if users else tag.next
@@ -736,6 +757,10 @@ class _Partitioner:
                     res = self._call(C.WAIT, (ar,), tag)
                 if sharded and self.layouts[name].padded:
                     res = self._call(aten.slice.Tensor, (res, 0, 0, self.layouts[name].local_rows), tag)
+                if sharded and name in self.perms:  # reduced in memory order: back to logical
+                    res = self._call(aten.permute.default, (res, layout.inverse(self.perms[name])), tag)
+                if not sharded and perm is not None:
+                    res = self._call(aten.permute.default, (res, layout.inverse(perm)), tag)
                 if name in self.offloaded:  # the optimizer runs on the CPU: device-to-host
                     res = self._to_device(res, CPU, tag)
                 if send is not g:  # reduced in another dtype: back to the optimizer's
@@ -807,9 +832,11 @@ class _Partitioner:
         lay, group = self.layouts[name], self.comms[name].shard
         assert group is not None
         x = g
+        if name in self.perms:  # reduce in memory order, as the parameter was gathered
+            x = self._call(aten.permute.default, (x, self.perms[name]), like)
         if lay.padded:
             pad = [0, 0] * (len(self.params[name].shape) - 1) + [0, lay.chunk * group.size - lay.rows]
-            x = self._call(aten.constant_pad_nd.default, (g, pad), like)
+            x = self._call(aten.constant_pad_nd.default, (x, pad), like)
         return self._call(C._c10d.reduce_scatter_tensor.default, (x, "avg", group.size, group.name), like)
 
     # ---------------------------------------------------------------- optimizer region
@@ -879,7 +906,7 @@ class _Partitioner:
             written = {i for i in per_param if schema.arguments[i].alias_info is not None}
             written.discard(1)  # grads: scratch, nothing to copy back
             args = [list(a) if isinstance(a, list | tuple) else a for a in node.args]
-            copy_backs: list[tuple[fx.Node, fx.Node, int, int, list[int]]] = []
+            copy_backs: list[tuple[fx.Node, fx.Node, int, int, list[int], list[int] | None]] = []
             for k, p in enumerate(node.args[0]):
                 name = p.meta.get(STATE_NAME) if isinstance(p, fx.Node) else None
                 lay = self.layouts.get(name) if name is not None else None
@@ -893,25 +920,37 @@ class _Partitioner:
                 pre = off % _ALIGN
                 end = -(-(off + n_loc) // _ALIGN) * _ALIGN if off + n_loc <= total - total % _ALIGN else total
                 post = end - (off - pre) - pre - n_loc
+                # Flatten in memory order (the kernel DDP runs walks the full tensor's memory).
+                perm = self.perms.get(name)
+                local_shape = [lay.local_rows, *shape[1:]]
                 with self.graph.inserting_before(node):
                     for i in per_param:
                         t = args[i][k]
-                        flat = self._call(aten.reshape.default, (t, [-1]), node, role=Role.UPDATE)
+                        src = t
+                        if perm is not None:
+                            src = self._call(aten.permute.default, (t, perm), node, role=Role.UPDATE)
+                        flat = self._call(aten.reshape.default, (src, [-1]), node, role=Role.UPDATE)
                         buf = self._call(
                             aten.constant_pad_nd.default, (flat, [pre, post]), node, role=Role.UPDATE
                         )
                         args[i][k] = buf
                         if i in written:
-                            copy_backs.append((t, buf, pre, n_loc, [lay.local_rows, *shape[1:]]))
+                            copy_backs.append((t, buf, pre, n_loc, local_shape, perm))
             if not copy_backs:
                 continue
             node.args = tuple(args)
             anchor = node
-            for t, buf, pre, n_loc, local_shape in copy_backs:
+            for t, buf, pre, n_loc, local_shape, perm in copy_backs:
                 with self.graph.inserting_after(anchor):
                     piece = self._call(aten.slice.Tensor, (buf, 0, pre, pre + n_loc), node, role=Role.UPDATE)
                 with self.graph.inserting_after(piece):
-                    shaped = self._call(aten.view.default, (piece, local_shape), node, role=Role.UPDATE)
+                    view_shape = [local_shape[d] for d in perm] if perm is not None else local_shape
+                    shaped = self._call(aten.view.default, (piece, view_shape), node, role=Role.UPDATE)
+                if perm is not None:
+                    with self.graph.inserting_after(shaped):
+                        shaped = self._call(
+                            aten.permute.default, (shaped, layout.inverse(perm)), node, role=Role.UPDATE
+                        )
                 with self.graph.inserting_after(shaped):
                     anchor = self._call(aten.copy_.default, (t, shaped), node, role=Role.UPDATE)
 

@@ -37,18 +37,29 @@ class MixedPrecision:
         buffer_dtype: floating buffers are cast to it for compute (FSDP1 ``buffer_dtype``);
             buffers the step updates (BatchNorm running statistics) are updated in this
             dtype and written back to the model's buffer. ``None``: buffers as they are.
-        cast_forward_inputs: cast the floating tensors passed to the model's ``forward`` to
-            ``param_dtype`` (FSDP2 ``cast_forward_inputs``; FSDP2 also casts at each
-            ``fully_shard``-ed submodule, spmd at the root module only).
+        cast_forward_inputs: cast the floating tensors passed to the forward of the root module
+            and of every module named by ``cast_forward_inputs_at`` to ``param_dtype`` (FSDP2
+            ``cast_forward_inputs``, which casts at each ``fully_shard``-ed module).
+        cast_forward_inputs_at: where inputs are cast besides the root: ``None`` (default) at
+            every communication unit, the numbered blocks of the model (``layers.0``,
+            ``layers.1``, ...), as FSDP2 does when ``fully_shard`` is applied to each block and
+            then the root; or a list of ``fnmatch`` patterns of module paths (``["layers.*"]``
+            matches every submodule under ``layers``; ``[]``: the root only). A block that
+            receives fp32 tensors computed at the root (rotary ``cos``/``sin``) computes with
+            them in ``param_dtype`` only if it casts them.
+        output_dtype: cast the floating tensors returned by the forward of the same modules
+            (the root included) to this dtype (FSDP2 ``output_dtype``); ``None``: as computed.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    cast_forward_inputs_at: tuple[str, ...] | None = None
+    output_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        for knob in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        for knob in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
             v = getattr(self, knob)
             if v is None:
                 continue
@@ -67,6 +78,14 @@ class MixedPrecision:
                 f"spmd.MixedPrecision: cast_forward_inputs must be True or False, got "
                 f"{self.cast_forward_inputs!r}."
             )
+        at = self.cast_forward_inputs_at
+        if at is not None:
+            if isinstance(at, str) or not hasattr(at, "__iter__") or not all(isinstance(p, str) for p in at):
+                raise ConfigError(
+                    "spmd.MixedPrecision: cast_forward_inputs_at must be None or a list of fnmatch "
+                    f"patterns of module paths, such as ['layers.*'], got {at!r}."
+                )
+            object.__setattr__(self, "cast_forward_inputs_at", tuple(at))
 
     @property
     def gradient_reduce_dtype(self) -> torch.dtype | None:
@@ -75,10 +94,12 @@ class MixedPrecision:
 
     def compute_casts(self) -> ComputeCasts | None:
         """What the tracer casts (None when nothing is cast at trace time)."""
-        if self.param_dtype is None and self.buffer_dtype is None:
+        if self.param_dtype is None and self.buffer_dtype is None and self.output_dtype is None:
             return None
         return ComputeCasts(
             param_dtype=self.param_dtype,
             buffer_dtype=self.buffer_dtype,
             input_dtype=self.param_dtype if self.cast_forward_inputs else None,
+            input_cast_at=self.cast_forward_inputs_at,
+            output_dtype=self.output_dtype,
         )

@@ -84,6 +84,7 @@ def _tokens(g: torch.Generator) -> tuple[torch.Tensor, ...]:
 MODELS = {
     "mlp": (shared.MLP, _classify),
     "tinygpt": (shared.TinyGPT, _tokens),
+    "llama": (shared.Llama, _tokens),
     "nested": (NestedWidths, _classify),
     "transformer": (TransformerWithSharedParams, _seq2seq_batch),
     "uneven": (Uneven, _classify),

@@ -41,17 +41,44 @@ LOW_PRECISION_REDUCE_AND_INPUTS = [
     dict(model="tinygpt", optim="adamw_fused", style="fully_shard", param="bf16", reduce=None),
     # fp32 compute, bf16 reduce-scatter of padded (uneven) shards.
     dict(model="uneven", optim="sgd_momentum_foreach", style="fully_shard", param=None, reduce="bf16"),
-    # float inputs cast to bf16 at the root (FSDP2 casts at each fully_shard-ed module too;
-    # here every module sees bf16 inputs either way).
+    # float inputs cast to bf16 at the root and at every unit, as FSDP2 at each fully_shard-ed module.
     dict(model="mlp", optim="sgd_momentum_foreach", style="fully_shard", param="bf16", reduce="fp32"),
+]
+
+
+# Llama: rotary cos/sin computed in fp32 at the root and passed to every layer. FSDP2 (each
+# layer fully_shard-ed, then the root) casts them to bf16 at every layer; so does spmd by
+# default (every communication unit). Casting at the root only leaves them fp32 (the rotary
+# products promote to fp32) and differs: the control shows the test sees it.
+PER_MODULE_INPUT_CASTS = [
+    dict(model="llama", optim="adamw_fused", style="fully_shard", param="bf16", reduce="fp32"),
+    # FSDP2 output_dtype at each fully_shard-ed Linear (spmd: the modules listed, and the root).
+    dict(
+        model="mlp",
+        optim="sgd_momentum_foreach",
+        style="fully_shard",
+        param="bf16",
+        reduce="fp32",
+        output="fp32",
+        cast_at=["net.0", "net.2"],
+    ),
+    dict(
+        model="llama",
+        optim="adamw_fused",
+        style="fully_shard",
+        param="bf16",
+        reduce="fp32",
+        cast_at=[],
+        differs=True,
+    ),
 ]
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "cases",
-    [BF16_PARAMS_FP32_REDUCE, LOW_PRECISION_REDUCE_AND_INPUTS],
-    ids=["bf16_params_fp32_reduce", "low_precision_reduce_and_inputs"],
+    [BF16_PARAMS_FP32_REDUCE, LOW_PRECISION_REDUCE_AND_INPUTS, PER_MODULE_INPUT_CASTS],
+    ids=["bf16_params_fp32_reduce", "low_precision_reduce_and_inputs", "per_module_input_casts"],
 )
 def test_bitwise_parity_with_fsdp2(cases: list[dict]) -> None:
     """Per-step losses (bf16, as FSDP2's), final full parameters and an eval step's output

@@ -22,7 +22,9 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
 def _fsdp2(model: nn.Module, policy: MixedPrecisionPolicy, reshard: bool) -> nn.Module:
     """FSDP2 as its users apply it: ``fully_shard`` each block (or layer), then the root."""
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-    blocks = list(getattr(model, "blocks", [])) or [m for m in model.modules() if isinstance(m, nn.Linear)]
+    blocks = list(getattr(model, "blocks", getattr(model, "layers", []))) or [
+        m for m in model.modules() if isinstance(m, nn.Linear)
+    ]
     for blk in blocks:
         fully_shard(blk, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
@@ -42,23 +44,35 @@ def against_fsdp2(rank: int, world: int, cases: list[dict[str, Any]], steps: int
 
     A case: ``model`` (parity model name), ``optim`` (tests.models optimizer name),
     ``style`` (spmd's parallel style), ``param``/``reduce`` (dtype names or None),
-    ``cast_inputs`` (bool), ``reshard`` (bool). Each step's local loss and the final full
-    parameters must be equal bit for bit; so must the loss dtype.
+    ``cast_inputs`` (bool), ``reshard`` (bool), ``output`` (FSDP2 ``output_dtype`` name),
+    ``cast_at`` (spmd's ``cast_forward_inputs_at``). Each step's local loss and the final full
+    parameters must be equal bit for bit; so must the loss dtype. A case with ``differs=True``
+    is a control: it must NOT match (the test can see the difference it claims to fix).
     """
-    problems: list[str] = []
+    all_problems: list[str] = []
     for case in cases:
+        problems: list[str] = []
         param, reduce = _DTYPES[case.get("param")], _DTYPES[case.get("reduce")]
         cast_inputs, reshard = case.get("cast_inputs", True), case.get("reshard", True)
+        output = _DTYPES[case.get("output")]
         tag = "/".join(f"{k}={v}" for k, v in case.items())
         model = pm.build(case["model"])
         ref_model = _fsdp2(
             copy.deepcopy(model),
-            MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, cast_forward_inputs=cast_inputs),
+            MixedPrecisionPolicy(
+                param_dtype=param, reduce_dtype=reduce, output_dtype=output, cast_forward_inputs=cast_inputs
+            ),
             reshard,
         )
         opt = shared.make_optimizer(case["optim"], model)
         ref_opt = shared.make_optimizer(case["optim"], ref_model)
-        mp = spmd.MixedPrecision(param_dtype=param, reduce_dtype=reduce, cast_forward_inputs=cast_inputs)
+        mp = spmd.MixedPrecision(
+            param_dtype=param,
+            reduce_dtype=reduce,
+            cast_forward_inputs=cast_inputs,
+            cast_forward_inputs_at=case.get("cast_at"),
+            output_dtype=output,
+        )
         mode = spmd.DataParallel(case["style"], reshard_after_forward=reshard, mixed_precision=mp)
         step = spmd.compile(parallel_mode=mode, check_invariants=True)(train_step)
         for i in range(steps):
@@ -83,7 +97,10 @@ def against_fsdp2(rank: int, world: int, cases: list[dict[str, Any]], steps: int
                 got, want = ev(model, *xs), ref_model(*xs)
             if got.dtype != want.dtype or not torch.equal(got, want):
                 problems.append(f"{tag}: eval output differs from FSDP2 by {_diff(got, want)}")
-    return problems
+        if case.get("differs"):
+            problems = [] if problems else [f"{tag}: the control case matched FSDP2 bit for bit"]
+        all_problems += problems
+    return all_problems
 
 
 def eval_step(model: nn.Module, *xs: torch.Tensor) -> torch.Tensor:

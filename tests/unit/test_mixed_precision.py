@@ -295,3 +295,51 @@ def test_replicate_casts_in_graph_and_all_reduces_in_reduce_dtype(fake_world) ->
             between = list(part.graph.nodes)[order[cast] + 1 : order[first]]
             assert all(CAST_OF in n.meta for n in between), name  # (other casts for that reader)
     _assert_optimizer_in_fp32(stages["final"])
+
+
+def test_input_casts_at_every_unit_by_default() -> None:
+    """Forward inputs are cast at the root and at each numbered block (FSDP2 casts at each
+    fully_shard-ed module); ``cast_forward_inputs_at`` picks modules by pattern; [] is the root."""
+    from spmd.tracing import cast_modules
+
+    model = models.build("llama")
+    assert cast_modules(model, None) == ["", "layers.0", "layers.1"]
+    assert cast_modules(model, ()) == [""]
+    assert cast_modules(model, ("layers.*.w[0-9]", "norm")) == [
+        "",
+        "layers.0.w1",
+        "layers.0.w3",
+        "layers.0.w2",
+        "layers.1.w1",
+        "layers.1.w3",
+        "layers.1.w2",
+        "norm",
+    ]
+    with pytest.raises(spmd.ConfigError, match="list of fnmatch patterns"):
+        spmd.MixedPrecision(param_dtype=BF16, cast_forward_inputs_at="layers.*")
+    assert spmd.MixedPrecision(cast_forward_inputs_at=["a"]).cast_forward_inputs_at == ("a",)
+
+    def step(model, x):
+        return model(x)
+
+    # cos/sin into each Llama layer cast to bf16 by default ...
+    x = models.batches("llama", 1)[0][0]
+    gm = spmd.compile(parallel_mode=_mode(param_dtype=BF16))(step).lower(model, x)["traced"]
+    casts = [n for n in gm.graph.nodes if n.meta.get(CAST_OF) == INPUT_CAST]
+    assert sorted((n.meta["spmd_module"], n.args[0].name) for n in casts) == [
+        ("layers.0", "cos"),
+        ("layers.0", "sin"),
+        ("layers.1", "cos"),
+        ("layers.1", "sin"),
+    ]
+    # ... and output_dtype casts what the cast modules (here the root only) return.
+    mlp = models.build("mlp")
+    mode = _mode(param_dtype=BF16, output_dtype=torch.float32, cast_forward_inputs_at=[])
+    gm = spmd.compile(parallel_mode=mode)(step).lower(mlp, models.batches("mlp", 1)[0][0])["traced"]
+    casts = [n for n in gm.graph.nodes if n.meta.get(CAST_OF) == INPUT_CAST]
+    assert [(n.meta["spmd_module"], n.meta["val"].dtype) for n in casts] == [
+        ("", BF16),  # x into the root
+        ("", torch.float32),  # the root's output
+    ]
+    out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0][0]
+    assert out is casts[-1]

@@ -1,0 +1,49 @@
+"""The layout family at world size 2 against DDP, bit for bit: the models of
+tests/layout_models.py in replicate, fully_shard (both reshard_after_forward settings)
+and hybrid_shard (a 1 x 2 mesh), in one spawned job (process start is the expensive part).
+The world-size-1 family is tests/unit/test_layouts.py."""
+
+from __future__ import annotations
+
+from tests import layout_models as L
+from tests.dist import workers_layouts as w
+from tests.dist.launcher import run_ranks
+
+# Models whose kernels return another layout than traced on this CPU build: the first call
+# must insert fix-ups in every style (the others need none).
+MISMATCHING = {"transpose_batchnorm1d", "unfold", "as_strided"}
+
+# Every model in replicate and fully_shard; the styles that differ from those only in when
+# parameters are gathered, on the models that need fix-ups (keeps the job under a minute).
+CASES = [(name, style, {}) for name in L.MODELS for style in ("replicate", "fully_shard")] + [
+    (name, style, opts)
+    for name in sorted(MISMATCHING)
+    for style, opts in [
+        ("fully_shard", {"reshard_after_forward": False}),
+        ("hybrid_shard", {"mesh_2d": True}),
+    ]
+]
+
+
+def test_layout_family_matches_ddp() -> None:
+    results = run_ranks(w.layout_family, 2, CASES, 3, timeout=400)
+    for rank, lines in enumerate(results):
+        problems = [ln for ln in lines if not ln.startswith("fixes ")]
+        assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+        for ln in lines:
+            if not ln.startswith("fixes "):
+                continue
+            tag, n = ln[len("fixes ") :].rsplit(" ", 1)
+            model = tag.split("/", 1)[0]
+            assert (int(n) > 0) == (model in MISMATCHING), f"rank {rank}: {tag}: {n} fix-ups"
+
+
+def test_peer_dies_during_the_checking_first_run() -> None:
+    """The first call runs the graph through the layout checker: a failed collective there is
+    still a CollectiveError naming the collective, within the process group's timeout."""
+    survivor, dead = run_ranks(
+        w.killed_before_first_run, 2, "replicate", timeout=90, pg_timeout=10, may_die={1}
+    )
+    assert dead is None
+    assert survivor["type"] == "CollectiveError" and survivor["step"] == 0, survivor
+    assert "(collective #" in survivor["msg"] and survivor["seconds"] < 30, survivor
