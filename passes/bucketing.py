@@ -272,7 +272,8 @@ def memory_order(t: torch.Tensor) -> list[int] | None:
     or one that is not a permutation of a dense layout (those are packed in logical order)."""
     if t.dim() < 2 or t.is_contiguous():
         return None
-    perm = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    strides = t.stride()
+    perm = sorted(range(t.dim()), key=lambda d: (-strides[d], d))
     return perm if t.permute(perm).is_contiguous() else None
 
 

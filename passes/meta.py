@@ -32,6 +32,10 @@ INPUT_CAST = "<forward input>"
 # On a parameter placeholder, set by the partitioner: how the parameter is distributed, in words
 # (placements and the ranks of its groups, or "ignored"); the dump shows it.
 PLACEMENT = "spmd_placement"
+# On every node DTensorExpandMode expands: the DTensor placements of the value the traced node
+# computes (a tuple of Placements per tensor, a list of those for several outputs; a string for the
+# nodes of an Override stand-in that runs on local tensors). The dump shows them.
+NODE_PLACEMENTS = "spmd_expand_placements"
 
 
 class Role(str, enum.Enum):

@@ -16,11 +16,12 @@ from spmd.errors import (
     ModelChangedError,
     PassError,
     RankDivergenceError,
+    ShardingPropagationError,
     SpmdError,
     TraceError,
     UntraceableOpError,
 )
-from spmd.parallel import DataParallel, MixedPrecision, ParallelMode
+from spmd.parallel import DataParallel, DTensorExpandMode, MixedPrecision, ParallelMode
 from spmd.parallel.offload import CPUOffloadPolicy
 from spmd.parallel.sharding import full_state_dict
 from spmd.report import StepReport
@@ -35,6 +36,7 @@ __all__ = [
     "CompiledStep",
     "ConfigError",
     "DataDependentControlFlowError",
+    "DTensorExpandMode",
     "DataParallel",
     "InvalidArgumentsError",
     "MixedPrecision",
@@ -43,6 +45,7 @@ __all__ = [
     "ParallelMode",
     "PassError",
     "RankDivergenceError",
+    "ShardingPropagationError",
     "SpmdError",
     "StepReport",
     "TraceError",

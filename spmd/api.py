@@ -29,6 +29,7 @@ from spmd.errors import CacheLimitError, ConfigError
 from spmd.lastcall import LastCall
 from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
+from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.pipeline import build_pipeline
 from spmd.report import StepReport, build_report, describe_mode
 from spmd.runtime import Executable, make_executable
@@ -59,6 +60,18 @@ class Override(abc.ABC):
 
     def transform(self, gm: fx.GraphModule, flat_state: list[torch.Tensor]) -> fx.GraphModule | fx.Graph:
         return gm
+
+    def placements(self, fqn: str) -> tuple[Any, Any] | None:
+        """For :class:`spmd.DTensorExpandMode`: ``(input_placements, output_placements)`` of the
+        stand-in at ``fqn`` (each one Placement per mesh dimension), or None (default).
+
+        With placements, the expansion runs the stand-in's forward and backward on local
+        tensors, like ``torch.distributed.tensor.experimental.local_map``: the tensors it takes
+        are redistributed to ``input_placements`` (its own parameters come as their local
+        shards), what it returns is taken to have ``output_placements``, and the ops inside
+        need no DTensor sharding rule. Without, the stand-in is expanded op by op.
+        """
+        return None
 
 
 def compile(
@@ -230,6 +243,9 @@ class CompiledStep:
                     swap(fqn, child)
                 else:
                     log.info("Override: %s (%s) -> %s", fqn, type(child).__name__, type(new).__name__)
+                    declared = [pl for o in self.module_override if (pl := o.placements(fqn)) is not None]
+                    if declared:
+                        setattr(new, OVERRIDE_PLACEMENTS, declared[0])
                     setattr(parent, name, new)
 
         swap("", module)
@@ -258,7 +274,7 @@ class CompiledStep:
         with guards.record_reads(module) as read:
             traced = tracing.trace_step(
                 self.fn,
-                step_args,
+                self.parallel_mode.trace_args(step_args),
                 state,
                 casts=self.parallel_mode.trace_casts(),
                 accumulate_after_reduce=self.parallel_mode.accumulate_after_reduce(),

@@ -10,7 +10,18 @@ from typing import TYPE_CHECKING
 import torch.fx as fx
 
 from passes import collectives as C
-from passes.meta import CAST_OF, LAYOUT_FIX, MICROBATCH, MODULE, PHASE, PLACEMENT, ROLE, STATE_NAME, Phase
+from passes.meta import (
+    CAST_OF,
+    LAYOUT_FIX,
+    MICROBATCH,
+    MODULE,
+    NODE_PLACEMENTS,
+    PHASE,
+    PLACEMENT,
+    ROLE,
+    STATE_NAME,
+    Phase,
+)
 
 if TYPE_CHECKING:
     from spmd.report import StepReport
@@ -32,6 +43,7 @@ def annotated_code(gm: fx.GraphModule) -> str:
     Collectives also name the global ranks of their group (different shard groups of a hybrid
     mesh have different names), and a header lists how each parameter is distributed.
     """
+    from spmd.parallel.expand import describe_placements
     from spmd.parallel.plan import group_ranks
 
     code = gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
@@ -52,6 +64,8 @@ def annotated_code(gm: fx.GraphModule) -> str:
                 note += f" | {n.meta[MODULE]}"
             if n.meta.get(CAST_OF):  # a mixed-precision compute cast
                 note += f" | cast of {n.meta[CAST_OF]}"
+            if (pl := n.meta.get(NODE_PLACEMENTS)) is not None:  # DTensorExpandMode
+                note += f" | {describe_placements(pl)}"
             if n.meta.get(LAYOUT_FIX):  # a copy into the traced layout (passes.layouts)
                 note += " | layout fix-up"
             if C.is_collective(n) and (ranks := group_ranks(C.group_of(n))):

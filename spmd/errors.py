@@ -49,3 +49,9 @@ class CollectiveError(SpmdError):
 
 class PassError(SpmdError):
     """A graph pass failed or broke a graph invariant."""
+
+
+class ShardingPropagationError(SpmdError):
+    """DTensor cannot propagate declared placements through an op of the step (no strategy, or a
+    redistribution the mesh cannot do); names the op, the module path, the source line and the
+    placements."""

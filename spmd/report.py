@@ -190,5 +190,5 @@ def describe_mode(parallel_mode: Any) -> tuple[str, int]:
             f"{k}={str(v).removeprefix('torch.')}" for k, v in dtypes.items() if v is not None
         )
     mesh = getattr(parallel_mode, "mesh", None)
-    world = mesh.size() if mesh is not None else sharding.world_info()[1]
+    world = mesh.size() if mesh is not None and hasattr(mesh, "size") else sharding.world_info()[1]
     return style, world

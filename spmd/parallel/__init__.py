@@ -2,6 +2,7 @@
 
 from spmd.parallel.base import ParallelMode
 from spmd.parallel.data_parallel import DataParallel
+from spmd.parallel.expand import DTensorExpandMode
 from spmd.parallel.mixed_precision import MixedPrecision
 
-__all__ = ["DataParallel", "MixedPrecision", "ParallelMode"]
+__all__ = ["DTensorExpandMode", "DataParallel", "MixedPrecision", "ParallelMode"]

@@ -12,6 +12,9 @@ import torch.nn as nn
 if TYPE_CHECKING:
     from spmd.tracing import ComputeCasts, LiftedState, StepArgs
 
+# Attribute of an Override's stand-in module: the (input, output) placements it declared.
+OVERRIDE_PLACEMENTS = "_spmd_override_placements"
+
 
 class ParallelMode(abc.ABC):
     """Turns the traced single-device graph into the graph each rank runs.
@@ -26,6 +29,14 @@ class ParallelMode(abc.ABC):
 
     @abc.abstractmethod
     def partition(self, gm: fx.GraphModule, state: LiftedState, args: StepArgs) -> fx.GraphModule: ...
+
+    def trace_args(self, args: StepArgs) -> StepArgs:
+        """The step's arguments as the single-device trace should see them (default: as given).
+
+        A mode whose graph has global semantics (``DTensorExpandMode``) turns each rank's local
+        batch into a tensor of the global shape here; the compiled step is still fed the local one.
+        """
+        return args
 
     def trace_casts(self) -> ComputeCasts | None:
         """The dtypes the traced step should compute in (mixed precision); None: as stored."""

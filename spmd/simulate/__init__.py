@@ -107,6 +107,8 @@ def _fresh_copy(step: CompiledStep) -> CompiledStep:
     sim._overridden = set()
     sim.dump_dir = None
     mode = step.parallel_mode
-    if dataclasses.is_dataclass(mode) and getattr(mode, "mesh", None) is not None:
+    mesh = getattr(mode, "mesh", None)
+    # A DeviceMesh belongs to the caller's process group; a shape (DTensorExpandMode) is kept.
+    if dataclasses.is_dataclass(mode) and mesh is not None and not isinstance(mesh, dict | tuple | list):
         sim.parallel_mode = dataclasses.replace(mode, mesh=None)  # type: ignore[type-var]
     return sim

@@ -1,0 +1,730 @@
+"""``DTensorExpandMode``: expand the traced step op by op with DTensor's sharding propagation.
+
+The traced graph has single-device semantics on the *global* batch (``trace_args``
+turns each rank's local batch into a DTensor of the global shape, so every shape the
+trace bakes in, e.g. a ``view(b, t, h, d)``, is the global one). ``partition`` then
+runs that graph once more, under ``make_fx``, on DTensors that carry the declared
+placements: every aten op goes through DTensor's own dispatcher, which asks the op's
+registered sharding strategy for the output placement, redistributes inputs the
+strategy cannot take as they are (all-gather, all-reduce, reduce-scatter, all-to-all:
+traced as ``_c10d_functional`` collectives) and runs the op on the local tensors with
+local shape arguments. What ``make_fx`` records is the graph one rank runs: local
+tensors, collectives explicit, so the dump shows them and the pass pipeline (dedup,
+bucketing, wait placement, rank agreement) applies as for ``DataParallel``.
+
+Where the expansion decides itself, rather than DTensor:
+
+* a gradient (``spmd::tag_grad``) is redistributed to its parameter's placements at
+  the tag, when autograd produces it, as DDP reduces in backward; a ``Partial``
+  gradient becomes an all-reduce (sum) or a reduce-scatter. The traced loss is the
+  mean over the *global* batch, so the summed gradient is already the average DDP
+  computes (bit for bit when the data-parallel degree is a power of two: dividing
+  by it is exact). The collective's wait then becomes the gradient (its tag goes), so
+  the gradients' collectives are adjacent and the bucketing pass merges them.
+* a mesh made from a named shape is flattened too, so DTensor reduces a value partial
+  over every dimension with one all-reduce instead of one per dimension.
+* a graph output keeps its placement; the step returns its local tensor (for a
+  ``Partial(avg)`` loss over a batch-sharded input: this rank's local loss, as DDP).
+* factory ops (``arange``, ``zeros``) and other plain tensors are replicated
+  (DTensor's ``implicit_replication``): they are computed alike on every rank.
+* ops torch has no strategy for get one in :mod:`spmd.parallel.expand_rules`.
+* the nodes of an ``Override`` stand-in that declared placements
+  (``Override.placements``) run on local tensors, as ``local_map`` would run them.
+* any failure at a node (no strategy, a redistribution DTensor cannot do) is a
+  :class:`~spmd.errors.ShardingPropagationError` naming the op, module, source line and
+  the placements of its inputs.
+
+Each new node finds the traced node it was recorded for through ``meta["custom"]``,
+which ``make_fx`` copies from the node the interpreter is running
+(``fx.traceback.preserve_node_meta``); roles, phases and module paths come from there.
+
+Placements are recorded on every node of the partitioned graph
+(``node.meta["spmd_expand_placements"]``), and on parameter placeholders in the
+``passes.meta.PLACEMENT`` words the dump prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+import math
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from passes import collectives as C
+from passes.meta import (
+    CAST_OF,
+    GRAD_OF,
+    MICROBATCH,
+    MODULE,
+    NODE_PLACEMENTS,
+    PHASE,
+    PLACEMENT,
+    ROLE,
+    STATE_NAME,
+    Phase,
+    Role,
+)
+from passes.ops import TAG_GRAD
+from spmd import optim as optim_utils
+from spmd.errors import ConfigError, ShardingPropagationError
+from spmd.parallel import expand_rules, sharding
+from spmd.parallel.base import OVERRIDE_PLACEMENTS, ParallelMode
+
+if TYPE_CHECKING:
+    from spmd.tracing import LiftedState, StepArgs
+
+log = logging.getLogger("spmd")
+
+# On every node of the expanded graph: the placements of the traced node it computes
+# (a tuple of Placements, a list of them for multi-output ops, or None for non-tensors).
+EXPAND_PLACEMENTS = NODE_PLACEMENTS
+_SRC = "spmd_expand_src"  # the traced node a new node was recorded for (in meta["custom"])
+_CUSTOM = "custom"
+
+# model -> the mesh it was distributed on
+_MESH_OF: weakref.WeakKeyDictionary[nn.Module, DeviceMesh] = weakref.WeakKeyDictionary()
+
+PlacementSpec = Placement | Sequence[Placement]
+
+
+# Mesh dimension names that mean "data parallel" (the default input placement shards on it).
+_DP_NAMES = ("dp", "data", "replicate", "batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class DTensorExpandMode(ParallelMode):
+    """Tensor and data parallelism from declared placements, expanded by DTensor's propagation.
+
+    Args:
+        mesh: a ``DeviceMesh``; or a shape, as a tuple (``(2, 2)``) or a dict of dimension
+            names to sizes (``{"dp": 2, "tp": 2}``; one size may be -1, "the rest", as in
+            ``{"dp": -1, "tp": 2}``), made over every rank of the default group (row-major:
+            the last dimension's ranks are consecutive). Default: a 1-D mesh of all ranks
+            (pure data parallelism).
+        input_placements: the placements of the step's tensor arguments on the mesh, one
+            tuple (one Placement per mesh dimension) for all of them, or a list with one
+            per tensor argument. Each rank passes its *local* piece (its batch shard, as
+            with DDP; ranks that replicate an input pass the same data). Default:
+            ``Shard(0)`` on the data-parallel mesh dimension (named ``"dp"``/``"data"``/
+            ``"replicate"``/``"batch"``, else dimension 0), ``Replicate()`` elsewhere.
+        param_placements: ``{fqn pattern: placements}``: parameters whose fully qualified
+            name matches the ``fnmatch`` pattern (``"blocks.*.fc.weight"``) take these
+            placements (one per mesh dimension; a single Placement on a 1-D mesh). The
+            first matching pattern wins; parameters nobody matches are ``Replicate()``. A tied
+            parameter takes the placements of its first name (``named_parameters()`` order).
+            Optimizer state shaped like a parameter follows it.
+        custom_passes: extra ``gm -> gm`` functions run on the expanded graph, in order,
+            before the built-in pass pipeline.
+    """
+
+    mesh: Any = None
+    _: dataclasses.KW_ONLY
+    input_placements: Any = None
+    param_placements: Mapping[str, PlacementSpec] | None = None
+    custom_passes: Sequence[Any] = ()
+
+    def __post_init__(self) -> None:
+        m = self.mesh
+        if not (m is None or isinstance(m, DeviceMesh | tuple | list | dict)):
+            raise ConfigError(
+                "spmd.DTensorExpandMode: mesh must be a DeviceMesh, a shape tuple such as (2, 2) or a "
+                f"dict of dimension names to sizes such as {{'dp': 2, 'tp': 2}}, got {type(m).__name__}."
+            )
+        if isinstance(m, dict) and not all(isinstance(k, str) and isinstance(v, int) for k, v in m.items()):
+            raise ConfigError(f"spmd.DTensorExpandMode: a dict mesh maps names to sizes, got {m!r}.")
+        if self.param_placements is not None:
+            if not isinstance(self.param_placements, Mapping):
+                raise ConfigError(
+                    "spmd.DTensorExpandMode: param_placements must be a dict {fqn pattern: placements}, "
+                    f"got {type(self.param_placements).__name__}."
+                )
+            for pat, pl in self.param_placements.items():
+                if not isinstance(pat, str):
+                    raise ConfigError(f"spmd.DTensorExpandMode: param_placements key {pat!r} is not a str.")
+                _as_placements(pl, f"param_placements[{pat!r}]")
+        ip = self.input_placements
+        if ip is not None and not isinstance(ip, Placement | list | tuple):
+            raise ConfigError(
+                "spmd.DTensorExpandMode: input_placements must be a tuple of Placements (one per mesh "
+                f"dimension) or a list of such tuples, got {ip!r}."
+            )
+        for f in self.custom_passes:
+            if not callable(f):
+                raise ConfigError(
+                    f"spmd.DTensorExpandMode: custom_passes items must be callables, got {f!r}."
+                )
+
+    # ------------------------------------------------------------------ mesh and placements
+
+    def device_mesh(self, module: nn.Module | None = None) -> DeviceMesh:
+        """The mesh of this mode (made on first use from a shape)."""
+        if module is not None and module in _MESH_OF:
+            return _MESH_OF[module]
+        if isinstance(self.mesh, DeviceMesh):
+            return self.mesh
+        device_type = "cpu"
+        if module is not None:
+            p0 = next(module.parameters(), None)
+            if p0 is not None and not p0.is_meta:
+                device_type = sharding.local(p0).device.type
+        if self.mesh is None:
+            return sharding.default_mesh(device_type)
+        if isinstance(self.mesh, dict):
+            shape, names = tuple(self.mesh.values()), tuple(self.mesh.keys())
+        else:
+            shape, names = tuple(self.mesh), None
+        shape = _fill_shape(shape, sharding.world_info()[1])
+        group = torch.distributed.distributed_c10d._get_default_group()
+        # Cached with sharding's default meshes, which are dropped with their process group.
+        key = (device_type, id(group), sharding.world_info()[1], ("expand", shape, names))
+        meshes: dict[Any, DeviceMesh] = sharding._DEFAULT_MESHES  # type: ignore[assignment]
+        if key not in meshes:
+            if any(k[1] != id(group) for k in meshes):
+                meshes.clear()
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            if names is not None and len(names) > 1:
+                # A flattened dimension lets DTensor reduce a value partial over every dimension
+                # with one all-reduce instead of one per dimension.
+                mesh[names]._flatten()
+            meshes[key] = mesh
+        return meshes[key]
+
+    def _param_placements(self, fqn: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
+        for pat, pl in (self.param_placements or {}).items():
+            if fnmatch.fnmatchcase(fqn, pat):
+                return _check_ndim(
+                    _as_placements(pl, f"param_placements[{pat!r}]"), mesh, f"parameter {fqn!r}"
+                )
+        return (Replicate(),) * mesh.ndim
+
+    def _input_placements(self, i: int, n: int, mesh: DeviceMesh) -> tuple[Placement, ...]:
+        ip = self.input_placements
+        if ip is None:
+            dp = 0
+            names = mesh.mesh_dim_names or ()
+            for k, name in enumerate(names):
+                if name in _DP_NAMES:
+                    dp = k
+                    break
+            return tuple(Shard(0) if k == dp else Replicate() for k in range(mesh.ndim))
+        if isinstance(ip, Placement) or (
+            isinstance(ip, tuple | list) and ip and isinstance(ip[0], Placement)
+        ):
+            return _check_ndim(_as_placements(ip, "input_placements"), mesh, "input_placements")
+        if len(ip) != n:
+            raise ConfigError(
+                f"spmd.DTensorExpandMode: input_placements has {len(ip)} entries but the step takes {n} "
+                "tensor arguments; give one tuple of placements per tensor argument, or one for all."
+            )
+        return _check_ndim(_as_placements(ip[i], f"input_placements[{i}]"), mesh, f"input_placements[{i}]")
+
+    def _single(self) -> bool:
+        """Whether the step runs on one device: world size 1 without an explicit DeviceMesh
+        (a shape must then have one rank; the same script runs under plain ``python``)."""
+        if isinstance(self.mesh, DeviceMesh) or sharding.world_info()[1] != 1:
+            return False
+        if self.mesh is not None:
+            shape = tuple(self.mesh.values()) if isinstance(self.mesh, dict) else tuple(self.mesh)
+            _fill_shape(shape, 1)
+        return True
+
+    # ------------------------------------------------------------------ ParallelMode
+
+    def prepare(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer | None, args: StepArgs | None
+    ) -> None:
+        if module in _MESH_OF and all(isinstance(p, DTensor) for p in module.parameters()):
+            return
+        if module not in _MESH_OF and any(isinstance(p, DTensor) for p in module.parameters()):
+            raise ConfigError(
+                "spmd.DTensorExpandMode: the model's parameters are DTensors already, distributed by another "
+                "parallel mode (e.g. DataParallel) or by hand. Give DTensorExpandMode a freshly built model: "
+                "it places every parameter itself from param_placements."
+            )
+        if self._single():
+            return
+        mesh = self.device_mesh(module)
+        if optimizer is not None:
+            optim_utils.ensure_state(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
+        # Every placement is checked before any parameter changes: a bad one leaves the model as it was.
+        placements: dict[int, tuple[Placement, ...]] = {}
+        for fqn, p in module.named_parameters():
+            if not isinstance(p, DTensor):
+                placements[id(p)] = self._param_placements(fqn, mesh)
+                _check_dims(f"parameter {fqn!r}", p.shape, placements[id(p)])
+        new_of: dict[int, nn.Parameter] = {}
+        for _, mod in module.named_modules(remove_duplicate=False):
+            for name, p in list(mod._parameters.items()):
+                if p is None or isinstance(p, DTensor):
+                    continue
+                if id(p) not in new_of:
+                    dt = distribute_tensor(p.detach(), mesh, placements[id(p)], src_data_rank=None)
+                    new_of[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+                mod._parameters[name] = new_of[id(p)]
+        _rekey_optimizer(optimizer, new_of, mesh)
+        _MESH_OF[module] = mesh
+        log.info("spmd: DTensorExpandMode distributed %d parameters on %s", len(new_of), mesh)
+
+    def trace_args(self, args: StepArgs) -> StepArgs:
+        """The step's arguments as the single-device trace sees them: global shapes.
+
+        Each tensor argument becomes a DTensor of its placements over this rank's local
+        tensor (no communication: every rank passes an equal-sized local piece), whose
+        shape is the global one the trace bakes in.
+        """
+        if self._single():
+            return args
+        mesh = self.device_mesh(args.module)
+        leaves = list(args.leaves)
+        n = len(args.tensor_positions)
+        for i, pos in enumerate(args.tensor_positions):
+            t = leaves[pos]
+            pl = self._input_placements(i, n, mesh)
+            _check_dims(f"argument #{i} (a tensor argument of the step)", t.shape, pl)
+            leaves[pos] = DTensor.from_local(t, mesh, pl, run_check=False)
+        return dataclasses.replace(args, leaves=leaves)
+
+    def partition(self, gm: fx.GraphModule, state: LiftedState, args: StepArgs) -> fx.GraphModule:
+        if self._single():
+            return gm
+        mesh = self.device_mesh(args.module)
+        n = len(args.tensor_positions)
+        in_specs = [_placements_of(t) for t in state.tensors(args.optimizer)]
+        in_specs += [self._input_placements(i, n, mesh) for i in range(n)]
+        reals = [sharding.local(t) for t in state.tensors(args.optimizer)] + args.tensors
+        param_pl = {name: _placements_of(p) for name, p in state.params}
+        regions = {
+            fqn: _override_placements(fqn, pl, mesh)
+            for fqn, m in args.module.named_modules()
+            if (pl := getattr(m, OVERRIDE_PLACEMENTS, None)) is not None
+        }
+        out = expand_graph(gm, mesh, reals, in_specs, param_pl, regions)
+        for f in self.custom_passes:
+            res = f(out)
+            out = res if isinstance(res, fx.GraphModule) else out
+        return out
+
+    def pass_options(self) -> dict[str, Any]:
+        return {"bucket_mode": "size"}
+
+
+def _fill_shape(shape: tuple[int, ...], world: int) -> tuple[int, ...]:
+    """``shape`` with a -1 size replaced by what fills ``world``; checks the product."""
+    known = math.prod(s for s in shape if s != -1)
+    if shape.count(-1) == 1 and known > 0 and world % known == 0:
+        shape = tuple(world // known if s == -1 else s for s in shape)
+    if math.prod(shape) != world or any(s < 1 for s in shape):
+        raise ConfigError(
+            f"spmd.DTensorExpandMode: mesh shape {shape} does not fit the default process group's {world} "
+            "ranks. Give sizes that multiply to the world size (one of them may be -1: the rest)."
+        )
+    return shape
+
+
+def _as_placements(pl: Any, what: str) -> tuple[Placement, ...]:
+    if isinstance(pl, Placement):
+        return (pl,)
+    if isinstance(pl, tuple | list) and all(isinstance(x, Placement) for x in pl) and pl:
+        return tuple(pl)
+    raise ConfigError(
+        f"spmd.DTensorExpandMode: {what} must be a Placement or a tuple of Placements (one per mesh "
+        f"dimension, e.g. (Replicate(), Shard(0))), got {pl!r}."
+    )
+
+
+def _check_ndim(
+    pl: tuple[Placement, ...], mesh: DeviceMesh, what: str, *, allow_partial: bool = False
+) -> tuple[Placement, ...]:
+    if len(pl) != mesh.ndim:
+        raise ConfigError(
+            f"spmd.DTensorExpandMode: {what} gives {len(pl)} placements {list(pl)} but the mesh has "
+            f"{mesh.ndim} dimensions {mesh.mesh_dim_names or ''}; give one placement per mesh dimension."
+        )
+    if not allow_partial and any(isinstance(p, Partial) for p in pl):
+        raise ConfigError(f"spmd.DTensorExpandMode: {what}: state cannot be Partial ({list(pl)}).")
+    return pl
+
+
+def _override_placements(fqn: str, pl: Any, mesh: DeviceMesh) -> tuple[tuple[Placement, ...], ...]:
+    what = f"Override.placements({fqn!r})"
+    if not isinstance(pl, tuple | list) or len(pl) != 2:
+        raise ConfigError(
+            f"spmd.DTensorExpandMode: {what} must return (input_placements, output_placements) or None, "
+            f"got {pl!r}."
+        )
+    return tuple(
+        _check_ndim(_as_placements(x, what), mesh, f"{what}[{i}]", allow_partial=i == 1)
+        for i, x in enumerate(pl)
+    )
+
+
+def _check_dims(what: str, shape: torch.Size, pl: tuple[Placement, ...]) -> None:
+    """Raise :class:`ShardingPropagationError` unless every ``Shard(d)`` names a dimension of ``shape``."""
+    for p in pl:
+        if isinstance(p, Shard):
+            d = p.dim if p.dim >= 0 else p.dim + len(shape)
+            if not 0 <= d < len(shape):
+                raise ShardingPropagationError(
+                    f"spmd.DTensorExpandMode: {what} of shape {tuple(shape)} cannot take "
+                    f"{list(pl)}: it has no dimension {p.dim}. Shard one of its {len(shape)} dimensions."
+                )
+
+
+def _placements_of(t: torch.Tensor) -> tuple[Placement, ...] | None:
+    return tuple(t.placements) if isinstance(t, DTensor) else None
+
+
+def _rekey_optimizer(
+    optimizer: torch.optim.Optimizer | None, new_of: dict[int, nn.Parameter], mesh: DeviceMesh
+) -> None:
+    """Point the optimizer at the new DTensor parameters; state shaped like a parameter follows it."""
+    if optimizer is None or not new_of:
+        return
+    old_state = optimizer.state
+    for g in optimizer.param_groups:
+        new_params = []
+        for p in g["params"]:
+            np_ = new_of.get(id(p), p)
+            if np_ is not p and p in old_state:
+                st = old_state.pop(p)
+                for k, v in list(st.items()):
+                    if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == np_.shape:
+                        st[k] = distribute_tensor(v, mesh, np_.placements, src_data_rank=None)
+                old_state[np_] = st
+            new_params.append(np_)
+        g["params"] = new_params
+
+
+# ----------------------------------------------------------------------------- expansion
+
+
+def describe_placements(pl: Any) -> str:
+    """``(Replicate(), Shard(0))``; ``[..., ...]`` for several outputs; ``-`` for a non-tensor."""
+    if pl is None:
+        return "-"
+    if isinstance(pl, str):
+        return pl
+    if isinstance(pl, list):
+        return "[" + ", ".join(describe_placements(p) for p in pl) + "]"
+    return "(" + ", ".join(_word(p) for p in pl) + ")"
+
+
+def _word(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"Shard({p.dim})"
+    if isinstance(p, Partial):
+        return f"Partial({p.reduce_op})"
+    return f"{type(p).__name__}()"
+
+
+class _Expander(fx.Interpreter):
+    """Runs the traced graph on DTensors; records each node's output placements.
+
+    Nodes of an Override stand-in that declared placements (``regions``: module fqn ->
+    (input placements, output placements)) run on local tensors instead (``local_map``
+    semantics): a DTensor flowing in is redistributed to the declared placements and
+    unwrapped, a local tensor flowing out is wrapped with them.
+    """
+
+    def __init__(
+        self, gm: fx.GraphModule, mesh: DeviceMesh, param_pl: dict[str, Any], regions: dict[str, Any]
+    ):
+        super().__init__(gm)
+        self.mesh = mesh
+        self.param_pl = param_pl
+        self.regions = regions
+        self.placements: dict[str, Any] = {}
+        self.region_of: dict[fx.Node, str] = {}
+        self._into: dict[tuple[fx.Node, Any], Any] = {}
+
+    def _region(self, n: fx.Node) -> str | None:
+        if not self.regions or n.op != "call_function" or n.target is TAG_GRAD:
+            return None
+        if n.meta.get(PHASE) is Phase.OPTIMIZER:
+            return None
+        mod = n.meta.get(MODULE, "")
+        return next((f for f in self.regions if mod == f or mod.startswith(f + ".")), None)
+
+    def run_node(self, n: fx.Node) -> Any:
+        region = self._region(n)
+        try:
+            with self._set_current_node(n):
+                args = fx.node.map_arg(n.args, lambda a: self._fetch(a, n, region))
+                kwargs = fx.node.map_arg(n.kwargs, lambda a: self._fetch(a, n, region))
+                out = getattr(self, n.op)(n.target, args, kwargs)
+        except ShardingPropagationError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure here is a propagation failure at n
+            raise ShardingPropagationError(_explain(n, self.env, exc)) from exc
+        if region is not None:
+            self.region_of[n] = region
+            self.placements[n.name] = f"local ({region})"
+        else:
+            self.placements[n.name] = _placement_tree(out)
+        return out
+
+    def _fetch(self, a: fx.Node, consumer: fx.Node, region: str | None) -> Any:
+        v = self.env[a]
+        src_region = self.region_of.get(a)
+        if region is not None and src_region is None:
+            return self._into_region(a, v, region)
+        if region is None and src_region is not None:
+            return self._out_of_region(a, v, consumer, src_region)
+        return v
+
+    def _into_region(self, a: fx.Node, v: Any, region: str) -> Any:
+        in_pl, out_pl = self.regions[region]
+        # Forward values (the stand-in's inputs, saved for backward too) take the input
+        # placements; backward values flowing in are gradients of its outputs.
+        want = out_pl if a.meta.get(PHASE) is Phase.BACKWARD else in_pl
+        own = a.op == "placeholder" and a.meta.get(ROLE) in (Role.PARAM, Role.BUFFER)
+        key = (a, None if own else want)
+        if key not in self._into:
+
+            def conv(x: Any) -> Any:
+                if not isinstance(x, DTensor):
+                    return x
+                if not own and tuple(x.placements) != tuple(want):
+                    x = x.redistribute(self.mesh, want)
+                return x._local_tensor
+
+            self._into[key] = pytree.tree_map(conv, v)
+        return self._into[key]
+
+    def _out_of_region(self, a: fx.Node, v: Any, consumer: fx.Node, region: str) -> Any:
+        in_pl, out_pl = self.regions[region]
+        if consumer.target is TAG_GRAD:
+            # A parameter's gradient, computed on this rank's piece of the input: partial sums
+            # over the mesh dimensions the input is sharded on and the parameter is not.
+            own = self.param_pl.get(str(consumer.args[1])) or (Replicate(),) * self.mesh.ndim
+            want = tuple(
+                Partial() if isinstance(p, Replicate) and isinstance(i, Shard) else p
+                for p, i in zip(own, in_pl)
+            )
+        else:
+            want = in_pl if a.meta.get(PHASE) is Phase.BACKWARD else out_pl
+        vals: Any = a.meta.get("val")
+
+        def wrap(x: Any, like: Any) -> Any:
+            return _wrap(x, self.mesh, want, like) if isinstance(x, torch.Tensor) else x
+
+        if isinstance(v, list | tuple):
+            return type(v)(wrap(x, like) for x, like in zip(v, vals))
+        return wrap(v, vals)
+
+    def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if target is TAG_GRAD:
+            g, name = args
+            want = self.param_pl.get(name)
+            if isinstance(g, DTensor):
+                if want is not None and tuple(g.placements) != tuple(want):
+                    g = g.redistribute(self.mesh, want)
+                return _wrap(TAG_GRAD(g._local_tensor, name), self.mesh, g.placements, g)
+            return TAG_GRAD(g, name)
+        return super().call_function(target, args, kwargs)
+
+
+def _wrap(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], like: torch.Tensor
+) -> DTensor:
+    """A DTensor over ``local`` with the global shape of ``like``; records no op (``from_local``
+    would record a view)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(like.shape, like.stride(), like.dtype))
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+
+
+def _placement_tree(x: Any) -> Any:
+    if isinstance(x, DTensor):
+        return tuple(x.placements)
+    if isinstance(x, list | tuple):
+        return [_placement_tree(y) for y in x]
+    return None
+
+
+def _explain(n: fx.Node, env: dict[fx.Node, Any], exc: BaseException) -> str:
+    ins = []
+    for a in n.all_input_nodes:
+        v = env.get(a)
+        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
+        pl = describe_placements(_placement_tree(v)) if isinstance(v, DTensor) else "plain tensor"
+        ins.append(f"{a.name}{list(shape) if shape is not None else ''} {pl}")
+    module = n.meta.get(MODULE) or "<root>"
+    line = _user_line(n.meta.get("stack_trace") or "")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (
+        f"spmd.DTensorExpandMode: DTensor cannot propagate the declared placements through op {n.target} "
+        f"(node {n.name}) in module {module!r}{line}; its inputs are {'; '.join(ins) or 'none'}. "
+        f"DTensor said: {first}. Declare placements this op accepts (param_placements / "
+        "input_placements: e.g. Replicate() for the parameters this op reads, or shard a dimension the "
+        "op keeps), or register a strategy for the op (torch.distributed.tensor.experimental."
+        "register_sharding)."
+    )
+
+
+def _user_line(stack: str) -> str:
+    """`` at file:line (code)`` of the innermost user frame of an fx stack trace."""
+    lines = [ln.strip() for ln in stack.strip().splitlines()]
+    best = ""
+    for i, ln in enumerate(lines):
+        if ln.startswith('File "') and "/torch/" not in ln and "/spmd/" not in ln:
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File") else ""
+            best = f" at {ln.removeprefix('File ')}" + (f" ({code})" if code else "")
+    return best
+
+
+def expand_graph(
+    gm: fx.GraphModule,
+    mesh: DeviceMesh,
+    reals: list[torch.Tensor],
+    in_specs: list[tuple[Placement, ...] | None],
+    param_pl: dict[str, Any],
+    regions: dict[str, Any] | None = None,
+) -> fx.GraphModule:
+    """The graph one rank runs: ``gm`` (global semantics) expanded on ``mesh``.
+
+    ``reals`` are the local tensors fed to the placeholders (their shapes and dtypes are
+    used, not their values); ``in_specs`` their placements (None: a plain, replicated tensor).
+    ``regions``: Override stand-ins that run on local tensors (see :class:`_Expander`).
+    """
+    expand_rules.register()
+    old_nodes = {n.name: n for n in gm.graph.nodes}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(reals) == len(in_specs)
+    saved_custom = {}
+    for n in gm.graph.nodes:
+        saved_custom[n] = n.meta.get(_CUSTOM)
+        n.meta[_CUSTOM] = {**(n.meta.get(_CUSTOM) or {}), _SRC: n.name}
+    expander = _Expander(gm, mesh, param_pl, regions or {})
+
+    def run(*locals_: torch.Tensor) -> list[Any]:
+        ins: list[Any] = []
+        for t, pl, ph in zip(locals_, in_specs, placeholders):
+            if pl is None:
+                ins.append(t)
+                continue
+            ins.append(_wrap(t, mesh, pl, ph.meta["val"]))
+        with implicit_replication():
+            outs = expander.run(*ins)
+        return [o._local_tensor if isinstance(o, DTensor) else o for o in pytree.tree_leaves(outs)]
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fakes = [
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_(False)
+            for t in reals
+        ]
+    try:
+        with fx_traceback.preserve_node_meta(), torch.no_grad():
+            new = make_fx(run, tracing_mode="fake", record_stack_traces=True)(*fakes)
+    finally:
+        for n, c in saved_custom.items():
+            if c is None:
+                n.meta.pop(_CUSTOM, None)
+            else:
+                n.meta[_CUSTOM] = c
+    new = fx.GraphModule(new, new.graph, class_name="GraphModule")
+    _finish(new, old_nodes, placeholders, expander.placements, in_specs)
+    return new
+
+
+_COPIED = (ROLE, PHASE, MODULE, MICROBATCH, GRAD_OF, CAST_OF)
+
+
+def _finish(
+    gm: fx.GraphModule,
+    old: dict[str, fx.Node],
+    old_placeholders: list[fx.Node],
+    placements: dict[str, Any],
+    in_specs: list[Any],
+) -> None:
+    """Give the expanded graph's nodes the traced nodes' names (placeholders) and metadata."""
+    graph = gm.graph
+    new_ph = [n for n in graph.nodes if n.op == "placeholder"]
+    for n, o, pl in zip(new_ph, old_placeholders, in_specs):
+        n._rename(o.name)
+        n.target = n.name
+        for k in (*_COPIED, STATE_NAME):
+            if k in o.meta:
+                n.meta[k] = o.meta[k]
+        n.meta[EXPAND_PLACEMENTS] = pl
+        if o.meta.get(ROLE) is Role.PARAM:
+            n.meta[PLACEMENT] = describe_placements(pl)
+    last: fx.Node | None = None
+    for n in graph.nodes:
+        if n.op in ("placeholder", "output"):
+            if n.op == "output" and last is not None:
+                n.meta.update({k: last.meta[k] for k in _COPIED if k in last.meta})
+                n.meta[ROLE] = Role.ACTIVATION
+            continue
+        src_name = (n.meta.get(_CUSTOM) or {}).pop(_SRC, None)
+        src = old.get(src_name) if src_name else None
+        if src is None:
+            # No traced origin (none expected): the metadata of what it reads, else of the node before.
+            src = next((i for i in n.all_input_nodes if ROLE in i.meta), last)
+        if src is not None:
+            for k in _COPIED:
+                if k in src.meta:
+                    n.meta[k] = src.meta[k]
+                else:
+                    n.meta.pop(k, None)
+            n.meta[EXPAND_PLACEMENTS] = placements.get(src.name)
+        if C.is_collective(n) or C.is_wait(n):
+            n.meta[ROLE] = Role.COMM
+            n.meta.pop(GRAD_OF, None)
+        elif src is not None and src.meta.get(ROLE) is Role.GRAD and n.target is not TAG_GRAD:
+            # The redistribution's own ops (reshapes of a gradient around a collective).
+            n.meta[ROLE] = Role.COMM
+            n.meta.pop(GRAD_OF, None)
+        if not (n.meta.get(_CUSTOM) or {}):
+            n.meta.pop(_CUSTOM, None)
+        last = n
+    _strip_reduced_tags(graph)
+    graph.lint()
+    gm.recompile()
+
+
+def _strip_reduced_tags(graph: fx.Graph) -> None:
+    """Drop the tag of every gradient that arrives through a collective: its wait becomes the gradient.
+
+    As ``DataParallel`` does: the wait's result is a fresh tensor only the tag reads, so the tag
+    (a copy) is not needed, and without a reader right after each wait the gradients' collectives
+    are adjacent for :func:`passes.bucketing.bucket_collectives`. Tags of gradients that need no
+    communication stay for ``strip_grad_tags``.
+    """
+    for n in [n for n in graph.nodes if n.op == "call_function" and n.target is TAG_GRAD]:
+        w = n.args[0]
+        if not (isinstance(w, fx.Node) and C.is_wait(w) and len(w.users) == 1):
+            continue
+        for k in [k for k in n.meta if k.startswith("spmd_")]:
+            w.meta[k] = n.meta[k]
+        n.replace_all_uses_with(w)
+        graph.erase_node(n)
+
+
+def _style(self: DTensorExpandMode) -> str:
+    mesh = self.mesh
+    if isinstance(mesh, DeviceMesh):
+        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        return "dtensor_expand (" + ", ".join(f"{n}={s}" for n, s in zip(names, mesh.shape)) + ")"
+    if isinstance(mesh, dict):
+        return "dtensor_expand (" + ", ".join(f"{n}={s}" for n, s in mesh.items()) + ")"
+    return f"dtensor_expand {tuple(mesh)}" if mesh is not None else "dtensor_expand"
+
+
+DTensorExpandMode.parallel_style = property(_style)  # type: ignore[attr-defined]

@@ -1,0 +1,230 @@
+"""DTensorExpandMode under the fake process group: placements in the graph and the dump, simulated
+2-D bytes per rank, and the error catalogue for placements DTensor cannot propagate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import spmd
+from passes import collectives as C
+from passes.meta import NODE_PLACEMENTS, PLACEMENT, ROLE, Role
+from spmd.dump import annotated_code
+from spmd.parallel import expand_rules
+from tests import models
+from tests.dist import workers_expand as wx
+from tests.unit.fake_pg import fake_process_group
+
+TP = {k: (Replicate(), v) for k, v in wx.TP.items()}
+
+
+def _tokens(b: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 64, (b, 16), generator=g), torch.randint(0, 64, (b, 16), generator=g)
+
+
+def _gpt() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = models.TinyGPT()
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+
+
+def _lower(mode: spmd.DTensorExpandMode, model: nn.Module, opt: torch.optim.Optimizer, *batch, **kw):
+    step = spmd.compile(parallel_mode=mode, check_invariants=True, **kw)(wx.train_step)
+    return step, step.lower(model, opt, *batch)
+
+
+def test_defaults_reduce_every_gradient_once() -> None:
+    """Default placements at W=2: one all_reduce(sum) per gradient (plus the loss's token count),
+    bucketed by the pass pipeline."""
+    with fake_process_group(2):
+        model, opt = _gpt()
+        seen = []
+        mode = spmd.DTensorExpandMode(custom_passes=[lambda gm: seen.append(len(gm.graph.nodes)) or gm])
+        _, graphs = _lower(mode, model, opt, *_tokens())
+        gm = graphs["partitioned"]
+        assert seen == [len(gm.graph.nodes)]  # custom passes run on the expanded graph
+        reduces = [n for n in gm.graph.nodes if C.is_collective(n) and C.kind_of(n) is C.Kind.ALL_REDUCE]
+        grads = [n for n in gm.graph.nodes if n.meta.get(ROLE) is Role.GRAD]
+        n_params = len(list(model.parameters()))
+        assert len(grads) == n_params
+        assert len(reduces) == n_params + 1
+        assert all(n.args[1] == "sum" for n in reduces)
+        # The pass pipeline applies: the gradients' all-reduces share one bucket in the final graph.
+        final = [n for n in graphs["final"].graph.nodes if C.is_collective(n)]
+        assert len(final) == 2, [str(n.target) for n in final]
+        # Every rank holds a full (replicated) copy; the local batch traced as the global one.
+        assert all(p.placements == (Replicate(),) for p in model.parameters())
+
+
+def test_placements_visible_in_graph_and_dump() -> None:
+    with fake_process_group(4):
+        model, opt = _gpt()
+        mode = spmd.DTensorExpandMode({"dp": 2, "tp": 2}, param_placements=TP)
+        _, graphs = _lower(mode, model, opt, *_tokens())
+        gm = graphs["partitioned"]
+        by_name = {n.name: n for n in gm.graph.nodes}
+        assert by_name["p_blocks_0_fc_weight"].meta[PLACEMENT] == "(Replicate(), Shard(0))"
+        assert by_name["p_blocks_0_out_weight"].meta[PLACEMENT] == "(Replicate(), Shard(1))"
+        assert by_name["x_input_0"].meta[NODE_PLACEMENTS] == (Shard(0), Replicate())
+        # The row-parallel matmul's output is a partial sum over "tp".
+        assert any(
+            isinstance(pl, tuple) and pl == (Shard(0), Partial())
+            for pl in (n.meta.get(NODE_PLACEMENTS) for n in gm.graph.nodes)
+        )
+        code = annotated_code(gm)
+        assert "# blocks.0.fc.weight: (Replicate(), Shard(0))" in code
+        assert "(Shard(0), Partial(sum))" in code
+        # Local shapes: each rank holds its slice.
+        assert tuple(by_name["p_blocks_0_fc_weight"].meta["val"].shape) == (64, 32)
+        assert model.blocks[0].fc.weight.to_local().shape == (64, 32)
+        assert model.blocks[0].fc.weight.shape == (128, 32)
+
+
+def test_simulate_2d_mesh_bytes_per_rank() -> None:
+    """spmd.simulate at 8 ranks with a {"dp": -1, "tp": 2} mesh: the sharded weights (and their
+    Adam state) take half their bytes per rank; LayerNorms and row-parallel biases stay whole."""
+    model, opt = _gpt()
+    mode = spmd.DTensorExpandMode({"dp": -1, "tp": 2}, param_placements=TP)
+    r = spmd.simulate(spmd.compile(parallel_mode=mode)(wx.train_step), model, opt, *_tokens(2), world_size=8)
+    full = sum(p.numel() * 4 for p in model.parameters())
+    whole = sum(
+        p.numel() * 4
+        for n, p in model.named_parameters()
+        if "ln" in n or n.endswith(("proj.bias", "out.bias"))
+    )
+    want = whole + (full - whole) // 2
+    assert r.world_size == 8 and r.parallel_style == "dtensor_expand (dp=-1, tp=2)"
+    assert r.param_bytes == want
+    assert r.optim_state_bytes == 2 * want + 4 * len(list(model.parameters()))  # exp_avg(_sq), step
+    assert r.input_bytes == 2 * 2 * 16 * 8  # this rank's local batch: 2 sequences of 16 int64, x and y
+    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class CustomActMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(wx.scaled_tanh(self.fc1(x), 2.0))
+
+
+def _mlp_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 8), torch.randint(0, 4, (4,))
+
+
+def test_error_op_without_strategy_names_op_module_line_and_placements() -> None:
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = CustomActMLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(spmd.ShardingPropagationError) as info:
+            _lower(spmd.DTensorExpandMode(), model, opt, *_mlp_batch())
+    msg = str(info.value)
+    assert "spmd_test.scaled_tanh" in msg or "spmd_test::scaled_tanh" in msg
+    assert "test_expand.py" in msg and "wx.scaled_tanh(self.fc1(x), 2.0)" in msg
+    assert "(Shard(0))" in msg
+    assert "register_sharding" in msg
+
+
+def test_error_override_without_placements_then_with() -> None:
+    """The same stand-in fails without declared placements and expands with them."""
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = wx.ActMLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = spmd.compile([wx.LocalAct(False)], parallel_mode=spmd.DTensorExpandMode())(wx.train_step)
+        with pytest.raises(spmd.ShardingPropagationError, match="in module 'act'"):
+            step.lower(model, opt, *_mlp_batch())
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = wx.ActMLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = spmd.compile([wx.LocalAct(True)], parallel_mode=spmd.DTensorExpandMode())(wx.train_step)
+        gm = step.lower(model, opt, *_mlp_batch())["partitioned"]
+        local = [n for n in gm.graph.nodes if n.meta.get(NODE_PLACEMENTS) == "local (act)"]
+        assert any("scaled_tanh" in str(n.target) for n in local)
+
+
+def test_error_shard_of_missing_dimension() -> None:
+    with fake_process_group(2):
+        model, opt = _gpt()
+        mode = spmd.DTensorExpandMode(param_placements={"blocks.0.ln1.weight": Shard(1)})
+        with pytest.raises(spmd.ShardingPropagationError, match=r"'blocks.0.ln1.weight' of shape \(32,\)"):
+            _lower(mode, model, opt, *_tokens())
+        mode = spmd.DTensorExpandMode(input_placements=Shard(2))
+        with pytest.raises(
+            spmd.ShardingPropagationError, match=r"argument #0 .* of shape \(4, 16\) cannot take"
+        ):
+            _lower(mode, model, opt, *_tokens())
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"mesh": "dp"}, "mesh must be a DeviceMesh"),
+        ({"mesh": {"dp": "2"}}, "maps names to sizes"),
+        ({"param_placements": [Shard(0)]}, "must be a dict"),
+        ({"param_placements": {"fc.*": "Shard(0)"}}, "must be a Placement or a tuple"),
+        ({"input_placements": "Shard(0)"}, "input_placements must be a tuple"),
+        ({"custom_passes": [1]}, "custom_passes items must be callables"),
+    ],
+)
+def test_config_errors_at_construction(kwargs, match) -> None:
+    with pytest.raises(spmd.ConfigError, match=match):
+        spmd.DTensorExpandMode(**kwargs)
+
+
+def test_config_errors_against_the_mesh() -> None:
+    with fake_process_group(4):
+        model, opt = _gpt()
+        with pytest.raises(spmd.ConfigError, match="does not fit the default process group's 4 ranks"):
+            _lower(spmd.DTensorExpandMode((3, 2)), model, opt, *_tokens())
+        with pytest.raises(spmd.ConfigError, match="gives 1 placements .* mesh has 2 dimensions"):
+            _lower(
+                spmd.DTensorExpandMode((2, 2), param_placements={"tok.*": Shard(0)}), model, opt, *_tokens()
+            )
+        with pytest.raises(spmd.ConfigError, match="state cannot be Partial"):
+            _lower(
+                spmd.DTensorExpandMode((2, 2), param_placements={"tok.*": (Partial(), Replicate())}),
+                model,
+                opt,
+                *_tokens(),
+            )
+
+
+def test_world_size_one_is_the_plain_step() -> None:
+    """Without a process group (plain ``python``) the step is the single-device one; a mesh shape
+    must then hold one rank."""
+    model, opt = _gpt()
+    for mesh in (None, {"dp": -1, "tp": 1}):
+        step, graphs = _lower(spmd.DTensorExpandMode(mesh), model, opt, *_tokens())
+        assert not any(C.is_collective(n) for n in graphs["final"].graph.nodes)
+    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    with pytest.raises(spmd.ConfigError, match="does not fit the default process group's 1 ranks"):
+        _lower(spmd.DTensorExpandMode({"dp": 1, "tp": 2}), model, opt, *_tokens())
+
+
+def test_rules_are_listed() -> None:
+    expand_rules.register()
+    names = {str(op) for op in expand_rules.RULES}
+    assert "aten._fused_sgd_.default" in names
+    assert "aten._scaled_dot_product_flash_attention_for_cpu_backward.default" in names
+
+
+def test_error_model_distributed_by_another_mode() -> None:
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = models.MLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        spmd.compile(parallel_mode=spmd.DataParallel("replicate"))(wx.train_step).lower(
+            model, opt, *_mlp_batch()
+        )
+        with pytest.raises(spmd.ConfigError, match="distributed by another parallel mode"):
+            _lower(spmd.DTensorExpandMode(), model, opt, *_mlp_batch())
