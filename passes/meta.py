@@ -45,6 +45,7 @@ class Role(str, enum.Enum):
     BUFFER = "buffer"
     OPTIM_STATE = "optim_state"
     HYPERPARAM = "hyperparam"  # a lifted learning rate
+    PARAM_GRAD = "param_grad"  # a parameter's ``.grad`` as it was before the step (accumulated onto)
     INPUT = "input"  # the user's local batch and other tensor arguments
     ACTIVATION = "activation"  # any intermediate of forward or backward
     GRAD = "grad"  # the gradient of a parameter, as the optimizer will read it

@@ -22,10 +22,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from spmd import guards, tracing
 from spmd import optim as optim_utils
-from spmd import tracing
 from spmd.dump import dump_code, dump_report, dump_stages
 from spmd.errors import CacheLimitError, ConfigError
+from spmd.lastcall import LastCall
 from spmd.lowering import check_backend, compile_graph
 from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
@@ -132,6 +133,8 @@ class _Entry:
     backend: str = "eager"
     lower_s: float | None = None  # the backend's compile time (part of compile_s)
     lowered_code: str | None = None  # the backend's generated code (None for eager)
+    # Plain module attributes the trace read (spmd.guards): the graph is reused only while they hold.
+    attr_guards: list[guards.Guard] = dataclasses.field(default_factory=list)
 
 
 class CompiledStep:
@@ -160,8 +163,11 @@ class CompiledStep:
         )
         self.backend: str = check_backend(options.get("backend", "eager"))
         self.inductor_config: dict[str, Any] = dict(options.get("inductor_config") or {})
-        self._cache: dict[Hashable, _Entry] = {}
+        # signature -> the graphs traced for it, each valid while its attribute guards hold
+        self._cache: dict[Hashable, list[_Entry]] = {}
         self._last: _Entry | None = None
+        self._last_call: LastCall | None = None
+        guards.install()
         self._overridden: set[int] = set()
 
     # ------------------------------------------------------------------ inspection
@@ -191,13 +197,24 @@ class CompiledStep:
 
     @property
     def num_graphs(self) -> int:
-        return len(self._cache)
+        return sum(len(es) for es in self._cache.values())
 
     # ------------------------------------------------------------------ call path
 
     def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
+        fast = self._last_call
+        if fast is not None:
+            flat = fast.inputs(args, kwargs)
+            if flat is not None:
+                self._last = fast.entry
+                return fast.run(flat)
+        self._last_call = None
         step_args = tracing.split_args(args, kwargs)
-        return self._entry(step_args).exe.run(step_args)
+        entry = self._entry(step_args)
+        grad_key = [p.grad is None for p in step_args.module.parameters()]
+        out = entry.exe.run(step_args)
+        self._last_call = LastCall.build(entry, step_args, args, kwargs, grad_key)
+        return out
 
     def lower(self, *args: Any, **kwargs: Any) -> OrderedDict[str, fx.GraphModule]:
         """Compile for these arguments without running the step; returns the graph stages.
@@ -214,10 +231,18 @@ class CompiledStep:
             self._overridden.add(id(module))
         self.parallel_mode.prepare(module, optimizer, step_args)
         key = _signature(step_args)
-        entry = self._cache.get(key)
+        candidates = self._cache.get(key, [])
+        entry = next((e for e in candidates if guards.first_failing(e.attr_guards) is None), None)
         if entry is None:
+            if candidates:
+                changed = guards.first_failing(candidates[-1].attr_guards)
+                log.info(
+                    "spmd: %s: %s since the step was traced; retracing",
+                    self.__name__,
+                    changed.describe() if changed is not None else "a module attribute changed",
+                )
             entry, key = self._compile(step_args)
-            self._cache[key] = entry
+            self._cache.setdefault(key, []).append(entry)
         self._last = entry
         return entry
 
@@ -243,11 +268,12 @@ class CompiledStep:
         swap("", module)
 
     def _compile(self, step_args: tracing.StepArgs) -> tuple[_Entry, Hashable]:
-        if len(self._cache) >= self.cache_size_limit:
+        if self.num_graphs >= self.cache_size_limit:
             raise CacheLimitError(
-                f"spmd.compile: {self.__name__} has traced {len(self._cache)} graphs, the limit "
+                f"spmd.compile: {self.__name__} has traced {self.num_graphs} graphs, the limit "
                 f"(cache_size_limit={self.cache_size_limit}). Each new input shape/dtype, Python argument "
-                "value, model structure or (for optimizers without a tensor learning rate, e.g. SGD "
+                "value, module attribute the step reads (Dropout.p, a flag), model structure or (for "
+                "optimizers without a tensor learning rate, e.g. SGD "
                 "without fused=True) learning-rate value traces a new graph. Pad inputs to fixed shapes, "
                 "use fused=True optimizers, or raise cache_size_limit."
             )
@@ -259,12 +285,17 @@ class CompiledStep:
             fresh = optim_utils.ensure_state(optimizer, params)
         if self._cache:
             log.info(
-                "spmd: new input signature for %s, tracing graph #%d", self.__name__, len(self._cache) + 1
+                "spmd: new input signature for %s, tracing graph #%d", self.__name__, self.num_graphs + 1
             )
         state = tracing.lift_state(module, optimizer)
-        traced = tracing.trace_step(
-            self.fn, self.parallel_mode.trace_args(step_args), state, casts=self.parallel_mode.trace_casts()
-        )
+        with guards.record_reads(module) as read:
+            traced = tracing.trace_step(
+                self.fn,
+                self.parallel_mode.trace_args(step_args),
+                state,
+                casts=self.parallel_mode.trace_casts(),
+                accumulate_after_reduce=self.parallel_mode.accumulate_after_reduce(),
+            )
         unused_fresh = _forget_unused_state(traced, optimizer, fresh, module)
         if unused_fresh:
             state = tracing.lift_state(module, optimizer)
@@ -312,6 +343,7 @@ class CompiledStep:
             backend=self.backend,
             lower_s=lowered.lower_s if lowered else None,
             lowered_code=lowered.code if lowered else None,
+            attr_guards=read,
         )
         exe.on_layout_fix = functools.partial(self._record_layout_fix, entry)
         if self.dump_dir:
@@ -360,7 +392,9 @@ def _forget_unused_state(
     if optimizer is None or not fresh:
         return False
     fqns = tracing.param_fqns(module)
-    unused = [p for p in fresh if fqns.get(id(p)) not in set(traced.grads)]
+    # A parameter with a .grad from an earlier call is stepped on it even without a new one.
+    used = set(traced.grads) | {s.key for s in traced.slots if s.role.value == "param_grad"}
+    unused = [p for p in fresh if fqns.get(id(p)) not in used]
     if not unused:
         return False
     unused_names = {fqns[id(p)] for p in unused}
@@ -397,7 +431,8 @@ def _signature(step_args: tracing.StepArgs) -> Hashable:
             arg_sig.append((type(x), x))
     module, optimizer = step_args.module, step_args.optimizer
     model_sig: tuple[Any, ...] = tuple(m.training for m in module.modules())
-    model_sig += tuple((n, id(p), *_tensor_sig(p)) for n, p in module.named_parameters())
+    # A parameter's existing .grad is a graph input (accumulated onto): its presence picks the graph.
+    model_sig += tuple((n, id(p), *_tensor_sig(p), p.grad is None) for n, p in module.named_parameters())
     model_sig += tuple((n, *_tensor_sig(b)) for n, b in module.named_buffers())
     optim_sig: tuple[Any, ...] = ()
     if optimizer is not None:

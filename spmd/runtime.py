@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
 from passes import collectives as C
 from passes.layouts import FAILING_NODE, fix_layouts
@@ -36,10 +37,21 @@ from spmd.parallel.sharding import local
 _BACKEND_FAILURE = re.compile(r"gloo|nccl|c10d|ProcessGroup|Connection (reset|closed)|timed out", re.I)
 
 
-def module_structure(module: nn.Module) -> tuple[tuple[str, type, Any], ...]:
+def module_structure(module: nn.Module) -> tuple[tuple[str, type, Any, tuple[int, ...]], ...]:
     """What the graph bakes in about the module tree beyond its state: each submodule's
-    path, its class and an instance-level ``forward`` override, if any."""
-    return tuple((name, type(m), m.__dict__.get("forward")) for name, m in module.named_modules())
+    path, its class, an instance-level ``forward`` override, if any, and the ids of its
+    forward and backward hooks (a hook added or removed after the trace changes the step)."""
+    return tuple(
+        (name, type(m), m.__dict__.get("forward"), _hook_ids(m)) for name, m in module.named_modules()
+    )
+
+
+def _hook_ids(m: nn.Module) -> tuple[int, ...]:
+    d = m.__dict__
+    hooks = (d["_forward_pre_hooks"], d["_forward_hooks"], d["_backward_pre_hooks"], d["_backward_hooks"])
+    if not any(hooks):
+        return ()
+    return tuple(k for h in hooks for k in h)
 
 
 @dataclasses.dataclass
@@ -52,7 +64,10 @@ class Executable:
     out_constants: list[Any]
     # The module structure the graph was traced from; recorded at the first run, which
     # follows the trace with nothing in between.
-    structure: tuple[tuple[str, type, Any], ...] | None = None
+    structure: tuple[tuple[str, type, Any, tuple[int, ...]], ...] | None = None
+    # Parameters whose .grad the graph outputs (after the step's outputs), and those it clears.
+    grad_outs: list[str] = dataclasses.field(default_factory=list)
+    grad_cleared: list[str] = dataclasses.field(default_factory=list)
     # The first run checks the real layouts against the traced ones (passes.layouts) and
     # fixes the graph; ``on_layout_fix(gm)`` is told when it inserted fix-ups.
     layouts_checked: bool = False
@@ -79,6 +94,10 @@ class Executable:
             elif slot.role is Role.HYPERPARAM:
                 assert optimizer is not None
                 flat.append(tracing.lr_tensor(optimizer.param_groups[slot.key]["lr"]))
+            elif slot.role is Role.PARAM_GRAD:
+                grad = params[slot.key].grad
+                assert grad is not None, f"{slot.key}.grad is in the signature"
+                flat.append(grad)
             else:
                 flat.append(tensors[int(slot.name.rsplit(".", 1)[1])])
         return flat
@@ -95,14 +114,28 @@ class Executable:
             f"spmd: the model changed after this step was compiled: {_first_change(self.structure, now)}. "
             "The compiled graph would still compute the old model. spmd retraces by itself when "
             "parameters, buffers, requires_grad, train/eval mode, optimizer param_groups or input "
-            "shapes change, but not when a submodule without parameters is swapped or a forward is "
-            "replaced: compile a new step (spmd.compile(...)(train_step)) after such a change, or make "
+            "shapes change, but not when a submodule without parameters is swapped, a forward is "
+            "replaced or module hooks are added or removed: compile a new step "
+            "(spmd.compile(...)(train_step)) after such a change, or make "
             "the change before the first call."
         )
 
     def run(self, step_args: tracing.StepArgs) -> Any:
         self.check_structure(step_args.module)
         flat = [local(t) for t in self.inputs(step_args)]
+        grad_params: list[torch.Tensor] = []
+        cleared: list[torch.Tensor] = []
+        if self.grad_outs or self.grad_cleared:
+            params = dict(step_args.module.named_parameters())
+            grad_params = [params[n] for n in self.grad_outs]
+            cleared = [params[n] for n in self.grad_cleared]
+        return self.call(flat, grad_params, cleared)
+
+    def call(
+        self, flat: list[torch.Tensor], grad_params: list[torch.Tensor], cleared: list[torch.Tensor]
+    ) -> Any:
+        """Run the graph on its local inputs; set ``.grad`` of ``grad_params`` (``grad_outs``
+        order) from its gradient outputs and clear that of ``cleared``."""
         try:
             with torch.no_grad():
                 if self.compiled is not None:
@@ -117,6 +150,10 @@ class Executable:
             raise CollectiveError(_collective_message(exc, self.gm, node if is_comm else None)) from exc
         it = iter(outs)
         leaves = [next(it) if c is tracing.TENSOR_OUT else c for c in self.out_constants]
+        for p, g in zip(grad_params, it, strict=True):
+            set_grad(p, g)
+        for p in cleared:
+            p.grad = None
         return pytree.tree_unflatten(leaves, self.out_spec)
 
     def _first_run(self, flat: list[torch.Tensor]) -> Any:
@@ -128,9 +165,28 @@ class Executable:
         return outs
 
 
-def _first_change(old: tuple[tuple[str, type, Any], ...], new: tuple[tuple[str, type, Any], ...]) -> str:
-    before, after = {n: (t, f) for n, t, f in old}, {n: (t, f) for n, t, f in new}
-    for name in [n for n, _, _ in old] + [n for n, _, _ in new]:
+def set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Set ``param.grad`` from the graph's local gradient, as eager (DDP, FSDP2) leaves it:
+    a DTensor with the parameter's placements (the local shard for a sharded parameter)."""
+    if isinstance(param, DTensor) and not isinstance(grad, DTensor):
+        grad = DTensor.from_local(
+            grad,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+    param.grad = grad
+
+
+def _first_change(
+    old: tuple[tuple[str, type, Any, tuple[int, ...]], ...],
+    new: tuple[tuple[str, type, Any, tuple[int, ...]], ...],
+) -> str:
+    before, after = {n: (t, f) for n, t, f, _ in old}, {n: (t, f) for n, t, f, _ in new}
+    hooks_before, hooks_after = {n: h for n, _, _, h in old}, {n: h for n, _, _, h in new}
+    for name in [n for n, _, _, _ in old] + [n for n, _, _, _ in new]:
         where = f"module {name!r}" if name else "the root module"
         if name not in after:
             return f"{where} ({before[name][0].__name__}) was removed"
@@ -141,6 +197,8 @@ def _first_change(old: tuple[tuple[str, type, Any], ...], new: tuple[tuple[str, 
             return f"{where} is now {t1.__name__} (was {t0.__name__})"
         if f0 is not f1 and f0 != f1:
             return f"{where} ({t1.__name__}) has a different forward"
+        if hooks_before[name] != hooks_after[name]:
+            return f"{where} ({t1.__name__}) had forward or backward hooks added or removed"
     return "the module tree was reordered"
 
 
@@ -195,5 +253,10 @@ def _pg_timeout_s() -> float | None:
 
 def make_executable(gm: fx.GraphModule, traced: tracing.TracedStep, state: tracing.LiftedState) -> Executable:
     return Executable(
-        gm=gm, slots=list(traced.slots), out_spec=traced.out_spec, out_constants=traced.out_constants
+        gm=gm,
+        slots=list(traced.slots),
+        out_spec=traced.out_spec,
+        out_constants=traced.out_constants,
+        grad_outs=list(traced.grad_outs),
+        grad_cleared=list(traced.grad_cleared),
     )

@@ -250,12 +250,15 @@ class LiftedState:
     buffers: list[tuple[str, torch.Tensor]]
     optim_states: list[tuple[str, str, torch.Tensor]]  # (param fqn, key, tensor)
     lr_groups: list[int]  # param-group indices whose lr is a graph input
+    # (param fqn, its .grad) for parameters that have a gradient before the step
+    grads: list[tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)
 
     def slots(self) -> list[Slot]:
         out = [Slot(Role.PARAM, n) for n, _ in self.params]
         out += [Slot(Role.BUFFER, n) for n, _ in self.buffers]
         out += [Slot(Role.OPTIM_STATE, f"{n}.{k}", (n, k)) for n, k, _ in self.optim_states]
         out += [Slot(Role.HYPERPARAM, f"lr.{g}", g) for g in self.lr_groups]
+        out += [Slot(Role.PARAM_GRAD, f"{n}.grad", n) for n, _ in self.grads]
         return out
 
     def tensors(self, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
@@ -266,6 +269,7 @@ class LiftedState:
         if self.lr_groups:
             assert optimizer is not None
             out += [lr_tensor(optimizer.param_groups[g]["lr"]) for g in self.lr_groups]
+        out += [g for _, g in self.grads]
         return out
 
 
@@ -323,7 +327,8 @@ def lift_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Li
     # Remember what was lifted, so that a parameter later removed from the model but still
     # held by the optimizer is reported as a model change rather than a foreign parameter.
     _LIFTED_PARAMS.setdefault(module, {}).update((id(p), (weakref.ref(p), n)) for n, p in params)
-    return LiftedState(params, buffers, optim_states, lr_groups)
+    grads = [(n, p.grad) for n, p in params if p.grad is not None]
+    return LiftedState(params, buffers, optim_states, lr_groups, grads)
 
 
 # ----------------------------------------------------------------------------- tracing contexts
@@ -557,14 +562,32 @@ def _backward_phases() -> Iterator[list[int]]:
 
 
 @contextlib.contextmanager
-def _grad_tags(params: dict[str, torch.Tensor], got_grad: set[str]) -> Iterator[None]:
+def _grad_tags(
+    params: dict[str, torch.Tensor],
+    got_grad: set[str],
+    old_grads: dict[str, torch.Tensor] | None = None,
+    after_reduce: bool = False,
+) -> Iterator[None]:
     """Wrap each parameter's gradient in ``spmd::tag_grad`` once autograd has accumulated it.
 
     The tag goes on ``p.grad`` after accumulation, so a step that runs several
     micro-batches (several ``backward`` calls before ``optimizer.step``) tags the
     running sum each time; the partitioner reduces only the last tag of a parameter,
     the fully accumulated gradient (DDP's ``no_sync`` for all but the last micro-batch).
+
+    A parameter's gradient from before the step (``old_grads``, lifted as an input) is
+    ``p.grad`` when the step starts, as in eager. Autograd adds the new gradient to it
+    before the tag (DDP reduces the accumulated gradient); with ``after_reduce`` it is
+    held out of ``p.grad`` during ``backward`` and added after the tag (FSDP2 reduces the
+    new gradient and adds it to the sharded ``p.grad``).
     """
+    old_grads = old_grads or {}
+    for name, g in old_grads.items():
+        params[name].grad = g
+    held: dict[str, torch.Tensor] = {}  # old gradients kept out of p.grad during a backward
+    restore: dict[str, torch.Tensor] = {}  # what p.grad was before that backward
+    bare: dict[str, torch.Tensor] = {}  # the tagged new gradient (without the old one)
+    combined: dict[str, torch.Tensor] = {}  # old + tagged new: what p.grad holds between backwards
     handles = []
     for name, p in params.items():
         if not p.requires_grad:
@@ -573,11 +596,35 @@ def _grad_tags(params: dict[str, torch.Tensor], got_grad: set[str]) -> Iterator[
         def hook(p: torch.Tensor, name: str = name) -> None:
             got_grad.add(name)
             p.grad = tag_grad(p.grad, name)
+            old = held.pop(name, None)
+            if old is not None:
+                restore.pop(name)
+                bare[name] = p.grad
+                p.grad = combined[name] = old + p.grad
 
         handles.append(p.register_post_accumulate_grad_hook(hook))
+    real_backward = torch.autograd.backward
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        # Micro-batches accumulate onto the new gradient alone (reduced once, at the last tag).
+        for name, g in old_grads.items():
+            now = params[name].grad
+            if now is g or (name in combined and now is combined[name]):
+                held[name], restore[name] = g, now  # type: ignore[assignment]
+                params[name].grad = bare.get(name) if now is not g else None
+        try:
+            return real_backward(*args, **kwargs)
+        finally:
+            for name in list(restore):  # no gradient came: p.grad stays as it was
+                params[name].grad = restore.pop(name)
+                held.pop(name)
+
+    if after_reduce and old_grads:
+        torch.autograd.backward = backward  # type: ignore[assignment]
     try:
         yield
     finally:
+        torch.autograd.backward = real_backward  # type: ignore[assignment]
         for h in handles:
             h.remove()
 
@@ -593,6 +640,10 @@ class TracedStep:
     out_constants: list[Any]  # non-tensor output leaves (TENSOR_OUT where a tensor goes)
     grads: list[str]  # parameters that received a gradient
     trace_s: float
+    # Parameters whose .grad the step leaves set (the graph outputs them after the step's
+    # own outputs, in this order), and those that had a gradient and end without one.
+    grad_outs: list[str] = dataclasses.field(default_factory=list)
+    grad_cleared: list[str] = dataclasses.field(default_factory=list)
 
 
 def _trace_error_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
@@ -698,7 +749,12 @@ def _trace_input(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
 
 
 def trace_step(
-    fn: Callable[..., Any], step_args: StepArgs, state: LiftedState, casts: ComputeCasts | None = None
+    fn: Callable[..., Any],
+    step_args: StepArgs,
+    state: LiftedState,
+    casts: ComputeCasts | None = None,
+    *,
+    accumulate_after_reduce: bool = False,
 ) -> TracedStep:
     """Trace ``fn`` over the lifted state and the argument tensors; see the module docstring.
 
@@ -706,13 +762,18 @@ def trace_step(
     buffers and forward inputs; the optimizer still reads and updates the stored
     (fp32) parameters, and autograd gives each of them the gradient of its copy cast
     back to its dtype.
+
+    Gradients are left as eager leaves them: a parameter's ``.grad`` from before the step
+    is an input (``Role.PARAM_GRAD``) that backward accumulates onto (see
+    :func:`_grad_tags` for the order), and a ``.grad`` still set when the step returns is
+    an output (``TracedStep.grad_outs``).
     """
     casts = casts or ComputeCasts()
     module, optimizer = step_args.module, step_args.optimizer
     check_devices(fn, step_args, state)
     state_slots = state.slots()
     n_params, n_buffers = len(state.params), len(state.buffers)
-    n_states, n_lrs = len(state.optim_states), len(state.lr_groups)
+    n_states, n_lrs, n_grads = len(state.optim_states), len(state.lr_groups), len(state.grads)
     got_grad: set[str] = set()
     leaves = list(step_args.leaves)
     out_box: dict[str, Any] = {}
@@ -726,6 +787,7 @@ def trace_step(
         for n, k, _ in state.optim_states:
             states[n][k] = next(it)
         lrs = {g: next(it) for g in state.lr_groups}
+        old_grads = {n: next(it) for n, _ in state.grads}
         call_leaves = list(leaves)
         for pos in step_args.tensor_positions:
             call_leaves[pos] = next(it)
@@ -752,7 +814,7 @@ def trace_step(
                             if not isinstance(v, torch.Tensor):
                                 st[id(p)][k] = v
                 stack.enter_context(_swapped_optimizer(optimizer, by_id, st, lrs))
-            stack.enter_context(_grad_tags(params, got_grad))
+            stack.enter_context(_grad_tags(params, got_grad, old_grads, accumulate_after_reduce))
             stack.enter_context(_module_paths(module))
             stack.enter_context(_cast_forward_io(module, casts))
             calls = stack.enter_context(_backward_phases())
@@ -762,7 +824,12 @@ def trace_step(
         out_leaves, out_spec = pytree.tree_flatten(out)
         out_box["spec"] = out_spec
         out_box["constants"] = [TENSOR_OUT if isinstance(x, torch.Tensor) else x for x in out_leaves]
-        return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+        # Gradients the step leaves behind; one it did not touch stays as it is (no output).
+        grad_outs = [n for n, p in params.items() if p.grad is not None and p.grad is not old_grads.get(n)]
+        out_box["grad_outs"] = grad_outs
+        out_box["grad_cleared"] = [n for n in old_grads if params[n].grad is None]
+        end_grads = [pg for n in grad_outs if (pg := params[n].grad) is not None]
+        return [x for x in out_leaves if isinstance(x, torch.Tensor)] + end_grads
 
     # A fake mode without a ShapeEnv, so that reading a tensor's value (`.item()`, `if tensor:`)
     # or an op whose output shape depends on data (`nonzero`) raises at the user's line. make_fx's
@@ -783,7 +850,7 @@ def trace_step(
 
     input_slots = [Slot(Role.INPUT, f"input.{i}") for i in range(len(step_args.tensor_positions))]
     slots = state_slots + input_slots
-    assert len(slots) == n_params + n_buffers + n_states + n_lrs + len(input_slots)
+    assert len(slots) == n_params + n_buffers + n_states + n_lrs + n_grads + len(input_slots)
     # make_fx names the class after its varargs wrapper, "<lambda>", which makes the dumped
     # stage invalid Python; every other stage is a plain GraphModule.
     gm = fx.GraphModule(gm, gm.graph, class_name="GraphModule")
@@ -795,6 +862,8 @@ def trace_step(
         out_constants=out_box["constants"],
         grads=sorted(got_grad),
         trace_s=trace_s,
+        grad_outs=out_box["grad_outs"],
+        grad_cleared=out_box["grad_cleared"],
     )
 
 
@@ -824,10 +893,13 @@ def _finish_metadata(gm: fx.GraphModule, slots: list[Slot]) -> None:
         Role.OPTIM_STATE: "s",
         Role.HYPERPARAM: "h",
         Role.INPUT: "x",
+        Role.PARAM_GRAD: "g",
     }
     for n, slot in zip(placeholders, slots):
-        # Readable placeholder names in dumps: p_layers_0_weight, s_layers_0_weight_exp_avg, x_input_0.
-        n._rename(prefixes[slot.role] + "_" + re.sub(r"\W", "_", slot.name))
+        # Readable placeholder names in dumps: p_layers_0_weight, s_layers_0_weight_exp_avg, x_input_0,
+        # g_layers_0_weight (its .grad).
+        readable = slot.key if slot.role is Role.PARAM_GRAD else slot.name
+        n._rename(prefixes[slot.role] + "_" + re.sub(r"\W", "_", readable))
         n.target = n.name
         n.meta[ROLE] = slot.role
         n.meta[PHASE] = Phase.FORWARD

@@ -42,6 +42,12 @@ class ParallelMode(abc.ABC):
         """The dtypes the traced step should compute in (mixed precision); None: as stored."""
         return None
 
+    def accumulate_after_reduce(self) -> bool:
+        """Where a step that does not zero gradients adds the new gradient to ``p.grad``:
+        before the reduction (DDP reduces the accumulated gradient) or after it (FSDP2
+        reduce-scatters the new gradient, then adds it to the sharded ``p.grad``)."""
+        return False
+
     def pass_options(self) -> dict[str, Any]:
         """Knobs the pass pipeline reads (bucket sizes, prefetch depth, ...)."""
         return {}

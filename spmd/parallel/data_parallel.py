@@ -266,6 +266,11 @@ class DataParallel(ParallelMode):
     def trace_casts(self) -> ComputeCasts | None:
         return self.mixed_precision.compute_casts() if self.mixed_precision is not None else None
 
+    def accumulate_after_reduce(self) -> bool:
+        # FSDP2's order for sharded styles, DDP's for replicate; eager's where nothing is reduced.
+        single = sharding.world_info()[1] == 1 and self.mesh is None
+        return self.parallel_style != "replicate" and not single
+
     def _check_per_parameter_knobs(self) -> None:
         for knob in ("ignored_modules", "ignored_params"):
             v = getattr(self, knob)

@@ -1,0 +1,188 @@
+"""Never run a stale graph: attribute guards and the cheap "nothing changed" test of a call.
+
+A traced graph bakes in every plain attribute the step read from the model's modules
+(``Dropout.p``, a float ``scale``, a bool flag the forward branches on, ``training``).
+:func:`record_reads` collects those reads during the trace (``nn.Module.__getattribute__``
+is patched for its duration only) as :class:`Guard` s; a cached graph is only reused
+while all its guards hold, otherwise the step retraces (:class:`spmd.api.CompiledStep`).
+
+:func:`module_version` is a process-wide counter bumped by anything that can change a
+module tree between calls: attribute writes and deletes (which also cover swapped
+submodules, replaced ``forward`` s, ``train()``/``eval()``), parameter, buffer and
+submodule registration, ``_apply`` (``to()``, ``cuda()``, ``half()``), hook
+registration on modules and the removal of any hook handle. While it has not moved
+since the last call, that call's checks (structure walk, signature, guards) still hold,
+which lets a cached step skip them (:class:`LastCall` in :mod:`spmd.api`). A bump is
+only ever a reason to take the slow path, so counting too much is harmless; assigning the
+object an attribute already holds (``model.train()`` on a training model) does not bump.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils.hooks
+
+log = logging.getLogger("spmd")
+
+# Values a graph can bake in as constants; anything else (tensors, modules, containers)
+# is covered by the signature, the structure check, or not read as a constant.
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+# nn.Module's own bookkeeping attributes (dicts, hook flags), set in every instance;
+# ``training`` is the one plain attribute among them that forwards read.
+_INTERNAL = frozenset(nn.Module().__dict__) - {"training"}
+_MISSING = object()
+
+_version = [0]
+_installed = [False]
+
+
+def module_version() -> int:
+    """A counter that moves whenever any module tree may have changed (see module docstring)."""
+    return _version[0]
+
+
+def _bumping(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _version[0] += 1
+        return fn(*args, **kwargs)
+
+    wrapper.__spmd_bumps__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _setattr_bumping(fn: Any) -> Any:
+    """``__setattr__`` that bumps only when the value is not the very object already there:
+    ``model.train()`` on a model already training (every step, in many loops) stays free."""
+
+    @functools.wraps(fn)
+    def wrapper(self: nn.Module, name: str, value: Any) -> None:
+        d = self.__dict__
+        if name in d:
+            same = d[name] is value
+        else:
+            same = False
+            for kind in ("_parameters", "_buffers", "_modules"):
+                members = d.get(kind)
+                if members is not None and name in members:
+                    same = members[name] is value
+                    break
+        if not same:
+            _version[0] += 1
+        fn(self, name, value)
+
+    wrapper.__spmd_bumps__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+_MODULE_METHODS = (
+    "__delattr__",
+    "register_parameter",
+    "register_buffer",
+    "register_module",
+    "add_module",
+    "_apply",
+    "register_forward_hook",
+    "register_forward_pre_hook",
+    "register_full_backward_hook",
+    "register_full_backward_pre_hook",
+    "register_backward_hook",
+)
+
+
+def install() -> None:
+    """Patch the methods that change a module tree to bump :func:`module_version` (once)."""
+    if _installed[0]:
+        return
+    for name in _MODULE_METHODS:
+        fn = getattr(nn.Module, name)
+        if not getattr(fn, "__spmd_bumps__", False):
+            setattr(nn.Module, name, _bumping(fn))
+    if not getattr(nn.Module.__setattr__, "__spmd_bumps__", False):
+        nn.Module.__setattr__ = _setattr_bumping(nn.Module.__setattr__)  # type: ignore[method-assign]
+    handle = torch.utils.hooks.RemovableHandle
+    if not getattr(handle.remove, "__spmd_bumps__", False):
+        handle.remove = _bumping(handle.remove)  # type: ignore[method-assign]
+    _installed[0] = True
+
+
+def global_hooks_key() -> tuple[int, ...]:
+    """How many global module hooks are registered (``register_module_forward_hook`` & co.)."""
+    m = torch.nn.modules.module
+    return (
+        len(m._global_forward_hooks),
+        len(m._global_forward_pre_hooks),
+        len(m._global_backward_hooks),
+        len(m._global_backward_pre_hooks),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Guard:
+    """``module.<attr> == value`` (same type too) held when the graph was traced."""
+
+    path: str  # the module's path in the model ("" for the root)
+    attr: str
+    value: Any
+    namespace: dict[str, Any] = dataclasses.field(compare=False, repr=False)  # the module's __dict__
+
+    def holds(self) -> bool:
+        now = self.namespace.get(self.attr, _MISSING)
+        return now is self.value or (type(now) is type(self.value) and now == self.value)
+
+    def describe(self) -> str:
+        now = self.namespace.get(self.attr, _MISSING)
+        where = f"{self.path}.{self.attr}" if self.path else self.attr
+        now_txt = "deleted" if now is _MISSING else repr(now)
+        return f"{where} changed from {self.value!r} to {now_txt}"
+
+
+def first_failing(guards: list[Guard]) -> Guard | None:
+    for g in guards:
+        if not g.holds():
+            return g
+    return None
+
+
+@contextlib.contextmanager
+def record_reads(module: nn.Module) -> Iterator[list[Guard]]:
+    """Record every plain instance attribute of ``module``'s submodules read inside the block.
+
+    The first read of each (module, attribute) decides the guarded value. Reads of a value
+    the block itself wrote first are still recorded as read (the step changing a module
+    attribute it then reads is not supported: it would retrace on the next call).
+    """
+    paths = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
+    seen: dict[tuple[int, str], Guard] = {}
+    had_own = "__getattribute__" in nn.Module.__dict__
+    previous = nn.Module.__getattribute__
+
+    def getattribute(self: nn.Module, name: str) -> Any:
+        value = previous(self, name)
+        if type(value) in _PLAIN and name not in _INTERNAL and name[:2] != "__":
+            path = paths.get(id(self))
+            if path is not None and (id(self), name) not in seen:
+                ns = object.__getattribute__(self, "__dict__")
+                if name in ns:
+                    seen[(id(self), name)] = Guard(path, name, value, ns)
+        return value
+
+    guards: list[Guard] = []
+    nn.Module.__getattribute__ = getattribute  # type: ignore[method-assign,assignment]
+    try:
+        yield guards
+    finally:
+        if had_own:
+            nn.Module.__getattribute__ = previous  # type: ignore[method-assign]
+        else:
+            del nn.Module.__getattribute__
+        guards.extend(seen.values())
+        log.debug("spmd: %d attribute guards: %s", len(guards), [f"{g.path}.{g.attr}" for g in guards][:20])

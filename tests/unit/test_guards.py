@@ -1,0 +1,194 @@
+"""No stale graph: a plain module attribute the trace read, a hook, or anything else the
+cached graph depends on changes between calls -> the step retraces (or refuses), and an
+unchanged call takes the fast path (``LastCall``) without walking the model."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd
+from spmd import guards
+from tests import models
+
+
+class Scaled(nn.Module):
+    """A forward that reads a float and a bool attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.scale = 2.0
+        self.use_relu = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x) * self.scale
+        return F.relu(h) if self.use_relu else h
+
+
+def fwd_step(model, x):
+    return model(x)
+
+
+def train_step(model, optim, x, y):
+    loss = models.loss_fn(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+
+
+def test_plain_attribute_changes_retrace(caplog: pytest.LogCaptureFixture) -> None:
+    model = Scaled()
+    step = spmd.compile()(fwd_step)
+    x = _x()
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(step(model, x), model(x))
+        assert step.num_graphs == 1
+        model.scale = 3.0
+        with caplog.at_level(logging.INFO, logger="spmd"):
+            assert torch.equal(step(model, x), model(x))
+        assert "scale changed from 2.0 to 3.0" in caplog.text
+        model.use_relu = True
+        assert torch.equal(step(model, x), model(x))
+        assert step.num_graphs == 3
+        model.scale, model.use_relu = 2.0, False  # back to the first graph: no new trace
+        assert torch.equal(step(model, x), model(x))
+        assert step.num_graphs == 3
+        model.scale = 2  # an int is not the float the graph baked in
+        assert torch.equal(step(model, x), model(x))
+        assert step.num_graphs == 4
+
+
+def test_dropout_p_and_train_eval_retrace() -> None:
+    model = models.build("dropout")
+    ref = models.twin(model)
+    opt, ref_opt = (models.make_optimizer("sgd_momentum_foreach", m) for m in (model, ref))
+    step = spmd.compile()(train_step)
+    for i, (x, y) in enumerate(models.batches("dropout", 4)):
+        if i == 1:
+            model.drop.p = ref.drop.p = 0.0
+        if i == 3:
+            model.eval()
+            ref.eval()
+        torch.manual_seed(i)
+        got = step(model, opt, x, y)
+        torch.manual_seed(i)
+        assert torch.equal(got, train_step(ref, ref_opt, x, y)), f"call {i}"
+    assert step.num_graphs == 3
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_hook_added_or_removed_refuses() -> None:
+    model = Scaled()
+    step = spmd.compile()(fwd_step)
+    x = _x()
+    with torch.no_grad():
+        step(model, x)
+        handle = model.fc.register_forward_hook(lambda m, a, out: out * 0)
+        with pytest.raises(spmd.ModelChangedError, match="'fc' .*hooks added or removed"):
+            step(model, x)
+        handle.remove()
+        step(model, x)  # back to the traced structure
+        handle = model.fc.register_forward_pre_hook(lambda m, a: None)
+        with pytest.raises(spmd.ModelChangedError, match="hooks"):
+            step(model, x)
+        handle.remove()
+
+
+def test_fast_path_taken_and_invalidated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unchanged calls skip the slow path; each kind of change sends the call through it."""
+    model = models.build("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # lr is a constant of the graph
+    step = spmd.compile()(train_step)
+    slow = []
+    real_entry = step._entry
+    monkeypatch.setattr(step, "_entry", lambda a: slow.append(1) or real_entry(a))
+    data = models.batches("mlp", 3)
+    x, y = data[0]
+    step(model, opt, x, y)
+    step(model, opt, *data[1])
+    step(model, opt, *data[2])
+    assert len(slow) == 1
+    changes = [
+        lambda: opt.param_groups[0].__setitem__("lr", 0.05),
+        lambda: model.net[0].weight.requires_grad_(False),
+        lambda: model.net[0].weight.requires_grad_(True),
+        lambda: setattr(model.net[1], "note", "new"),  # any module attribute write
+        lambda: model.net[0].register_forward_hook(lambda *a: None).remove(),
+        lambda: torch.nn.modules.module.register_module_forward_hook(lambda *a: None).remove(),
+    ]
+    for i, change in enumerate(changes):
+        change()
+        step(model, opt, x, y)
+        assert len(slow) == 2 + i, f"change {i} did not take the slow path"
+        step(model, opt, x, y)
+        assert len(slow) == 2 + i, f"after change {i} the fast path was not taken again"
+    model.train()  # already training: assigns the same objects, the fast path stays
+    step(model, opt, x, y)
+    assert len(slow) == len(changes) + 1
+    step(model, opt, x[:2], y[:2])  # a new shape
+    assert len(slow) == len(changes) + 2
+    step(model, opt, x=x[:2], y=y[:2])  # keyword arguments
+    assert len(slow) == len(changes) + 3
+    step(model, opt, x=x[:2], y=y[:2])
+    assert len(slow) == len(changes) + 3
+
+
+def test_fast_path_sees_replaced_optimizer_state() -> None:
+    """A state tensor replaced inside optimizer.state (not through load_state_dict) is fed."""
+    model = models.build("mlp")
+    ref = models.twin(model)
+    opt, ref_opt = (models.make_optimizer("adamw_fused", m) for m in (model, ref))
+    step = spmd.compile()(train_step)
+    for i, (x, y) in enumerate(models.batches("mlp", 4)):
+        if i == 2:
+            for o, m in ((opt, model), (ref_opt, ref)):
+                st = o.state[m.net[0].weight]
+                st["exp_avg"] = st["exp_avg"] * 0.5
+        assert torch.equal(step(model, opt, x, y), train_step(ref, ref_opt, x, y)), f"call {i}"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_fast_path_sees_gradients_appear_and_go() -> None:
+    """A step without zero_grad leaves .grad set: the next call must take the graph that
+    accumulates onto it, and after a manual zero_grad the one that does not."""
+    model = models.build("mlp")
+    ref = models.twin(model)
+    opt, ref_opt = (models.make_optimizer("sgd_momentum_foreach", m) for m in (model, ref))
+
+    def no_zero(model, optim, x, y):
+        loss = models.loss_fn(model(x), y)
+        loss.backward()
+        optim.step()
+        return loss
+
+    step = spmd.compile()(no_zero)
+    for i, (x, y) in enumerate(models.batches("mlp", 5)):
+        if i == 3:
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        assert torch.equal(step(model, opt, x, y), no_zero(ref, ref_opt, x, y)), f"call {i}"
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p, q) and torch.equal(p.grad, q.grad), f"call {i}"
+    assert step.num_graphs == 2
+
+
+def test_trace_restores_module_getattribute() -> None:
+    model = Scaled()
+    spmd.compile()(fwd_step)(model, _x())
+    assert "__getattribute__" not in nn.Module.__dict__
+    before = guards.module_version()
+    model.scale = 5.0
+    assert guards.module_version() > before
