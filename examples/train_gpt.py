@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py            # = make demo (fully_shard)
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --style replicate
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --backend inductor  # fused kernels
     python examples/train_gpt.py --smoke                                      # world size 1, a few steps
     python examples/sample.py                                                 # generate from the checkpoint
 
@@ -26,6 +27,7 @@ import spmd
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=400)  # optimizer steps
 p.add_argument("--style", default="fully_shard", choices=["fully_shard", "replicate"])  # DataParallel style
+p.add_argument("--backend", default="eager", choices=["eager", "inductor"])  # how the final graph runs
 p.add_argument("--smoke", action="store_true")  # a few steps of a tiny model (CI)
 args = p.parse_args()
 steps = 4 if args.smoke else args.steps
@@ -66,7 +68,7 @@ def main() -> None:
 
     mode = spmd.DataParallel(args.style)
 
-    @spmd.compile(parallel_mode=mode, dump_dir=dump_dir)
+    @spmd.compile(parallel_mode=mode, dump_dir=dump_dir, backend=args.backend)
     def train_step(model, optim, x, y):
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
@@ -74,7 +76,7 @@ def main() -> None:
         optim.zero_grad()
         return loss
 
-    @spmd.compile(parallel_mode=mode, dump_dir=dump_dir)
+    @spmd.compile(parallel_mode=mode, dump_dir=dump_dir, backend=args.backend)
     def eval_step(model, x, y):  # forward only, on the same (sharded) state as train_step
         return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
@@ -88,7 +90,7 @@ def main() -> None:
 
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"vocab {len(chars)}, {n_params / 1e6:.2f}M params, world {world}, {args.style}")
+        print(f"vocab {len(chars)}, {n_params / 1e6:.2f}M params, world {world}, {args.style}, {args.backend}")
     # Step 0 runs eagerly (.__wrapped__ is the plain function): the first compiled call should be train_step,
     # which distributes model *and* optimizer state (as FSDP2 wants fully_shard before the optimizer).
     with torch.no_grad():
