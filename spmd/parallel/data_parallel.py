@@ -448,9 +448,10 @@ def _partition(
 ) -> fx.GraphModule:
     """Rewrite the traced step into this rank's SPMD step; the pieces run in this order.
 
-    Buffers are broadcast first (their collectives read the untouched placeholders). Gathers
-    come before the gradient reductions, and the reductions before the optimizer region's
-    rewrites, which walk from the reduced gradients. ``meta['val']`` is refreshed last, on the
+    The optimizer-region rewrites must follow the reductions: they find sharded gradients by
+    the ``GRAD`` role the reductions give the reduced ones. The rest of the order is fixed too:
+    it decides node names and, where two pieces insert at the same point, the collective
+    order, so moving a piece changes the graph. ``meta['val']`` is refreshed last, on the
     local shapes.
     """
     ps = PartitionState(gm, state, args, mesh, dp)
