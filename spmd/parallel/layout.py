@@ -13,9 +13,9 @@ shard, have the parameter's own strides. Legal: the permutation keeps dim 0 firs
 padding, chunking and slicing rows mean the same rows in both orders; a permute moves no
 value.
 
-The fused-optimizer alignment (``_align_fused_optimizer``) flattens shards in the same memory
-order, so an element's position in the flattened buffer is its position in memory, as in the
-kernel DDP runs on the full tensor.
+The fused-optimizer alignment (:func:`spmd.parallel.sharded_optim.align_fused_optimizer`)
+flattens shards in the same memory order, so an element's position in the flattened buffer
+is its position in memory, as in the kernel DDP runs on the full tensor.
 """
 
 from __future__ import annotations

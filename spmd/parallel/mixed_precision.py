@@ -5,8 +5,9 @@ parameters stay fp32 in the model and the optimizer (sharded under fully_shard);
 step computes with copies cast to ``param_dtype``; gradients are reduced in
 ``reduce_dtype`` and handed to the optimizer in the parameters' dtype. Every cast is a
 node of the compiled graph: the tracer makes the compute casts (``passes.meta.CAST_OF``
-marks them), the partitioner moves each parameter's cast before its all-gather and adds
-the gradient casts around the reduction (:mod:`spmd.parallel.data_parallel`).
+marks them), the partitioner moves each parameter's cast before its all-gather
+(:mod:`spmd.parallel.gathers`) and adds the gradient casts around the reduction
+(:mod:`spmd.parallel.reductions`).
 """
 
 from __future__ import annotations

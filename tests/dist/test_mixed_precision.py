@@ -11,7 +11,7 @@ shard back to fp32 and step the same fp32 optimizer.
 One caveat, measured and kept out of these models: CPU fused optimizer kernels
 (``fused=True`` Adam/AdamW) round an element differently in their SIMD loop (fused
 multiply-add) than in their scalar tail. spmd feeds them shards placed where the full
-tensor's elements sit, so it matches DDP (see ``_align_fused_optimizer``); FSDP2 runs them
+tensor's elements sit, so it matches DDP (see ``sharded_optim.align_fused_optimizer``); FSDP2 runs them
 on the bare shard, whose own length decides the split. Where a shard's length or offset
 is not a multiple of the SIMD width (8 floats with AVX2, 16 with AVX-512), the two can
 differ by one rounding: 7.5e-9 in a 12-element bias of the "nested" model after 5 AdamW
