@@ -90,7 +90,7 @@ def main() -> None:
 
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"vocab {len(chars)}, {n_params / 1e6:.2f}M params, world {world}, {args.style}, {args.backend}")
+        print(f"vocab {len(chars)}, {n_params / 1e6:.2f}M params, world {world}, {args.style}/{args.backend}")
     # Step 0 runs eagerly (.__wrapped__ is the plain function): the first compiled call should be train_step,
     # which distributes model *and* optimizer state (as FSDP2 wants fully_shard before the optimizer).
     with torch.no_grad():
