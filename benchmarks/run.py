@@ -358,7 +358,8 @@ def _div(a: float | None, b: float | None) -> float | None:
 def main() -> None:
     models = [m for m in args.models.split(",") if m]
     variants = [v for v in args.variants.split(",") if v]
-    bad = [m for m in models if m not in MODELS] + [v for v in variants if v not in VARIANTS and v not in ABLATIONS]
+    known = (*VARIANTS, *ABLATIONS)
+    bad = [m for m in models if m not in MODELS] + [v for v in variants if v not in known]
     if bad:
         sys.exit(f"unknown model/variant {bad}; models: {', '.join(MODELS)}; variants: {', '.join(VARIANTS)}")
     log_path = os.path.join(tempfile.gettempdir(), f"spmd_bench_{os.getpid()}.log")
