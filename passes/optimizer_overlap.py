@@ -37,7 +37,7 @@ point (one group). Foreach optimizers (``_foreach_*`` chains) are not split.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -70,10 +70,15 @@ def is_fused_optimizer(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in FUSED_OPTIMIZERS
 
 
+def _nodes(node: fx.Node, i: int) -> list[fx.Node]:
+    """Argument ``i`` of ``node``, a list of nodes."""
+    return cast(list[fx.Node], list(cast(list, node.args[i])))
+
+
 def _list_positions(node: fx.Node) -> list[int] | None:
     """Positions of the per-parameter list arguments of a fused call (all of the same length,
     or empty); None if the call does not have that shape (then it is left alone)."""
-    n_params = len(node.args[0])  # type: ignore[arg-type]
+    n_params = len(_nodes(node, 0))
     out = []
     for i, a in enumerate(node.args):
         if isinstance(a, list | tuple):
@@ -86,7 +91,7 @@ def _list_positions(node: fx.Node) -> list[int] | None:
 
 def _signature(node: fx.Node, k: int, lists: list[int]) -> tuple[tuple[int, str], ...]:
     """Parameter ``k``'s per-parameter arguments of ``node``, by node name."""
-    return tuple((i, node.args[i][k].name) for i in lists)  # type: ignore[index,union-attr]
+    return tuple((i, _nodes(node, i)[k].name) for i in lists)
 
 
 def _shared(node: fx.Node, lists: list[int]) -> tuple[Any, ...]:
@@ -117,7 +122,7 @@ def _feeders(node: fx.Node, lists: list[int], n_params: int) -> list[list[fx.Nod
     (transitively), which move with ``k``'s call."""
     slot_of: dict[fx.Node, set[int]] = {}
     for i in lists:
-        for k, a in enumerate(node.args[i]):  # type: ignore[arg-type]
+        for k, a in enumerate(_nodes(node, i)):
             slot_of.setdefault(a, set()).add(k)
     shared = set(node.all_input_nodes) - set(slot_of)
     out: list[list[fx.Node]] = []
@@ -147,10 +152,10 @@ def _split(graph: fx.Graph, node: fx.Node) -> bool:
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     pos = order[node]
-    n_params = len(node.args[0])
+    n_params = len(_nodes(node, 0))
     feeders = _feeders(node, lists, n_params)
     moving = {f for fs in feeders for f in fs} | {node}
-    per_param = {a for i in lists for a in node.args[i]}  # type: ignore[union-attr]
+    per_param = {a for i in lists for a in _nodes(node, i)}
     shared_inputs = [i for i in node.all_input_nodes if i not in per_param]
     # Last writer / reader of each storage among the nodes that stay before the call.
     last_write: dict[StorageWeakRef, int] = {}
@@ -165,7 +170,7 @@ def _split(graph: fx.Graph, node: fx.Node) -> bool:
     written = set(mutated_nodes(node))
     ready: list[int] = []
     for k in range(n_params):
-        slot = [node.args[i][k] for i in lists]  # type: ignore[index]
+        slot = [_nodes(node, i)[k] for i in lists]
         group = set(feeders[k])
         readers = [n for n in slot if n not in group] + [i for f in group for i in f.all_input_nodes]
         inputs = [i for i in readers + shared_inputs if i not in group]
@@ -202,15 +207,12 @@ def _split(graph: fx.Graph, node: fx.Node) -> bool:
         )
         own = sorted((f for k in members for f in feeders[k]), key=order.__getitem__)
         with graph.inserting_after(anchor):
-            call = graph.call_function(node.target, args, dict(node.kwargs))
+            call = graph.call_function(cast(Any, node.target), args, dict(node.kwargs))
         call.meta = {key: v for key, v in node.meta.items() if key != SPLIT_OF}
         call.meta[SPLIT_OF] = {
             "source": node.meta.get(SPLIT_OF, {}).get("source", node.name),
             "total": node.meta.get(SPLIT_OF, {}).get("total", total),
-            "params": {
-                node.args[0][k].name: _signature(node, k, lists)  # type: ignore[index,union-attr]
-                for k in members
-            },
+            "params": {_nodes(node, 0)[k].name: _signature(node, k, lists) for k in members},
             "shared": _shared(node, lists),
         }
         for f in own:
@@ -246,7 +248,7 @@ def check_optimizer_split(gm: fx.GraphModule) -> list[tuple[str, str]]:
             for i in c.all_input_nodes:
                 if order[i] >= order[c]:
                     out.append((c.name, f"reads {i.name}, which comes after it"))
-            names = [p.name for p in c.args[0]]  # type: ignore[union-attr]
+            names = [p.name for p in _nodes(c, 0)]
             if set(names) != set(info["params"]):
                 out.append((c.name, f"updates {sorted(names)}, recorded {sorted(info['params'])}"))
             for k, name in enumerate(names):
