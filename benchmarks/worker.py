@@ -51,6 +51,12 @@ VARIANTS = (
     "spmd_replicate_inductor",
     "spmd_fully_shard_inductor",
 )
+# Not run by default: a variant with one pass switched off, to measure what the pass buys
+# (``--variants spmd_replicate,spmd_replicate_no_optoverlap``: the same run, interleaved rounds).
+ABLATIONS = {
+    "spmd_replicate_no_optoverlap": ("spmd_replicate", "overlap_optimizer"),
+    "spmd_fully_shard_no_optoverlap": ("spmd_fully_shard", "overlap_optimizer"),
+}
 
 
 @dataclasses.dataclass
@@ -92,14 +98,16 @@ def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
     elif name.startswith("spmd_"):
         import spmd
 
-        base = name.removesuffix("_inductor")
+        base, off = ABLATIONS.get(name, (name, None))
+        base = base.removesuffix("_inductor")
         mode = {
             "spmd_replicate": spmd.DataParallel("replicate"),
             "spmd_fully_shard": spmd.DataParallel("fully_shard", reshard_after_forward=True),
             "spmd_fully_shard_noreshard": spmd.DataParallel("fully_shard", reshard_after_forward=False),
         }[base]
         backend = "inductor" if name.endswith("_inductor") else "eager"
-        step = spmd.compile(parallel_mode=mode, backend=backend)(train_step)
+        disabled = (off,) if off else ()
+        step = spmd.compile(parallel_mode=mode, backend=backend, disabled_passes=disabled)(train_step)
     elif name == "no_comm_compiled":
         # torch.compile of the single-device forward (and, through AOTAutograd, backward);
         # the optimizer stays eager. The bar the inductor backend is measured against.

@@ -16,6 +16,9 @@ matters):
 - ``role-phase``: those nodes carry ``passes.meta`` ROLE, PHASE and MICROBATCH with a
   :class:`~passes.meta.Role`, a :class:`~passes.meta.Phase` and an int >= 0.
 - ``lint``: ``graph.lint()`` passes.
+- ``optimizer-split``: the calls :func:`passes.optimizer_overlap.overlap_optimizer` split from one
+  fused optimizer call update every parameter exactly once, with the same per-parameter and
+  shared arguments as before, each after all of its inputs.
 
 ``fingerprint(gm)`` is the sequence of collectives as every rank will issue them;
 ranks compare theirs to catch a divergent graph before it hangs in a collective.
@@ -32,6 +35,7 @@ import torch.fx as fx
 
 from passes import collectives as C
 from passes.meta import MICROBATCH, PHASE, ROLE, Phase, Role, module_of
+from passes.optimizer_overlap import check_optimizer_split
 
 # How many violations one error message lists before it summarises the rest.
 _MAX_LISTED = 20
@@ -101,6 +105,7 @@ def check_invariants(gm: fx.GraphModule) -> None:
             found.extend(_check_collective(node, order))
         elif C.is_wait(node):
             found.extend(_check_wait(node, order))
+    found.extend(Violation("optimizer-split", name, msg) for name, msg in check_optimizer_split(gm))
     if found:
         raise InvariantViolation(found)
 

@@ -13,6 +13,7 @@ from passes.cleanup import strip_grad_tags
 from passes.dedup import dedup_collectives
 from passes.driver import NamedPass, run_passes
 from passes.invariants import check_invariants
+from passes.optimizer_overlap import overlap_optimizer
 from passes.prefetch import default_unit_of, prefetch_all_gathers
 from passes.scheduling import limit_inflight, sink_waits
 from passes.units import assign_units
@@ -97,6 +98,12 @@ def build_pipeline(parallel_mode: ParallelMode) -> Pipeline:
             name="limit_inflight",
             fn=functools.partial(limit_inflight, **inflight),
             reason="after sink_waits, which maximised in-flight bytes: pulls waits back within the budget",
+        ),
+        NamedPass(
+            name="overlap_optimizer",
+            fn=overlap_optimizer,
+            reason="after the waits are placed (it reads them, moves none): splits the fused optimizer "
+            "update so each bucket's update overlaps the reductions still in flight",
         ),
         NamedPass(
             name="strip_grad_tags",

@@ -9,6 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
+from passes.optimizer_overlap import is_fused_optimizer
 from tests import models as shared
 from tests.dist import parity_models as pm
 
@@ -54,8 +55,13 @@ def parity(
     clip: bool = False,
     atol: float = 0.0,
     check_eval: bool = True,
+    knobs: dict[str, Any] | None = None,
+    expect_split: bool = False,
 ) -> list[str]:
-    """Train every (model, optimizer) combo compiled and under DDP; return the mismatches."""
+    """Train every (model, optimizer) combo compiled and under DDP; return the mismatches.
+
+    ``knobs`` go to ``DataParallel``; ``expect_split``: a fused optimizer must have been split
+    into several calls by ``overlap_optimizer`` (else that is reported too)."""
     problems: list[str] = []
     for model_name, opt_name in combos:
         tag = f"{model_name}/{opt_name}/{style}/reshard={reshard}/clip={clip}"
@@ -65,7 +71,8 @@ def parity(
         ref_opt = shared.make_optimizer(opt_name, ddp.module)
         fn = train_step_clip if clip else train_step
         step = spmd.compile(
-            parallel_mode=spmd.DataParallel(style, reshard_after_forward=reshard), check_invariants=True
+            parallel_mode=spmd.DataParallel(style, reshard_after_forward=reshard, **(knobs or {})),
+            check_invariants=True,
         )(fn)
         for i in range(steps):
             b = pm.batch(model_name, i, rank)
@@ -77,6 +84,10 @@ def parity(
             # waiting in a collective.
             if not (torch.equal(loss, ref) if atol == 0 else torch.allclose(loss, ref, rtol=0, atol=atol)):
                 problems.append(f"{tag}: step {i} loss {loss.item()!r} != ddp {ref.item()!r}")
+        if expect_split and "fused" in opt_name:
+            calls = [n for n in step.graphs["final"].graph.nodes if is_fused_optimizer(n)]
+            if len(calls) < 2:
+                problems.append(f"{tag}: the fused optimizer was not split ({len(calls)} call)")
         for (n, p), (_, q) in zip(model.named_parameters(), ddp.module.named_parameters()):
             full = _full(p)
             if full.shape != q.shape or _diff(full, q) > atol:

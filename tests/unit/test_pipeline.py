@@ -16,7 +16,8 @@ import torch
 
 import spmd
 from passes import collectives as C
-from passes.meta import GRAD_OF, MICROBATCH, PHASE, ROLE, Phase, Role
+from passes.meta import GRAD_OF, MICROBATCH, PHASE, ROLE, STATE_NAME, Phase, Role
+from passes.optimizer_overlap import is_fused_optimizer
 from passes.prefetch import default_unit_of
 from passes.scheduling import _pass_through_chain, inflight_profile
 from tests import models
@@ -210,3 +211,50 @@ def test_accumulation_one_reduction_and_gathers_per_micro_batch(fake_world) -> N
     fwd_ag = _by(gm, C.Kind.ALL_GATHER, Phase.FORWARD)
     per_micro = [sum(c.meta[MICROBATCH] == m for c in fwd_ag) for m in (0, 1)]
     assert per_micro[0] == per_micro[1] == len(_by(plain, C.Kind.ALL_GATHER, Phase.FORWARD))
+
+
+# ----------------------------------------------------------------------------- overlap_optimizer
+
+
+def _waits_feeding(call: torch.fx.Node) -> set[torch.fx.Node]:
+    """The waits a fused optimizer call's gradients come from."""
+    out, stack, seen = set(), list(call.args[1]), set()
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            if C.is_wait(n):
+                out.add(n)
+            else:
+                stack.extend(n.all_input_nodes)
+    return out
+
+
+@pytest.mark.parametrize("style,knobs", [("replicate", {"bucket_cap_mb": 0.01}), ("fully_shard", {})])
+def test_optimizer_split_per_bucket_after_its_wait(fake_world, style: str, knobs: dict) -> None:
+    """Each piece of the fused AdamW sits after the last wait it reads and before any other wait;
+    pieces run in the order their buckets arrive; every parameter is updated once."""
+    gm = _lower(style, **knobs)
+    calls = [n for n in gm.graph.nodes if is_fused_optimizer(n)]
+    assert len(calls) >= 3
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    waits = [n for n in gm.graph.nodes if C.is_wait(n)]
+    last_waits = [max(_waits_feeding(c), key=order.__getitem__) for c in calls]
+    for call, mine in zip(calls, last_waits):
+        assert not [w for w in waits if order[mine] < order[w] < order[call]], call.name
+    assert [order[w] for w in last_waits] == sorted(order[w] for w in last_waits)
+    updated = [p.meta[STATE_NAME] for c in calls for p in c.args[0] if STATE_NAME in p.meta]
+    assert len(updated) == len(set(updated))
+
+
+def test_optimizer_split_can_be_disabled(fake_world) -> None:
+    torch.manual_seed(0)
+    model = models.TinyGPT(n_layers=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    mode = spmd.DataParallel("replicate", bucket_cap_mb=0.01)
+    step = spmd.compile(parallel_mode=mode, disabled_passes=("overlap_optimizer",))(models.train_step)
+    gm = step.lower(model, opt, *models.batches("tinygpt", 1)[0])["final"]
+    assert len([n for n in gm.graph.nodes if is_fused_optimizer(n)]) == 1
+    assert C.collectives(gm.graph) and [C.kind_of(c) for c in C.collectives(gm.graph)] == [
+        C.kind_of(c) for c in C.collectives(_lower("replicate", bucket_cap_mb=0.01).graph)
+    ]
