@@ -13,7 +13,9 @@ the things that can change without touching a module:
 - per parameter: whether it has a ``.grad`` and whether it requires one,
 - the optimizer's state: the same per-parameter dicts holding the same tensors, and its
   groups' hyperparameters,
-- ``torch.is_grad_enabled()`` and the number of global module hooks.
+- ``torch.is_grad_enabled()`` and the number of global module hooks,
+- the attribute guards on non-module objects (a ``config``), whose writes do not bump
+  the module version.
 
 If all agree, the signature, structure and guards of the last call agree too, and the
 cached input list (local tensors of the parameters, buffers and optimizer state) is
@@ -80,6 +82,7 @@ class LastCall:
     arg_slots: list[tuple[int, int]]  # (input index, argument index)
     grad_params: list[torch.Tensor]
     cleared: list[torch.Tensor]
+    object_guards: list[guards.Guard]
 
     @staticmethod
     def build(
@@ -154,6 +157,7 @@ class LastCall:
             arg_slots=arg_slots,
             grad_params=[params[n] for n in exe.grad_outs],
             cleared=[params[n] for n in exe.grad_cleared],
+            object_guards=[g for g in entry.attr_guards if not g.on_module],
         )
 
     def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
@@ -180,6 +184,8 @@ class LastCall:
             elif type(x) is not k[1] or x != k[2]:
                 return None
         if torch.is_grad_enabled() != self.grad_enabled or guards.global_hooks_key() != self.hooks:
+            return None
+        if self.object_guards and guards.first_failing(self.object_guards) is not None:
             return None
         params = self.params
         if [p.grad is None for p in params] != self.grad_key:
