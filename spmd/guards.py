@@ -46,7 +46,7 @@ _NOT_CONFIG = ("torch", "spmd", "passes", "builtins")
 
 
 def _is_plain(value: Any) -> bool:
-    """A value a graph can bake in: a plain scalar, an enum member, or a tuple of them (``Conv2d.padding``)."""
+    """A value a graph bakes in: a plain scalar, an enum member, a tuple of them (``Conv2d.padding``)."""
     t = type(value)
     if t in _PLAIN or isinstance(value, enum.Enum):
         return True
@@ -62,10 +62,12 @@ def _same(a: Any, b: Any) -> bool:
     if type(a) is tuple:
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return bool(a == b)
+
+
 # nn.Module's own bookkeeping attributes (dicts, hook flags), set in every instance;
 # ``training`` is the one plain attribute among them that forwards read.
 _INTERNAL = frozenset(nn.Module().__dict__) - {"training"}
-_MISSING = object()
+MISSING = object()
 
 _version = [0]
 _installed = [False]
@@ -165,12 +167,12 @@ class Guard:
     on_module: bool = True
 
     def holds(self) -> bool:
-        return _same(self.namespace.get(self.attr, _MISSING), self.value)
+        return _same(self.namespace.get(self.attr, MISSING), self.value)
 
     def describe(self) -> str:
-        now = self.namespace.get(self.attr, _MISSING)
+        now = self.namespace.get(self.attr, MISSING)
         where = f"{self.path}.{self.attr}" if self.path else self.attr
-        now_txt = "deleted" if now is _MISSING else repr(now)
+        now_txt = "deleted" if now is MISSING else repr(now)
         return f"{where} changed from {self.value!r} to {now_txt}"
 
 
@@ -262,6 +264,13 @@ def record_reads(module: nn.Module) -> Iterator[list[Guard]]:
         ns = object.__getattribute__(self, "__dict__")
         if name in ns:
             seen[(id(self), name)] = Guard(path, name, value, ns, on_module)
+        elif not on_module and (id(self), "") not in seen:
+            # Read through a property or a name map (HF's ``attribute_map``: ``n_layer`` ->
+            # ``num_hidden_layers``), not found in __dict__: guard every plain attribute.
+            seen[(id(self), "")] = Guard(path, "", None, {}, on_module)  # marks the object done
+            for attr, v in list(ns.items()):
+                if _is_plain(v) and attr[:2] != "__":
+                    seen.setdefault((id(self), attr), Guard(path, attr, v, ns, on_module))
 
     guards: list[Guard] = []
     undo = [_patch_getattribute(nn.Module, record)]
@@ -275,5 +284,5 @@ def record_reads(module: nn.Module) -> Iterator[list[Guard]]:
     finally:
         for u in reversed(undo):
             u()
-        guards.extend(seen.values())
+        guards.extend(g for g in seen.values() if g.attr)
         log.debug("spmd: %d attribute guards: %s", len(guards), [f"{g.path}.{g.attr}" for g in guards][:20])
