@@ -198,7 +198,7 @@ def _held_objects(module: nn.Module, depth: int = 2) -> dict[int, tuple[str, Any
         if attr not in _INTERNAL
     ]
     for _ in range(depth):
-        nxt = []
+        nxt: list[tuple[str, Any]] = []
         for path, obj in frontier:
             t = type(obj)
             if (
@@ -218,7 +218,7 @@ def _patch_getattribute(cls: type, record: Any) -> Any:
     """Make ``cls.__getattribute__`` call ``record(self, name, value)``; returns an undo function."""
     had_own = "__getattribute__" in cls.__dict__
     own = cls.__dict__.get("__getattribute__")
-    previous = cls.__getattribute__
+    previous: Any = cls.__getattribute__
 
     def getattribute(self: Any, name: str) -> Any:
         value = previous(self, name)
@@ -229,7 +229,7 @@ def _patch_getattribute(cls: type, record: Any) -> Any:
 
     def undo() -> None:
         if had_own:
-            cls.__getattribute__ = own  # type: ignore[method-assign]
+            cls.__getattribute__ = own  # type: ignore[method-assign,assignment]
         else:
             del cls.__getattribute__  # type: ignore[misc]
 
@@ -252,11 +252,12 @@ def record_reads(module: nn.Module) -> Iterator[list[Guard]]:
     def record(self: Any, name: str, value: Any) -> None:
         if name[:2] == "__" or (id(self), name) in seen or not _is_plain(value):
             return
-        path = paths.get(id(self))
-        on_module = path is not None
-        if on_module:
+        module_path = paths.get(id(self))
+        on_module = module_path is not None
+        if module_path is not None:
             if name in _INTERNAL:
                 return
+            path = module_path
         elif id(self) in held:
             path = held[id(self)][0]
         else:
