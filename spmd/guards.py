@@ -29,6 +29,7 @@ import dataclasses
 import enum
 import functools
 import logging
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -205,6 +206,7 @@ def _held_objects(module: nn.Module, depth: int = 2) -> dict[int, tuple[str, Any
                 id(obj) in found
                 or isinstance(obj, nn.Module | torch.Tensor | type | enum.Enum)
                 or t.__module__.split(".", 1)[0] in _NOT_CONFIG
+                or t.__module__.split(".", 1)[0] in sys.stdlib_module_names  # loggers, locks, ...
                 or not isinstance(getattr(obj, "__dict__", None), dict)
             ):
                 continue
