@@ -166,13 +166,19 @@ class Guard:
     # False for an attribute of a non-module object (a config): its writes do not bump
     # module_version, so the fast path checks this guard on every call.
     on_module: bool = True
+    # The attribute must still hold this very object (a config object the trace read from:
+    # replacing it, ``model.args = dataclasses.replace(model.args, ...)``, changes what it reads).
+    same_object: bool = False
 
     def holds(self) -> bool:
-        return _same(self.namespace.get(self.attr, MISSING), self.value)
+        now = self.namespace.get(self.attr, MISSING)
+        return now is self.value if self.same_object else _same(now, self.value)
 
     def describe(self) -> str:
         now = self.namespace.get(self.attr, MISSING)
         where = f"{self.path}.{self.attr}" if self.path else self.attr
+        if self.same_object:
+            return f"{where} was replaced (a new {type(now).__name__} object)"
         now_txt = "deleted" if now is MISSING else repr(now)
         return f"{where} changed from {self.value!r} to {now_txt}"
 
@@ -184,36 +190,44 @@ def first_failing(guards: list[Guard]) -> Guard | None:
     return None
 
 
-def _held_objects(module: nn.Module, depth: int = 2) -> dict[int, tuple[str, Any]]:
+def _held_objects(
+    module: nn.Module, depth: int = 2
+) -> tuple[dict[int, tuple[str, Any]], list[tuple[str, str, dict[str, Any], Any, bool]]]:
     """Objects reachable from ``module``'s submodules' instance attributes (``config``, and
-    ``config.text_config`` one level down) that are user state, with a path to each.
+    ``config.text_config`` one level down) that are user state, with a path to each; and
+    every place holding one: (holder path, attribute, holder ``__dict__``, object, holder is a module).
 
     Only instances of Python classes defined outside torch, with a ``__dict__``, count:
     not modules, tensors, containers, functions, classes or enum members.
     """
     found: dict[int, tuple[str, Any]] = {}
+    holders: list[tuple[str, str, dict[str, Any], Any, bool]] = []
     frontier = [
-        (f"{name}.{attr}" if name else attr, value)
+        (name, attr, vars(m), value, True)
         for name, m in module.named_modules()
         for attr, value in vars(m).items()
         if attr not in _INTERNAL
     ]
     for _ in range(depth):
-        nxt: list[tuple[str, Any]] = []
-        for path, obj in frontier:
+        nxt: list[tuple[str, str, dict[str, Any], Any, bool]] = []
+        for holder in frontier:
+            where, attr, _, obj, _ = holder
             t = type(obj)
             if (
-                id(obj) in found
-                or isinstance(obj, nn.Module | torch.Tensor | type | enum.Enum)
+                isinstance(obj, nn.Module | torch.Tensor | type | enum.Enum)
                 or t.__module__.split(".", 1)[0] in _NOT_CONFIG
                 or t.__module__.split(".", 1)[0] in sys.stdlib_module_names  # loggers, locks, ...
                 or not isinstance(getattr(obj, "__dict__", None), dict)
             ):
                 continue
+            holders.append(holder)
+            if id(obj) in found:
+                continue
+            path = f"{where}.{attr}" if where else attr
             found[id(obj)] = (path, obj)
-            nxt.extend((f"{path}.{attr}", v) for attr, v in vars(obj).items())
+            nxt.extend((path, a, vars(obj), v, False) for a, v in vars(obj).items())
         frontier = nxt
-    return found
+    return found, holders
 
 
 def _patch_getattribute(cls: type, record: Any) -> Any:
@@ -248,7 +262,7 @@ def record_reads(module: nn.Module) -> Iterator[list[Guard]]:
     attribute it then reads is not supported: it would retrace on the next call).
     """
     paths = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
-    held = _held_objects(module)
+    held, holders = _held_objects(module)
     seen: dict[tuple[int, str], Guard] = {}
 
     def record(self: Any, name: str, value: Any) -> None:
@@ -288,4 +302,10 @@ def record_reads(module: nn.Module) -> Iterator[list[Guard]]:
         for u in reversed(undo):
             u()
         guards.extend(g for g in seen.values() if g.attr)
+        read = {key[0] for key in seen}
+        guards.extend(
+            Guard(where, attr, obj, ns, on_module, same_object=True)
+            for where, attr, ns, obj, on_module in holders
+            if id(obj) in read
+        )
         log.debug("spmd: %d attribute guards: %s", len(guards), [f"{g.path}.{g.attr}" for g in guards][:20])

@@ -4,6 +4,7 @@ unchanged call takes the fast path (``LastCall``) without walking the model."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 
@@ -278,4 +279,42 @@ def test_enum_and_tuple_module_attributes_retrace() -> None:
         assert torch.equal(step(model, x), step_fn(model, x))
         model.padding = (0, 0)  # Conv2d.padding is a tuple: baked into the graph
         assert torch.equal(step(model, x), step_fn(model, x))
+        assert step.num_graphs == 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    """A frozen config (torchtitan's ``ModelArgs`` style): changed only by replacing it."""
+
+    n_layers: int = 2
+
+
+class ArgsModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.args = Args()
+        self.holder = Config()  # its ``sub`` gets replaced: a holder that is not a module
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[: self.args.n_layers]:
+            x = layer(x)
+        return x * self.holder.sub.scale
+
+
+def test_replaced_config_object_retraces() -> None:
+    model = ArgsModel()
+    step = spmd.compile()(fwd_step)
+    x = _x()
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(step(model, x), model(x))
+        model.args = dataclasses.replace(model.args, n_layers=1)
+        assert torch.equal(step(model, x), model(x))
+        assert step.num_graphs == 2
+        step(model, x)  # the fast path again
+        sub = SubConfig()
+        sub.scale = 3.0
+        model.holder.sub = sub  # no module write: the fast path must see it
+        assert torch.equal(step(model, x), model(x))
         assert step.num_graphs == 3
