@@ -13,7 +13,9 @@ the things that can change without touching a module:
 - per parameter: whether it has a ``.grad`` and whether it requires one,
 - the optimizer's state: the same per-parameter dicts holding the same tensors, and its
   groups' hyperparameters,
-- ``torch.is_grad_enabled()`` and the number of global module hooks.
+- ``torch.is_grad_enabled()`` and the number of global module hooks,
+- the attribute guards on non-module objects (a ``config``), whose writes do not bump
+  the module version.
 
 If all agree, the signature, structure and guards of the last call agree too, and the
 cached input list (local tensors of the parameters, buffers and optimizer state) is
@@ -25,6 +27,7 @@ Only calls whose arguments are all top-level (no lists or dicts of tensors) qual
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from typing import Any
 
@@ -80,6 +83,9 @@ class LastCall:
     arg_slots: list[tuple[int, int]]  # (input index, argument index)
     grad_params: list[torch.Tensor]
     cleared: list[torch.Tensor]
+    # Attribute guards on non-module objects (a config) as (namespaces, names, values):
+    # checked by identity, so a rewrite with an equal value takes the slow path once.
+    object_guards: tuple[list[dict[str, Any]], list[str], list[Any]]
 
     @staticmethod
     def build(
@@ -127,6 +133,7 @@ class LastCall:
             else:
                 return None  # a slot kind this recipe does not know: always take the slow path
         plist: list[torch.Tensor] = list(module.parameters())
+        object_guards = [g for g in entry.attr_guards if not g.on_module]
         lifted = (
             [optim_utils.lr_is_liftable(optimizer, g) for g in optimizer.param_groups]
             if optimizer is not None
@@ -154,6 +161,11 @@ class LastCall:
             arg_slots=arg_slots,
             grad_params=[params[n] for n in exe.grad_outs],
             cleared=[params[n] for n in exe.grad_cleared],
+            object_guards=(
+                [g.namespace for g in object_guards],
+                [g.attr for g in object_guards],
+                [g.value for g in object_guards],
+            ),
         )
 
     def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
@@ -180,6 +192,11 @@ class LastCall:
             elif type(x) is not k[1] or x != k[2]:
                 return None
         if torch.is_grad_enabled() != self.grad_enabled or guards.global_hooks_key() != self.hooks:
+            return None
+        namespaces, names, values_now = self.object_guards
+        if namespaces and not all(
+            map(operator.is_, map(dict.get, namespaces, names, itertools.repeat(guards.MISSING)), values_now)
+        ):
             return None
         params = self.params
         if [p.grad is None for p in params] != self.grad_key:

@@ -735,6 +735,37 @@ def compute_device(t: torch.Tensor) -> torch.device:
     return t.device
 
 
+def _holds_tensor(obj: Any, depth: int = 3) -> bool:
+    """Whether ``obj`` reaches a tensor through its attributes or items, ``depth`` levels down."""
+    if isinstance(obj, torch.Tensor):
+        return True
+    if depth == 0 or isinstance(obj, str | bytes | int | float | bool | type(None) | nn.Module):
+        return False
+    if isinstance(obj, dict):
+        items: Any = obj.values()
+    elif isinstance(obj, list | tuple | set | frozenset):
+        items = obj
+    else:
+        attrs = getattr(obj, "__dict__", None)
+        items = attrs.values() if isinstance(attrs, dict) else ()
+    return any(_holds_tensor(x, depth - 1) for x in items)
+
+
+def _check_opaque_outputs(out: Any) -> None:
+    """Refuse a step output spmd would hand back as traced: a leaf that is not a pytree node
+    but holds tensors (Hugging Face's ``DynamicCache`` in ``out.past_key_values``). The graph
+    cannot return what it cannot see; the object would carry the trace's fake tensors."""
+    for path, leaf in pytree.tree_flatten_with_path(out)[0]:
+        if not isinstance(leaf, torch.Tensor) and _holds_tensor(leaf):
+            where = f"output{pytree.keystr(path)}"
+            raise TraceError(
+                f"spmd.compile: the step returns a {type(leaf).__name__} at {where} that holds tensors "
+                "spmd cannot flatten. Return its tensors (or None) instead, or register the type with "
+                "torch.utils._pytree.register_pytree_node; for a Hugging Face model, call it with "
+                "use_cache=False or return only the fields you need (out.loss, out.logits)."
+            )
+
+
 def _trace_input(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
     """The fake stand-in of a real input: full (global) shape, even for a sharded DTensor.
 
@@ -822,6 +853,7 @@ def trace_step(
             out = fn(*args, **kwargs)
             out_box["backward_calls"] = len(calls)
         out_leaves, out_spec = pytree.tree_flatten(out)
+        _check_opaque_outputs(out)
         out_box["spec"] = out_spec
         out_box["constants"] = [TENSOR_OUT if isinstance(x, torch.Tensor) else x for x in out_leaves]
         # Gradients the step leaves behind; one it did not touch stays as it is (no output).

@@ -217,3 +217,28 @@ def test_all_errors_derive_from_spmd_error():
         spmd.CacheLimitError,
     ):
         assert issubclass(cls, spmd.SpmdError)
+
+
+class _Cache:
+    """Like Hugging Face's ``DynamicCache``: not a pytree node, holds tensors."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.layers = [t]
+
+
+def test_output_holding_tensors_in_an_opaque_object_raises() -> None:
+    """Handing such an object back as traced would give the caller the trace's fake tensors."""
+    model = nn.Linear(4, 4)
+
+    def step(model, x):
+        y = model(x)
+        return {"y": y, "cache": _Cache(y)}
+
+    with pytest.raises(spmd.TraceError, match=r"_Cache at output\['cache'\] that holds tensors"):
+        spmd.compile()(step)(model, torch.randn(2, 4))
+
+    def ok(model, x):
+        return {"y": model(x), "note": "plain leaves are constants", "cfg": _Cache(None)}  # type: ignore[arg-type]
+
+    out = spmd.compile()(ok)(model, torch.randn(2, 4))
+    assert out["note"] == "plain leaves are constants" and out["cfg"].layers == [None]

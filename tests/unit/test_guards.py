@@ -4,6 +4,8 @@ unchanged call takes the fast path (``LastCall``) without walking the model."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 
 import pytest
@@ -192,3 +194,127 @@ def test_trace_restores_module_getattribute() -> None:
     before = guards.module_version()
     model.scale = 5.0
     assert guards.module_version() > before
+
+
+class Config:
+    """Like a Hugging Face ``PretrainedConfig``: a plain object the modules hold, read in
+    forward through ``self.config.X``, with a class-level ``__getattribute__`` that maps names."""
+
+    attribute_map = {"n_layer": "num_layers"}
+
+    def __init__(self) -> None:
+        self.num_layers = 2
+        self.act = "relu"
+        self.sub = SubConfig()
+
+    def __getattribute__(self, key: str) -> object:
+        if key != "attribute_map" and key in super().__getattribute__("attribute_map"):
+            key = super().__getattribute__("attribute_map")[key]
+        return super().__getattribute__(key)
+
+
+class SubConfig:
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+
+class Configured(nn.Module):
+    """Reads ``config.n_layer`` (mapped), ``config.act`` and ``config.sub.scale`` in forward."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[: self.config.n_layer]:
+            x = layer(x)
+            x = F.relu(x) if self.config.act == "relu" else F.gelu(x)
+        return x * self.config.sub.scale
+
+
+def test_config_object_attribute_changes_retrace(caplog: pytest.LogCaptureFixture) -> None:
+    """A change to a held config object (no nn.Module write, so the fast path must see it too)
+    retraces instead of running the stale graph (Llama's ``self.layers[: config.num_hidden_layers]``)."""
+    model = Configured(Config())
+    step = spmd.compile()(fwd_step)
+    x = _x().repeat(1, 2)[:, :8]
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(step(model, x), model(x))
+        with caplog.at_level(logging.INFO, logger="spmd"):
+            model.config.num_layers = 1
+            assert torch.equal(step(model, x), model(x))
+        assert "config.num_layers changed from 2 to 1" in caplog.text
+        model.config.act = "gelu"
+        assert torch.equal(step(model, x), model(x))
+        model.config.sub.scale = 0.5
+        assert torch.equal(step(model, x), model(x))
+        assert step.num_graphs == 4
+        assert torch.equal(step(model, x), model(x))  # unchanged: the cached graph
+        model.config.num_layers, model.config.act, model.config.sub.scale = 2, "relu", 1.0
+        assert torch.equal(step(model, x), model(x))
+        assert step.num_graphs == 4
+    assert "__getattribute__" in Config.__dict__ and "__getattribute__" not in SubConfig.__dict__
+
+
+class Mode(enum.Enum):
+    A = 1
+    B = 2
+
+
+def test_enum_and_tuple_module_attributes_retrace() -> None:
+    model = nn.Conv2d(2, 3, 3, padding=1)
+    model.mode = Mode.A
+
+    def step_fn(model, x):
+        y = model(x)
+        return y if model.mode is Mode.A else -y
+
+    step = spmd.compile()(step_fn)
+    x = torch.randn(1, 2, 5, 5, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(step(model, x), step_fn(model, x))
+        model.mode = Mode.B
+        assert torch.equal(step(model, x), step_fn(model, x))
+        model.padding = (0, 0)  # Conv2d.padding is a tuple: baked into the graph
+        assert torch.equal(step(model, x), step_fn(model, x))
+        assert step.num_graphs == 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    """A frozen config (torchtitan's ``ModelArgs`` style): changed only by replacing it."""
+
+    n_layers: int = 2
+
+
+class ArgsModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.args = Args()
+        self.holder = Config()  # its ``sub`` gets replaced: a holder that is not a module
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[: self.args.n_layers]:
+            x = layer(x)
+        return x * self.holder.sub.scale
+
+
+def test_replaced_config_object_retraces() -> None:
+    model = ArgsModel()
+    step = spmd.compile()(fwd_step)
+    x = _x()
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(step(model, x), model(x))
+        model.args = dataclasses.replace(model.args, n_layers=1)
+        assert torch.equal(step(model, x), model(x))
+        assert step.num_graphs == 2
+        step(model, x)  # the fast path again
+        sub = SubConfig()
+        sub.scale = 3.0
+        model.holder.sub = sub  # no module write: the fast path must see it
+        assert torch.equal(step(model, x), model(x))
+        assert step.num_graphs == 3
