@@ -11,8 +11,10 @@ fused Adam/AdamW kernels. What is missing on torch 2.13 and registered here:
   without its RNG and sequence-length outputs). An ``attn_mask`` (Hugging Face's
   ``attn_implementation="sdpa"`` passes an explicit ``[B, 1, S, S]`` one) follows q on the
   dimension it broadcasts against: sharded where its size there is q's, replicated where
-  it is 1 (or the mask has fewer dimensions). No strategy shards the sequence: DTensor
-  gathers a sequence-sharded q first.
+  it is 1 (or the mask has fewer dimensions). DTensor never redistributes a keyword
+  argument, so the expansion places the mask first (:func:`attn_mask_placements`, from
+  q's placements) and the rule takes it as it is. A sequence-sharded q with a mask is
+  refused (no strategy shards the sequence).
 
 Registration goes through DTensor's private helpers (``_ops.utils.register_op_strategy``,
 ``expand_to_full_mesh_op_strategy``, the pointwise registrar); this module is the one
@@ -39,15 +41,17 @@ RULES = (
 )
 
 
+# The attention ops that take an ``attn_mask`` keyword -> the position of q in their arguments.
+ATTENTION_Q = {RULES[2]: 0, RULES[3]: 1}
+
+
 def _attention_strategies(
     n_out: int, n_in: int, q_shape: Sequence[int], mask_shape: Sequence[int] | None
 ) -> list[list[Placement | None]]:
     """All replicated, or every tensor sharded on batch (dim 0), or on heads (dim 1).
 
-    ``mask_shape``: the ``attn_mask`` kwarg's shape (its strategy comes after the positional
-    inputs), or None without one. The mask broadcasts against the scores ``[B, H, S_q, S_kv]``
-    from the right, so q's dim ``d`` is the mask's dim ``d - (q.ndim - mask.ndim)``; a size-1
-    (or missing) dim there is the same for every shard: the mask stays replicated.
+    ``mask_shape``: the ``attn_mask`` keyword's shape (its strategy comes after the positional
+    inputs), or None without one.
     """
     out = []
     for p in (Replicate(), Shard(0), Shard(1)):
@@ -59,12 +63,35 @@ def _attention_strategies(
 
 
 def _mask_placement(p: Placement, q_shape: Sequence[int], mask_shape: Sequence[int]) -> Placement:
+    """The mask's placement on a mesh dimension where q has ``p`` (batch, heads or replicated).
+
+    The mask broadcasts against the scores ``[B, H, S_q, S_kv]`` from the right, so q's dim
+    ``d`` is the mask's dim ``d - (q.ndim - mask.ndim)``; a size-1 (or missing) dim there is
+    the same for every shard: the mask stays replicated.
+    """
     if not isinstance(p, Shard):
-        return p
+        return Replicate()
     dim = p.dim - (len(q_shape) - len(mask_shape))
     if dim < 0 or mask_shape[dim] == 1:
         return Replicate()
     return Shard(dim)
+
+
+def attn_mask_placements(
+    q_placements: Sequence[Placement], q_shape: Sequence[int], mask_shape: Sequence[int]
+) -> tuple[Placement, ...]:
+    """The placements an ``attn_mask`` must have next to a q with ``q_placements``.
+
+    Raises NotImplementedError for a q sharded on its sequence (or head-size) dimension.
+    """
+    for p in q_placements:
+        if isinstance(p, Shard) and p.dim >= 2:
+            raise NotImplementedError(
+                f"attention with an attn_mask over a q sharded on dimension {p.dim} (sequence) has no "
+                "sharding rule; shard the batch (dim 0) or the heads (dim 1), or pass is_causal instead "
+                "of a mask"
+            )
+    return tuple(_mask_placement(p, q_shape, mask_shape) for p in q_placements)
 
 
 def register() -> None:
@@ -80,20 +107,35 @@ def register() -> None:
     for op in RULES[:2]:
         _register_single_dim_pointwise(op)
 
-    def _shapes(op_schema: OpSchema, q: int) -> tuple[Sequence[int], Sequence[int] | None]:
+    def _attention(op_schema: OpSchema, n_out: int, n_in: int) -> StrategyType:
+        mesh = op_schema.get_mesh_from_args()
+        q = op_schema.args_schema[n_in - 3]
         mask = op_schema.kwargs_schema.get("attn_mask")
-        q_strategy = op_schema.args_schema[q]
-        assert isinstance(q_strategy, OpStrategy)
-        return q_strategy.shape, mask.shape if isinstance(mask, OpStrategy) else None
+        assert isinstance(q, OpStrategy)
+        if not isinstance(mask, OpStrategy):
+            return expand_to_full_mesh_op_strategy(
+                mesh, op_schema, _attention_strategies(n_out, n_in, q.shape, None), input_index=n_out
+            )
+        strategy = expand_to_full_mesh_op_strategy(
+            mesh, op_schema, _attention_strategies(n_out, n_in, q.shape, mask.shape), input_index=n_out
+        )
+        # DTensor does not redistribute keyword arguments: only strategies that take the mask
+        # as it comes are valid (the expansion placed it from q's placements beforehand).
+        have = mask.strategies[0].output_spec.placements
+        strategy.strategies = [
+            s for s in strategy.strategies if s.input_specs is not None and s.input_specs[-1].placements == have
+        ]
+        if not strategy.strategies:
+            raise NotImplementedError(
+                f"attention with an attn_mask placed {have} has no sharding rule for q placed "
+                f"{q.strategies[0].output_spec.placements}"
+            )
+        return strategy
 
     @register_op_strategy(RULES[2], schema_info=RuntimeSchemaInfo(3))
     def _flash_cpu(op_schema: OpSchema) -> StrategyType:
-        mesh = op_schema.get_mesh_from_args()
-        strategies = _attention_strategies(2, 3, *_shapes(op_schema, 0))
-        return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=2)
+        return _attention(op_schema, 2, 3)
 
     @register_op_strategy(RULES[3], schema_info=RuntimeSchemaInfo(6))
     def _flash_cpu_backward(op_schema: OpSchema) -> StrategyType:
-        mesh = op_schema.get_mesh_from_args()
-        strategies = _attention_strategies(3, 6, *_shapes(op_schema, 1))
-        return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=3)
+        return _attention(op_schema, 3, 6)
