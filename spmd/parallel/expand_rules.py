@@ -123,7 +123,9 @@ def register() -> None:
         # as it comes are valid (the expansion placed it from q's placements beforehand).
         have = mask.strategies[0].output_spec.placements
         strategy.strategies = [
-            s for s in strategy.strategies if s.input_specs is not None and s.input_specs[-1].placements == have
+            s
+            for s in strategy.strategies
+            if s.input_specs is not None and s.input_specs[-1].placements == have
         ]
         if not strategy.strategies:
             raise NotImplementedError(
