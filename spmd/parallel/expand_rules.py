@@ -109,7 +109,7 @@ def register() -> None:
 
     def _attention(op_schema: OpSchema, n_out: int, n_in: int) -> StrategyType:
         mesh = op_schema.get_mesh_from_args()
-        q = op_schema.args_schema[n_in - 3]
+        q = op_schema.args_schema[ATTENTION_Q[op_schema.op]]
         mask = op_schema.kwargs_schema.get("attn_mask")
         assert isinstance(q, OpStrategy)
         if not isinstance(mask, OpStrategy):
