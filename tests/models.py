@@ -83,6 +83,51 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class MaskedBlock(Block):
+    """Block with an explicit attention mask instead of ``is_causal``, as Hugging Face's
+    ``attn_implementation="sdpa"`` passes one: causal and not-padding, ``[B, heads, T, T]``
+    (``heads`` 1: broadcast over the heads). Separate q, k, v projections (as Llama's), so
+    column-parallel weights shard the attention's heads."""
+
+    def __init__(self, d_model: int, n_heads: int, mask_heads: int):
+        super().__init__(d_model, n_heads)
+        del self.qkv
+        self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
+        self.mask_heads = mask_heads
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (
+            lin(h).view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
+            for lin in (self.q, self.k, self.v)
+        )
+        i = torch.arange(t, device=x.device)
+        mask = (i[None, :] <= i[:, None])[None, None] & keep[:, None, None, :]
+        mask = mask.expand(b, self.mask_heads, t, t)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class MaskedGPT(TinyGPT):
+    """TinyGPT whose blocks take a boolean ``[B, mask_heads, T, T]`` mask built from the input
+    batch (token 0 is padding a query does not attend to, unless it is the first one)."""
+
+    def __init__(self, mask_heads: int = 1, **kw: int):
+        super().__init__(**kw)
+        d, h = self.tok.embedding_dim, self.blocks[0].n_heads
+        self.blocks = nn.ModuleList(MaskedBlock(d, h, mask_heads) for _ in self.blocks)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        keep = (idx != 0) | (pos == 0)  # the first key is always kept: no query's row is empty
+        x = self.tok(idx) + self.pos(pos)
+        for blk in self.blocks:
+            x = blk(x, keep)
+        return self.head(self.ln_f(x))
+
+
 class ConvBN(nn.Module):
     """Conv -> BatchNorm2d -> ReLU -> pool -> Linear (BN running stats are buffers)."""
 

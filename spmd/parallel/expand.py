@@ -27,7 +27,9 @@ Where the expansion decides itself, rather than DTensor:
   ``Partial(avg)`` loss over a batch-sharded input: this rank's local loss, as DDP).
 * factory ops (``arange``, ``zeros``) and other plain tensors are replicated
   (DTensor's ``implicit_replication``): they are computed alike on every rank.
-* ops torch has no strategy for get one in :mod:`spmd.parallel.expand_rules`.
+* ops torch has no strategy for get one in :mod:`spmd.parallel.expand_rules`; an
+  attention op's ``attn_mask`` keyword is redistributed here to follow q, as DTensor
+  never redistributes keyword arguments.
 * the nodes of an ``Override`` stand-in that declared placements
   (``Override.placements``) run on local tensors, as ``local_map`` would run them.
 * any failure at a node (no strategy, a redistribution DTensor cannot do) is a
@@ -535,7 +537,22 @@ class _Expander(fx.Interpreter):
                     g = g.redistribute(self.mesh, want)
                 return _wrap(TAG_GRAD(g._local_tensor, name), self.mesh, g.placements, g)
             return TAG_GRAD(g, name)
+        q_at = expand_rules.ATTENTION_Q.get(target)
+        if q_at is not None and kwargs.get("attn_mask") is not None:
+            kwargs = {**kwargs, "attn_mask": self._place_mask(args[q_at], kwargs["attn_mask"])}
         return super().call_function(target, args, kwargs)
+
+    def _place_mask(self, q: Any, mask: torch.Tensor) -> torch.Tensor:
+        """An attention mask redistributed to follow q (DTensor never redistributes a keyword
+        argument); a plain mask (built from factory ops) is replicated."""
+        if not isinstance(q, DTensor):
+            return mask
+        if not isinstance(mask, DTensor):
+            mask = _wrap(mask, self.mesh, (Replicate(),) * self.mesh.ndim, mask)
+        want = expand_rules.attn_mask_placements(q.placements, q.shape, mask.shape)
+        if tuple(mask.placements) != want:
+            mask = mask.redistribute(self.mesh, want)
+        return mask
 
 
 def _wrap(

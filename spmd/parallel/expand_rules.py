@@ -8,7 +8,13 @@ fused Adam/AdamW kernels. What is missing on torch 2.13 and registered here:
 * ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward: the CPU
   kernel of ``F.scaled_dot_product_attention``; batch (dim 0) or heads (dim 1) sharded
   alike on every input and output, or all replicated (the CUDA flash kernel's rule
-  without its RNG and sequence-length outputs).
+  without its RNG and sequence-length outputs). An ``attn_mask`` (Hugging Face's
+  ``attn_implementation="sdpa"`` passes an explicit ``[B, 1, S, S]`` one) follows q on the
+  dimension it broadcasts against: sharded where its size there is q's, replicated where
+  it is 1 (or the mask has fewer dimensions). DTensor never redistributes a keyword
+  argument, so the expansion places the mask first (:func:`attn_mask_placements`, from
+  q's placements) and the rule takes it as it is. A sequence-sharded q with a mask is
+  refused (no strategy shards the sequence).
 
 Registration goes through DTensor's private helpers (``_ops.utils.register_op_strategy``,
 ``expand_to_full_mesh_op_strategy``, the pointwise registrar); this module is the one
@@ -17,6 +23,8 @@ place that uses them. ``spmd::tag_grad`` needs no rule: the expansion handles it
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
@@ -33,9 +41,57 @@ RULES = (
 )
 
 
-def _attention_strategies(n_out: int, n_in: int) -> list[list[Placement | None]]:
-    """All replicated, or every tensor sharded on batch (dim 0), or on heads (dim 1)."""
-    return [[p] * (n_out + n_in) for p in (Replicate(), Shard(0), Shard(1))]
+# The attention ops that take an ``attn_mask`` keyword -> the position of q in their arguments.
+ATTENTION_Q = {RULES[2]: 0, RULES[3]: 1}
+
+
+def _attention_strategies(
+    n_out: int, n_in: int, q_shape: Sequence[int], mask_shape: Sequence[int] | None
+) -> list[list[Placement | None]]:
+    """All replicated, or every tensor sharded on batch (dim 0), or on heads (dim 1).
+
+    ``mask_shape``: the ``attn_mask`` keyword's shape (its strategy comes after the positional
+    inputs), or None without one.
+    """
+    out = []
+    for p in (Replicate(), Shard(0), Shard(1)):
+        row: list[Placement | None] = [p] * (n_out + n_in)
+        if mask_shape is not None:
+            row.append(_mask_placement(p, q_shape, mask_shape))
+        out.append(row)
+    return out
+
+
+def _mask_placement(p: Placement, q_shape: Sequence[int], mask_shape: Sequence[int]) -> Placement:
+    """The mask's placement on a mesh dimension where q has ``p`` (batch, heads or replicated).
+
+    The mask broadcasts against the scores ``[B, H, S_q, S_kv]`` from the right, so q's dim
+    ``d`` is the mask's dim ``d - (q.ndim - mask.ndim)``; a size-1 (or missing) dim there is
+    the same for every shard: the mask stays replicated.
+    """
+    if not isinstance(p, Shard):
+        return Replicate()
+    dim = p.dim - (len(q_shape) - len(mask_shape))
+    if dim < 0 or mask_shape[dim] == 1:
+        return Replicate()
+    return Shard(dim)
+
+
+def attn_mask_placements(
+    q_placements: Sequence[Placement], q_shape: Sequence[int], mask_shape: Sequence[int]
+) -> tuple[Placement, ...]:
+    """The placements an ``attn_mask`` must have next to a q with ``q_placements``.
+
+    Raises NotImplementedError for a q sharded on its sequence (or head-size) dimension.
+    """
+    for p in q_placements:
+        if isinstance(p, Shard) and p.dim >= 2:
+            raise NotImplementedError(
+                f"attention with an attn_mask over a q sharded on dimension {p.dim} (sequence) has no "
+                "sharding rule; shard the batch (dim 0) or the heads (dim 1), or pass is_causal instead "
+                "of a mask"
+            )
+    return tuple(_mask_placement(p, q_shape, mask_shape) for p in q_placements)
 
 
 def register() -> None:
@@ -44,27 +100,44 @@ def register() -> None:
     if _done:
         return
     _done = True
-    from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo, StrategyType
+    from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo, StrategyType
     from torch.distributed.tensor._ops._pointwise_ops import _register_single_dim_pointwise
     from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
 
     for op in RULES[:2]:
         _register_single_dim_pointwise(op)
 
-    def _mask_free(op_schema: OpSchema, what: str) -> None:
-        if op_schema.kwargs_schema.get("attn_mask") is not None:
-            raise NotImplementedError(
-                f"{what} with an attn_mask has no sharding rule; pass is_causal instead"
+    def _attention(op_schema: OpSchema, n_out: int, n_in: int) -> StrategyType:
+        mesh = op_schema.get_mesh_from_args()
+        q = op_schema.args_schema[ATTENTION_Q[op_schema.op]]
+        mask = op_schema.kwargs_schema.get("attn_mask")
+        assert isinstance(q, OpStrategy)
+        if not isinstance(mask, OpStrategy):
+            return expand_to_full_mesh_op_strategy(
+                mesh, op_schema, _attention_strategies(n_out, n_in, q.shape, None), input_index=n_out
             )
+        strategy = expand_to_full_mesh_op_strategy(
+            mesh, op_schema, _attention_strategies(n_out, n_in, q.shape, mask.shape), input_index=n_out
+        )
+        # DTensor does not redistribute keyword arguments: only strategies that take the mask
+        # as it comes are valid (the expansion placed it from q's placements beforehand).
+        have = mask.strategies[0].output_spec.placements
+        strategy.strategies = [
+            s
+            for s in strategy.strategies
+            if s.input_specs is not None and s.input_specs[-1].placements == have
+        ]
+        if not strategy.strategies:
+            raise NotImplementedError(
+                f"attention with an attn_mask placed {have} has no sharding rule for q placed "
+                f"{q.strategies[0].output_spec.placements}"
+            )
+        return strategy
 
     @register_op_strategy(RULES[2], schema_info=RuntimeSchemaInfo(3))
     def _flash_cpu(op_schema: OpSchema) -> StrategyType:
-        _mask_free(op_schema, "CPU flash attention")
-        mesh = op_schema.get_mesh_from_args()
-        return expand_to_full_mesh_op_strategy(mesh, op_schema, _attention_strategies(2, 3), input_index=2)
+        return _attention(op_schema, 2, 3)
 
     @register_op_strategy(RULES[3], schema_info=RuntimeSchemaInfo(6))
     def _flash_cpu_backward(op_schema: OpSchema) -> StrategyType:
-        _mask_free(op_schema, "CPU flash attention backward")
-        mesh = op_schema.get_mesh_from_args()
-        return expand_to_full_mesh_op_strategy(mesh, op_schema, _attention_strategies(3, 6), input_index=3)
+        return _attention(op_schema, 3, 6)

@@ -15,7 +15,8 @@ COMBOS = [("mlp", "sgd_momentum_foreach"), ("tinygpt", "adamw_fused"), ("uneven"
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "style,reshard", [("replicate", True), ("fully_shard", True), ("fully_shard", False)],
+    "style,reshard",
+    [("replicate", True), ("fully_shard", True), ("fully_shard", False)],
     ids=["replicate", "fully_shard", "fully_shard_noreshard"],
 )
 def test_accumulation_matches_ddp_no_sync(style: str, reshard: bool) -> None:

@@ -69,3 +69,16 @@ def test_data_x_tensor_parallel_2d_matches_single_device() -> None:
             2 * 32,
         )
     )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh", [{"tp": 2}, {"dp": 2, "tp": 1}], ids=["heads", "batch"])
+def test_attn_mask_matches_single_device(mesh) -> None:
+    """MaskedGPT (an explicit [B, H, T, T] attention mask from the batch, as Hugging Face's sdpa
+    path passes one) on 2 ranks: the mask is sharded with q on the heads ("tp") or the batch ("dp")."""
+    results = run_ranks(workers_expand.tensor_parallel, 2, mesh, "sgd", False, 3, 4, timeout=280)
+    for rank, r in enumerate(results):
+        assert r["moved"] > 1e-3, "the reference did not train"
+        assert r["param_diff"] < TOL, f"rank {rank}: {r['worst']} differs by {r['param_diff']}"
+        assert r["loss_diff"] < TOL, f"rank {rank}: loss differs by {r['loss_diff']}"
+        assert r["local_shapes"]["blocks.0.q.weight"] == (32 // mesh["tp"], 32)

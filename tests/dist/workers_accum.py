@@ -63,7 +63,9 @@ def parity(rank: int, world: int, style: str, reshard: bool, combos: list[tuple[
         ref_opt = shared.make_optimizer(opt_name, ddp.module)
         mode = spmd.DataParallel(style, reshard_after_forward=reshard)
         step = spmd.compile(parallel_mode=mode, check_invariants=True)(accumulating_step)
-        problems += [f"{tag}: {p}" for p in _train_and_compare(step, model, opt, ddp, ref_opt, model_name, rank, 6)]
+        problems += [
+            f"{tag}: {p}" for p in _train_and_compare(step, model, opt, ddp, ref_opt, model_name, rank, 6)
+        ]
         # One reduction per gradient per step: the same reduced elements as a plain step.
         plain = spmd.compile(parallel_mode=mode)(workers.train_step)
         plain(model, opt, *pm.batch(model_name, 50, rank))

@@ -27,6 +27,8 @@ TP = {
     "tok.weight": Shard(0),
     "pos.weight": Shard(1),
 }
+# tests.models.MaskedGPT has separate q, k, v projections: column-parallel, they shard the heads.
+TP_MASKED = {"blocks.*.[qkv].*": Shard(0), **TP}
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,10 +83,10 @@ def defaults_vs_ddp(rank: int, world: int, combos: list[tuple[str, str]], steps:
     return problems
 
 
-def _tp_placements(mesh_ndim: int) -> dict[str, Any]:
+def _tp_placements(mesh_ndim: int, tp: dict[str, Any] = TP) -> dict[str, Any]:
     if mesh_ndim == 1:
-        return dict(TP)
-    return {k: (Replicate(), v) for k, v in TP.items()}
+        return dict(tp)
+    return {k: (Replicate(), v) for k, v in tp.items()}
 
 
 def _masked_diff(name: str, a: torch.Tensor, b: torch.Tensor) -> float:
@@ -107,12 +109,14 @@ def tensor_parallel(
     optim: str = "adamw",
     clip: bool = False,
     steps: int = 5,
+    mask_heads: int = 0,
 ) -> dict[str, Any]:
     """TinyGPT with Megatron placements (on a 1-D "tp" mesh, or a 2-D "dp" x "tp" one) against
     single-device training on the global batch. Returns the largest differences, the local shapes
-    of the sharded weights and the report's bytes."""
+    of the sharded weights and the report's bytes. ``mask_heads``: MaskedGPT instead, its
+    explicit attention mask of that many heads."""
     torch.manual_seed(0)  # the same initial values on every rank
-    model = shared.TinyGPT()
+    model = shared.MaskedGPT(mask_heads=mask_heads) if mask_heads else shared.TinyGPT()
     ref = copy.deepcopy(model)
     initial = [p.detach().clone() for p in model.parameters()]
     if optim == "adamw":
@@ -123,7 +127,7 @@ def tensor_parallel(
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, fused=True)
     mode = spmd.DTensorExpandMode(
         mesh_shape,
-        param_placements=_tp_placements(len(mesh_shape)),
+        param_placements=_tp_placements(len(mesh_shape), TP_MASKED if mask_heads else TP),
         input_placements=None if "dp" in mesh_shape else (Replicate(),),
     )
     fn = train_step_clip if clip else train_step  # clip: a global norm over sharded gradients

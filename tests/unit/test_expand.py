@@ -228,3 +228,91 @@ def test_error_model_distributed_by_another_mode() -> None:
         )
         with pytest.raises(spmd.ConfigError, match="distributed by another parallel mode"):
             _lower(spmd.DTensorExpandMode(), model, opt, *_mlp_batch())
+
+
+# ----------------------------------------------------------------------------- attention masks
+
+_ATTN = "aten._scaled_dot_product_flash_attention_for_cpu"
+
+
+def _mask_shapes(gm) -> list[tuple[str, tuple[int, ...]]]:
+    """(op, local attn_mask shape) of every CPU flash attention node, forward and backward."""
+    return [
+        (str(n.target).removeprefix(_ATTN), tuple(n.kwargs["attn_mask"].meta["val"].shape))
+        for n in gm.graph.nodes
+        if str(n.target).startswith(_ATTN)
+    ]
+
+
+@pytest.mark.parametrize(
+    "mesh,mask_heads,local",
+    [
+        # Batch-sharded q (global batch 8 of local 4): the mask [B, 1, T, T] is batch-sharded too.
+        ({"dp": 2}, 1, (4, 1, 16, 16)),
+        # dp x tp: batch on "dp"; the heads dim of size 1 broadcasts, replicated on "tp".
+        ({"dp": 2, "tp": 2}, 1, (4, 1, 16, 16)),
+        # A [B, H, T, T] mask follows the head-sharded q on "tp".
+        ({"dp": 2, "tp": 2}, 4, (4, 2, 16, 16)),
+    ],
+)
+def test_attn_mask_follows_q(mesh, mask_heads, local) -> None:
+    """F.scaled_dot_product_attention(q, k, v, attn_mask=mask) with a boolean mask built from the
+    batch: the CPU flash kernel and its backward take the mask with q's placements where it does
+    not broadcast, replicated where it does."""
+    with fake_process_group(4 if "tp" in mesh else 2):
+        torch.manual_seed(0)
+        model = models.MaskedGPT(mask_heads=mask_heads)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        tp = {"blocks.*.[qkv].*": (Replicate(), Shard(0)), **TP} if "tp" in mesh else {}
+        _, graphs = _lower(spmd.DTensorExpandMode(mesh, param_placements=tp), model, opt, *_tokens())
+        gm = graphs["partitioned"]
+        shapes = _mask_shapes(gm)
+        q_heads = [
+            n.args[0].meta["val"].shape[1] for n in gm.graph.nodes if str(n.target) == _ATTN + ".default"
+        ]
+    assert shapes == [(".default", local)] * 2 + [("_backward.default", local)] * 2
+    assert q_heads == [4 // (2 if "tp" in mesh else 1)] * 2  # q's heads are sharded on "tp"
+
+
+def test_attn_mask_with_sequence_sharded_q_is_refused() -> None:
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = models.MaskedGPT()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        mode = spmd.DTensorExpandMode(input_placements=Shard(1))
+        with pytest.raises(spmd.ShardingPropagationError, match=r"q sharded on dimension 2 \(sequence\)"):
+            _lower(mode, model, opt, *_tokens())
+
+
+def test_hf_llama_sdpa_mask_is_batch_sharded() -> None:
+    """Hugging Face's masking_utils builds a float [B, 1, S, S] mask from the attention_mask
+    (indexed with an arange: DTensor gathers it) and passes it to SDPA; the expansion slices it
+    back to this rank's batch."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        attn_implementation="sdpa",
+    )
+    model = transformers.LlamaForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+    def step_fn(model, opt, ids, attention_mask):
+        loss = model(input_ids=ids, attention_mask=attention_mask, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones(2, 8, dtype=torch.long)
+    attention_mask[0, :2] = 0  # left padding
+    with fake_process_group(2):
+        step = spmd.compile(parallel_mode=spmd.DTensorExpandMode(), check_invariants=True)(step_fn)
+        shapes = _mask_shapes(step.lower(model, opt, ids, attention_mask)["partitioned"])
+    assert shapes == [(".default", (2, 1, 8, 8))] * 2 + [("_backward.default", (2, 1, 8, 8))] * 2
