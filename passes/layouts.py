@@ -198,7 +198,7 @@ def _mismatch(real: Any, traced: Any, *, offset: bool) -> bool:
     return rs != ts or (offset and ro != to)
 
 
-def _where(node: fx.Node) -> str:
+def where(node: fx.Node) -> str:
     """The module path and the model's source line that produced ``node``, when recorded."""
     parts = [module_of(node)] if module_of(node) else []
     lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines()]
@@ -309,7 +309,7 @@ class _Checker(fx.Interpreter):
                     "forward and backward alike. If the model calls .contiguous() before as_strided "
                     "this is that copy (the trace dropped it as a no-op) and results equal eager's; "
                     "if not, eager reads the kernel's layout and results differ: add .contiguous().",
-                    _where(reader),
+                    where(reader),
                     arg.name,
                     tuple(real.stride()),
                     tuple(stride),
@@ -317,7 +317,7 @@ class _Checker(fx.Interpreter):
             log.info(
                 "spmd: layout fix-up before %s (%s): %s has stride %s at run time, the trace assumed %s",
                 reader.target,
-                _where(reader),
+                where(reader),
                 arg.name,
                 tuple(real.stride()),
                 tuple(stride),

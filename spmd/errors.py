@@ -47,6 +47,11 @@ class CollectiveError(SpmdError):
     """A collective failed or timed out while a compiled step ran: a peer rank died or diverged."""
 
 
+class KernelError(SpmdError):
+    """An op of the compiled graph failed on real tensors although the trace (on fake tensors,
+    whose kernels check less) accepted it; names the op, its module path and source line."""
+
+
 class PassError(SpmdError):
     """A graph pass failed or broke a graph invariant."""
 

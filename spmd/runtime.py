@@ -29,7 +29,7 @@ from passes import collectives as C
 from passes.layouts import FAILING_NODE, fix_layouts
 from passes.meta import Role
 from spmd import tracing
-from spmd.errors import CollectiveError, ModelChangedError
+from spmd.errors import CollectiveError, KernelError, ModelChangedError, SpmdError
 from spmd.parallel.sharding import local
 
 # Backend errors of a broken or timed-out collective, where the failing op is not
@@ -146,7 +146,9 @@ class Executable:
             node = _failing_node(exc, self.gm)
             is_comm = node is not None and (C.is_collective(node) or C.is_wait(node))
             if not (is_comm or isinstance(exc, dist.DistError) or _BACKEND_FAILURE.search(str(exc))):
-                raise
+                if node is None or isinstance(exc, SpmdError):
+                    raise
+                raise KernelError(_kernel_message(exc, node)) from exc
             raise CollectiveError(_collective_message(exc, self.gm, node if is_comm else None)) from exc
         it = iter(outs)
         leaves = [next(it) if c is tracing.TENSOR_OUT else c for c in self.out_constants]
@@ -214,6 +216,27 @@ def _failing_node(exc: BaseException, gm: fx.GraphModule) -> fx.Node | None:
         if m and m.group(1) in nodes:
             return nodes[m.group(1)]
     return None
+
+
+def _kernel_message(exc: BaseException, node: fx.Node) -> str:
+    from passes.invariants import describe
+    from passes.layouts import where
+
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    source = where(node)
+    hint = ""
+    if "expected scalar type" in first_line or "dtype" in first_line:
+        hint = (
+            " The inputs' dtypes disagree. With mixed precision this is typically a module that keeps "
+            "buffers in another dtype than its cast parameters (BatchNorm's fp32 running statistics "
+            "with bf16 weights, which this device's kernel refuses in eager too): cast the buffers "
+            "as well, MixedPrecision(..., buffer_dtype=<the param_dtype>)."
+        )
+    return (
+        f"spmd: {describe(node)}{f' at {source}' if source else ''} failed on real tensors: {first_line}. "
+        "The trace accepted it on fake tensors, whose kernels check less than the real ones; eager "
+        f"would raise the same error on this device.{hint}"
+    )
 
 
 def _collective_message(exc: BaseException, gm: fx.GraphModule, node: fx.Node | None) -> str:

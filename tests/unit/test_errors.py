@@ -242,3 +242,38 @@ def test_output_holding_tensors_in_an_opaque_object_raises() -> None:
 
     out = spmd.compile()(ok)(model, torch.randn(2, 4))
     assert out["note"] == "plain leaves are constants" and out["cfg"].layers == [None]
+
+
+def test_kernel_refusing_what_the_trace_accepted_names_the_op_and_the_fix():
+    # bf16 BatchNorm weights with fp32 running statistics: the fake kernel accepts the mix, the
+    # CPU kernel refuses it (as eager does). The first run says which op, where, and what to do.
+    import torch.nn.functional as F
+
+    def train_step(model, optim, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    def run(mp: spmd.MixedPrecision) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 4),
+        )
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = spmd.compile(parallel_mode=spmd.DataParallel("fully_shard", mixed_precision=mp))(train_step)
+        return step(model, optim, torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,)))
+
+    with pytest.raises(spmd.KernelError, match=r"native_batch_norm.*buffer_dtype") as info:
+        run(spmd.MixedPrecision(param_dtype=torch.bfloat16))
+    assert isinstance(info.value, RuntimeError)  # callers catching RuntimeError still do
+    assert (
+        run(spmd.MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)).dtype
+        is torch.bfloat16
+    )
