@@ -277,7 +277,7 @@ class DTensorExpandMode(ParallelMode):
                     dt = distribute_tensor(p.detach(), mesh, placements[id(p)], src_data_rank=None)
                     new_of[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
                 mod._parameters[name] = new_of[id(p)]
-        _rekey_optimizer(optimizer, new_of, mesh)
+        sharding.rekey_optimizer(optimizer, new_of, mesh)
         _MESH_OF[module] = mesh
         log.info("spmd: DTensorExpandMode distributed %d parameters on %s", len(new_of), mesh)
 
@@ -388,27 +388,6 @@ def _check_dims(what: str, shape: torch.Size, pl: tuple[Placement, ...]) -> None
 
 def _placements_of(t: torch.Tensor) -> tuple[Placement, ...] | None:
     return tuple(t.placements) if isinstance(t, DTensor) else None
-
-
-def _rekey_optimizer(
-    optimizer: torch.optim.Optimizer | None, new_of: dict[int, nn.Parameter], mesh: DeviceMesh
-) -> None:
-    """Point the optimizer at the new DTensor parameters; state shaped like a parameter follows it."""
-    if optimizer is None or not new_of:
-        return
-    old_state = optimizer.state
-    for g in optimizer.param_groups:
-        new_params = []
-        for p in g["params"]:
-            np_ = new_of.get(id(p), p)
-            if np_ is not p and p in old_state:
-                st = old_state.pop(p)
-                for k, v in list(st.items()):
-                    if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == np_.shape:
-                        st[k] = distribute_tensor(v, mesh, np_.placements, src_data_rank=None)
-                old_state[np_] = st
-            new_params.append(np_)
-        g["params"] = new_params
 
 
 # ----------------------------------------------------------------------------- expansion

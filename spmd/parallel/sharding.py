@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from spmd.errors import ConfigError
@@ -105,6 +105,10 @@ def _to_dtensor(
     """``t`` (the full value, equal on every rank) as a DTensor with this rank's piece of it."""
     if offload is not None:
         return _to_offloaded_dtensor(t, mesh, any(isinstance(pl, Shard) for pl in placements), offload)
+    if any(isinstance(pl, Shard) and pl.dim != 0 for pl in placements):
+        # Declared placements (DTensorExpandMode) may shard any dim: DTensor's own even chunks,
+        # cut from the local full value without communication.
+        return distribute_tensor(t.detach(), mesh, placements, src_data_rank=None)
     piece = t.detach()
     for dim, pl in enumerate(placements):
         if isinstance(pl, Shard):
