@@ -9,14 +9,14 @@ While tracing we record, once, what every node is and when it runs
 (:mod:`passes.meta`): forward/backward/optimizer from the boundaries of
 ``torch.autograd.backward``; module paths from forward hooks (and, for backward
 nodes, from the autograd node that produced them); gradients from a ``tag_grad``
-op applied by a hook on every parameter.
+op applied by a hook on every parameter. Those hooks and contexts live in
+:mod:`spmd.trace_hooks`; this module lifts the state, runs ``make_fx`` and finishes the metadata.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
 import inspect
 import logging
 import os
@@ -27,7 +27,7 @@ import time
 import traceback
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,14 +37,13 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
 from passes.cleanup import strip_grad_tag
 from passes.graph_utils import mutated_nodes
-from passes.meta import CAST_OF, GRAD_OF, INPUT_CAST, MICROBATCH, MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
-from passes.ops import TAG_GRAD, tag_grad
-from passes.prefetch import unit_path
+from passes.meta import CAST_OF, GRAD_OF, MICROBATCH, MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
+from passes.ops import TAG_GRAD
 from spmd import optim as optim_utils
 from spmd.errors import (
     DataDependentControlFlowError,
@@ -54,16 +53,26 @@ from spmd.errors import (
     TraceError,
     UntraceableOpError,
 )
+from spmd.trace_hooks import (
+    CAST_KEY,
+    CUSTOM_KEY,
+    MICROBATCH_KEY,
+    MODULE_KEY,
+    PHASE_KEY,
+    ComputeCasts,
+    annotate,
+    backward_phases,
+    cast_forward_io,
+    compute_copies,
+    grad_tags,
+    module_paths,
+    swapped_optimizer,
+)
 
 log = logging.getLogger("spmd")
 
-_CUSTOM = "custom"  # node.meta key that make_fx copies from fx_traceback.current_meta
-_PHASE_KEY = "spmd_phase"
-_MODULE_KEY = "spmd_module"
-_MICROBATCH_KEY = "spmd_microbatch"
-# Marks where a graph output goes among the step's (otherwise constant) output leaves.
-TENSOR_OUT = object()
-_CAST_KEY = "spmd_cast_of"
+
+TENSOR_OUT = object()  # marks where a graph output goes among the step's output leaves
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -207,28 +216,6 @@ def _is_constant(x: Any) -> bool:
     return x is None or isinstance(x, bool | int | float | str | torch.dtype | torch.device)
 
 
-# ----------------------------------------------------------------------------- compute casts
-
-
-@dataclasses.dataclass(frozen=True)
-class ComputeCasts:
-    """The dtypes the traced step computes in (mixed precision); ``None``: as stored.
-
-    The parallel mode decides them (``ParallelMode.trace_casts``); the tracer puts the
-    casts in the graph, marked with ``passes.meta.CAST_OF``, so that the partitioner can
-    move them (cast a shard before gathering it) and the dump shows them.
-    """
-
-    param_dtype: torch.dtype | None = None  # floating parameters, as modules see them
-    buffer_dtype: torch.dtype | None = None  # floating buffers, as modules see them
-    input_dtype: torch.dtype | None = None  # floating tensors passed to a cast module's forward
-    # fnmatch patterns of the module paths whose forward inputs (and outputs) are cast besides
-    # the root; None: every communication unit (``passes.prefetch.unit_path``), as FSDP2 casts at
-    # each ``fully_shard``-ed block.
-    input_cast_at: tuple[str, ...] | None = None
-    output_dtype: torch.dtype | None = None  # floating forward outputs of the cast modules
-
-
 # ----------------------------------------------------------------------------- lifted state
 
 
@@ -329,304 +316,6 @@ def lift_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> Li
     _LIFTED_PARAMS.setdefault(module, {}).update((id(p), (weakref.ref(p), n)) for n, p in params)
     grads = [(n, p.grad) for n, p in params if p.grad is not None]
     return LiftedState(params, buffers, optim_states, lr_groups, grads)
-
-
-# ----------------------------------------------------------------------------- tracing contexts
-
-
-def _annotate(**kv: Any) -> dict[str, Any]:
-    """Merge ``kv`` into the metadata make_fx copies onto new nodes; returns the old value."""
-    old = fx_traceback.current_meta.get(_CUSTOM, {})
-    fx_traceback.current_meta[_CUSTOM] = {**old, **kv}
-    return old
-
-
-@contextlib.contextmanager
-def _swapped_optimizer(
-    optimizer: torch.optim.Optimizer,
-    fake_params: dict[int, torch.Tensor],
-    fake_states: dict[int, dict[str, Any]],
-    fake_lrs: dict[int, torch.Tensor],
-) -> Iterator[None]:
-    """Point the optimizer at the traced stand-ins of its params, state and lrs."""
-    saved_state = optimizer.state
-    saved_groups = [dict(g) for g in optimizer.param_groups]
-    new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-    try:
-        for gi, g in enumerate(optimizer.param_groups):
-            new_params = []
-            for p in g["params"]:
-                fp = fake_params[id(p)]
-                new_params.append(fp)
-                new_state[fp] = fake_states.get(id(p), {})
-            g["params"] = new_params
-            if gi in fake_lrs:
-                g["lr"] = fake_lrs[gi]
-            g.update(optim_utils.trace_group_overrides(optimizer, g))
-        optimizer.state = new_state
-        yield
-    finally:
-        optimizer.state = saved_state
-        for g, saved in zip(optimizer.param_groups, saved_groups):
-            g.clear()
-            g.update(saved)
-
-
-@contextlib.contextmanager
-def _module_paths(module: nn.Module) -> Iterator[None]:
-    """Annotate every node made inside a submodule's forward with its module path.
-
-    A forward pre-hook also switches the phase back to forward (the next micro-batch).
-    """
-    handles = []
-    stack: list[dict[str, Any]] = []
-
-    def pre(path: str) -> Callable[..., None]:
-        def hook(mod: nn.Module, args: Any) -> None:
-            stack.append(_annotate(**{_MODULE_KEY: path, _PHASE_KEY: Phase.FORWARD}))
-
-        return hook
-
-    def post(mod: nn.Module, args: Any, out: Any) -> None:
-        if stack:
-            old = stack.pop()
-            # keep the phase (forward), restore the enclosing module path
-            _annotate(**{_MODULE_KEY: old.get(_MODULE_KEY, "")})
-
-    for path, sub in module.named_modules():
-        handles.append(sub.register_forward_pre_hook(pre(path)))
-        handles.append(sub.register_forward_hook(post))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype, cast_of: str, module: str) -> torch.Tensor:
-    """``t.to(dtype)``, its node marked as a compute cast of ``cast_of`` made in ``module``."""
-    old = _annotate(**{_CAST_KEY: cast_of, _MODULE_KEY: module})
-    try:
-        return t.to(dtype)
-    finally:
-        fx_traceback.current_meta[_CUSTOM] = old
-
-
-def _compute_copies(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The tensors modules compute with: floating ones cast to ``dtype`` (in the graph)."""
-    if dtype is None:
-        return tensors
-    return {
-        n: _cast(t, dtype, n, n.rpartition(".")[0]) if t.is_floating_point() and t.dtype != dtype else t
-        for n, t in tensors.items()
-    }
-
-
-def cast_modules(module: nn.Module, patterns: tuple[str, ...] | None) -> list[str]:
-    """The module paths whose forward inputs/outputs are cast: the root (``""``), plus every
-    communication unit (``patterns=None``) or every path matching one of ``patterns``."""
-    out = []
-    for path, _ in module.named_modules():
-        if path == "":
-            out.append(path)
-        elif patterns is None:
-            if unit_path(path) == path and path.rpartition(".")[2].isdigit():
-                out.append(path)  # a numbered block (``layers.3``), not a top-level leaf
-        elif any(fnmatch.fnmatchcase(path, pat) for pat in patterns):
-            out.append(path)
-    return out
-
-
-@contextlib.contextmanager
-def _cast_forward_io(module: nn.Module, casts: ComputeCasts) -> Iterator[None]:
-    """FSDP2's ``cast_forward_inputs`` and ``output_dtype``: at each module of
-    :func:`cast_modules`, cast the floating tensors passed to its forward to
-    ``casts.input_dtype`` and those it returns to ``casts.output_dtype``."""
-    if casts.input_dtype is None and casts.output_dtype is None:
-        yield
-        return
-
-    def caster(dtype: torch.dtype, path: str) -> Callable[[Any], Any]:
-        def cast(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-                return _cast(x, dtype, INPUT_CAST, path)
-            return x
-
-        return cast
-
-    def pre(path: str, dtype: torch.dtype) -> Callable[..., Any]:
-        cast = caster(dtype, path)
-
-        def hook(mod: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-            return pytree.tree_map(cast, args), pytree.tree_map(cast, kwargs)
-
-        return hook
-
-    def post(path: str, dtype: torch.dtype) -> Callable[..., Any]:
-        cast = caster(dtype, path)
-        return lambda mod, args, out: pytree.tree_map(cast, out)
-
-    subs = dict(module.named_modules())
-    handles = []
-    for path in cast_modules(module, casts.input_cast_at):
-        if casts.input_dtype is not None:
-            handles.append(
-                subs[path].register_forward_pre_hook(pre(path, casts.input_dtype), with_kwargs=True)
-            )
-        if casts.output_dtype is not None:
-            handles.append(subs[path].register_forward_hook(post(path, casts.output_dtype)))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _seq_nr_modules(graph: fx.Graph) -> dict[int, str]:
-    out: dict[int, str] = {}
-    for n in graph.nodes:
-        seq = n.meta.get("seq_nr")
-        mod = n.meta.get(_CUSTOM, {}).get(_MODULE_KEY)
-        if seq is not None and mod is not None and seq not in out:
-            out[seq] = mod
-    return out
-
-
-def _autograd_nodes(roots: list[Any]) -> list[Any]:
-    seen: set[int] = set()
-    out = []
-    todo = [r for r in roots if r is not None]
-    while todo:
-        fn = todo.pop()
-        if id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        out.append(fn)
-        todo.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
-    return out
-
-
-def _nodes_after(graph: fx.Graph, node: fx.Node) -> Iterator[fx.Node]:
-    n = node.next
-    while n.op != "root":
-        yield n
-        n = n.next
-
-
-@contextlib.contextmanager
-def _backward_phases() -> Iterator[list[int]]:
-    """Mark nodes made inside ``torch.autograd.backward`` as backward (and after it as optimizer).
-
-    Backward nodes inherit the module path of the forward op whose autograd node
-    produced them (matched by autograd sequence number).
-    """
-    real_backward = torch.autograd.backward
-    calls: list[int] = []
-    ends: list[fx.Node] = []  # the last graph node of each backward call
-
-    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        roots = [t.grad_fn for t in pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor)]
-        mode = get_proxy_mode()
-        graph = mode.tracer.graph if mode is not None else None
-        if ends and graph is not None:
-            # Another backward: what ran since the last one is the next micro-batch's forward.
-            for n in _nodes_after(graph, ends[-1]):
-                n.meta.setdefault(_CUSTOM, {})[_PHASE_KEY] = Phase.FORWARD
-        seq_modules = _seq_nr_modules(graph) if graph is not None else {}
-        handles = []
-        for fn in _autograd_nodes(roots):
-            path = seq_modules.get(fn._sequence_nr())
-            if path is not None:
-
-                def prehook(grad_outputs: Any, path: str = path) -> None:
-                    _annotate(**{_MODULE_KEY: path})
-
-                handles.append(fn.register_prehook(prehook))
-        _annotate(**{_PHASE_KEY: Phase.BACKWARD, _MODULE_KEY: ""})
-        try:
-            return real_backward(tensors, *args, **kwargs)
-        finally:
-            for h in handles:
-                h.remove()
-            if graph is not None:
-                ends.append(next(reversed(graph.nodes)))
-            # Until another backward shows that a micro-batch follows, the optimizer runs.
-            _annotate(**{_PHASE_KEY: Phase.OPTIMIZER, _MODULE_KEY: "", _MICROBATCH_KEY: len(calls)})
-
-    torch.autograd.backward = backward  # type: ignore[assignment]
-    try:
-        yield calls
-    finally:
-        torch.autograd.backward = real_backward  # type: ignore[assignment]
-
-
-@contextlib.contextmanager
-def _grad_tags(
-    params: dict[str, torch.Tensor],
-    got_grad: set[str],
-    old_grads: dict[str, torch.Tensor] | None = None,
-    after_reduce: bool = False,
-) -> Iterator[None]:
-    """Wrap each parameter's gradient in ``spmd::tag_grad`` once autograd has accumulated it.
-
-    The tag goes on ``p.grad`` after accumulation, so a step that runs several
-    micro-batches (several ``backward`` calls before ``optimizer.step``) tags the
-    running sum each time; the partitioner reduces only the last tag of a parameter,
-    the fully accumulated gradient (DDP's ``no_sync`` for all but the last micro-batch).
-
-    A parameter's gradient from before the step (``old_grads``, lifted as an input) is
-    ``p.grad`` when the step starts, as in eager. Autograd adds the new gradient to it
-    before the tag (DDP reduces the accumulated gradient); with ``after_reduce`` it is
-    held out of ``p.grad`` during ``backward`` and added after the tag (FSDP2 reduces the
-    new gradient and adds it to the sharded ``p.grad``).
-    """
-    old_grads = old_grads or {}
-    for name, g in old_grads.items():
-        params[name].grad = g
-    held: dict[str, torch.Tensor] = {}  # old gradients kept out of p.grad during a backward
-    restore: dict[str, torch.Tensor] = {}  # what p.grad was before that backward
-    bare: dict[str, torch.Tensor] = {}  # the tagged new gradient (without the old one)
-    combined: dict[str, torch.Tensor] = {}  # old + tagged new: what p.grad holds between backwards
-    handles = []
-    for name, p in params.items():
-        if not p.requires_grad:
-            continue
-
-        def hook(p: torch.Tensor, name: str = name) -> None:
-            got_grad.add(name)
-            p.grad = tag_grad(p.grad, name)
-            old = held.pop(name, None)
-            if old is not None:
-                restore.pop(name)
-                bare[name] = p.grad
-                p.grad = combined[name] = old + p.grad
-
-        handles.append(p.register_post_accumulate_grad_hook(hook))
-    real_backward = torch.autograd.backward
-
-    def backward(*args: Any, **kwargs: Any) -> Any:
-        # Micro-batches accumulate onto the new gradient alone (reduced once, at the last tag).
-        for name, g in old_grads.items():
-            now = params[name].grad
-            if now is g or (name in combined and now is combined[name]):
-                held[name], restore[name] = g, now  # type: ignore[assignment]
-                params[name].grad = bare.get(name) if now is not g else None
-        try:
-            return real_backward(*args, **kwargs)
-        finally:
-            for name in list(restore):  # no gradient came: p.grad stays as it was
-                params[name].grad = restore.pop(name)
-                held.pop(name)
-
-    if after_reduce and old_grads:
-        torch.autograd.backward = backward  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.autograd.backward = real_backward  # type: ignore[assignment]
-        for h in handles:
-            h.remove()
 
 
 # ----------------------------------------------------------------------------- the traced step
@@ -796,7 +485,7 @@ def trace_step(
 
     Gradients are left as eager leaves them: a parameter's ``.grad`` from before the step
     is an input (``Role.PARAM_GRAD``) that backward accumulates onto (see
-    :func:`_grad_tags` for the order), and a ``.grad`` still set when the step returns is
+    :func:`grad_tags` for the order), and a ``.grad`` still set when the step returns is
     an output (``TracedStep.grad_outs``).
     """
     casts = casts or ComputeCasts()
@@ -825,10 +514,10 @@ def trace_step(
         args, kwargs = pytree.tree_unflatten(call_leaves, step_args.spec)
 
         with contextlib.ExitStack() as stack:
-            _annotate(**{_PHASE_KEY: Phase.FORWARD, _MODULE_KEY: ""})
+            annotate(**{PHASE_KEY: Phase.FORWARD, MODULE_KEY: ""})
             compute = {
-                **_compute_copies(params, casts.param_dtype),
-                **_compute_copies(buffers, casts.buffer_dtype),
+                **compute_copies(params, casts.param_dtype),
+                **compute_copies(buffers, casts.buffer_dtype),
             }
             stack.enter_context(_reparametrize_module(module, compute, tie_weights=True))
             if optimizer is not None:
@@ -844,12 +533,12 @@ def trace_step(
                         for k, v in optimizer.state.get(p, {}).items():
                             if not isinstance(v, torch.Tensor):
                                 st[id(p)][k] = v
-                stack.enter_context(_swapped_optimizer(optimizer, by_id, st, lrs))
-            stack.enter_context(_grad_tags(params, got_grad, old_grads, accumulate_after_reduce))
-            stack.enter_context(_module_paths(module))
-            stack.enter_context(_cast_forward_io(module, casts))
-            calls = stack.enter_context(_backward_phases())
-            _annotate(**{_PHASE_KEY: Phase.FORWARD, _MODULE_KEY: "", _MICROBATCH_KEY: 0})
+                stack.enter_context(swapped_optimizer(optimizer, by_id, st, lrs))
+            stack.enter_context(grad_tags(params, got_grad, old_grads, accumulate_after_reduce))
+            stack.enter_context(module_paths(module))
+            stack.enter_context(cast_forward_io(module, casts))
+            calls = stack.enter_context(backward_phases())
+            annotate(**{PHASE_KEY: Phase.FORWARD, MODULE_KEY: "", MICROBATCH_KEY: 0})
             out = fn(*args, **kwargs)
             out_box["backward_calls"] = len(calls)
         out_leaves, out_spec = pytree.tree_flatten(out)
@@ -943,11 +632,11 @@ def _finish_metadata(gm: fx.GraphModule, slots: list[Slot]) -> None:
         if n.op == "placeholder":
             n.meta[MICROBATCH] = 0
             continue
-        custom = n.meta.get(_CUSTOM, {})
-        phase = custom.get(_PHASE_KEY, phase)
-        micro = custom.get(_MICROBATCH_KEY, micro)
+        custom = n.meta.get(CUSTOM_KEY, {})
+        phase = custom.get(PHASE_KEY, phase)
+        micro = custom.get(MICROBATCH_KEY, micro)
         n.meta[PHASE] = phase
-        n.meta[MODULE] = custom.get(_MODULE_KEY, "")
+        n.meta[MODULE] = custom.get(MODULE_KEY, "")
         n.meta[MICROBATCH] = micro
         if n.op == "output":
             n.meta[ROLE] = Role.ACTIVATION
@@ -961,8 +650,8 @@ def _finish_metadata(gm: fx.GraphModule, slots: list[Slot]) -> None:
             n.meta[ROLE] = Role.UPDATE
         else:
             n.meta[ROLE] = Role.ACTIVATION
-        if _CAST_KEY in custom:
-            n.meta[CAST_OF] = custom[_CAST_KEY]
+        if CAST_KEY in custom:
+            n.meta[CAST_OF] = custom[CAST_KEY]
     buffer_nodes = {n.meta[STATE_NAME]: n for n in placeholders if n.meta[ROLE] is Role.BUFFER}
     _write_back_buffer_casts(graph, buffer_nodes)
     # With gradient accumulation a parameter's gradient is tagged after every backward;

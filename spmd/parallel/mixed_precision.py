@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from spmd.errors import ConfigError
-from spmd.tracing import ComputeCasts
+from spmd.trace_hooks import ComputeCasts
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
