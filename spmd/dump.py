@@ -43,7 +43,7 @@ def annotated_code(gm: fx.GraphModule) -> str:
     Collectives also name the global ranks of their group (different shard groups of a hybrid
     mesh have different names), and a header lists how each parameter is distributed.
     """
-    from spmd.parallel.expand import describe_placements
+    from spmd.parallel.expand_graph import describe_placements
     from spmd.parallel.plan import group_ranks
 
     code = gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)

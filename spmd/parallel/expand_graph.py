@@ -1,0 +1,372 @@
+"""The graph expansion behind :class:`spmd.parallel.expand.DTensorExpandMode`: run the
+traced step once more under ``make_fx`` on DTensors that carry the declared placements,
+so DTensor's own dispatcher records the local ops and the redistributions (functional
+collectives) one rank runs; then finish the node metadata (roles, phases, modules,
+placements) and let the gradients' collectives stand for their tags. The mode's module
+docstring describes what the expansion decides itself, rather than DTensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from passes import collectives as C
+from passes.meta import (
+    CAST_OF,
+    GRAD_OF,
+    MICROBATCH,
+    MODULE,
+    NODE_PLACEMENTS,
+    PHASE,
+    PLACEMENT,
+    ROLE,
+    STATE_NAME,
+    Phase,
+    Role,
+)
+from passes.ops import TAG_GRAD
+from spmd.errors import ShardingPropagationError
+from spmd.parallel import expand_rules
+
+if TYPE_CHECKING:
+    pass
+
+log = logging.getLogger("spmd")
+
+# On every node of the expanded graph: the placements of the traced node it computes
+# (a tuple of Placements, a list of them for multi-output ops, or None for non-tensors).
+EXPAND_PLACEMENTS = NODE_PLACEMENTS
+_SRC = "spmd_expand_src"  # the traced node a new node was recorded for (in meta["custom"])
+_CUSTOM = "custom"
+
+
+def describe_placements(pl: Any) -> str:
+    """``(Replicate(), Shard(0))``; ``[..., ...]`` for several outputs; ``-`` for a non-tensor."""
+    if pl is None:
+        return "-"
+    if isinstance(pl, str):
+        return pl
+    if isinstance(pl, list):
+        return "[" + ", ".join(describe_placements(p) for p in pl) + "]"
+    return "(" + ", ".join(_word(p) for p in pl) + ")"
+
+
+def _word(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"Shard({p.dim})"
+    if isinstance(p, Partial):
+        return f"Partial({p.reduce_op})"
+    return f"{type(p).__name__}()"
+
+
+class _Expander(fx.Interpreter):
+    """Runs the traced graph on DTensors; records each node's output placements.
+
+    Nodes of an Override stand-in that declared placements (``regions``: module fqn ->
+    (input placements, output placements)) run on local tensors instead (``local_map``
+    semantics): a DTensor flowing in is redistributed to the declared placements and
+    unwrapped, a local tensor flowing out is wrapped with them.
+    """
+
+    def __init__(
+        self, gm: fx.GraphModule, mesh: DeviceMesh, param_pl: dict[str, Any], regions: dict[str, Any]
+    ):
+        super().__init__(gm)
+        self.mesh = mesh
+        self.param_pl = param_pl
+        self.regions = regions
+        self.placements: dict[str, Any] = {}
+        self.region_of: dict[fx.Node, str] = {}
+        self._into: dict[tuple[fx.Node, Any], Any] = {}
+
+    def _region(self, n: fx.Node) -> str | None:
+        if not self.regions or n.op != "call_function" or n.target is TAG_GRAD:
+            return None
+        if n.meta.get(PHASE) is Phase.OPTIMIZER:
+            return None
+        mod = n.meta.get(MODULE, "")
+        return next((f for f in self.regions if mod == f or mod.startswith(f + ".")), None)
+
+    def run_node(self, n: fx.Node) -> Any:
+        region = self._region(n)
+        try:
+            with self._set_current_node(n):
+                args = fx.node.map_arg(n.args, lambda a: self._fetch(a, n, region))
+                kwargs = fx.node.map_arg(n.kwargs, lambda a: self._fetch(a, n, region))
+                out = getattr(self, n.op)(n.target, args, kwargs)
+        except ShardingPropagationError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure here is a propagation failure at n
+            raise ShardingPropagationError(_explain(n, self.env, exc)) from exc
+        if region is not None:
+            self.region_of[n] = region
+            self.placements[n.name] = f"local ({region})"
+        else:
+            self.placements[n.name] = _placement_tree(out)
+        return out
+
+    def _fetch(self, a: fx.Node, consumer: fx.Node, region: str | None) -> Any:
+        v = self.env[a]
+        src_region = self.region_of.get(a)
+        if region is not None and src_region is None:
+            return self._into_region(a, v, region)
+        if region is None and src_region is not None:
+            return self._out_of_region(a, v, consumer, src_region)
+        return v
+
+    def _into_region(self, a: fx.Node, v: Any, region: str) -> Any:
+        in_pl, out_pl = self.regions[region]
+        # Forward values (the stand-in's inputs, saved for backward too) take the input
+        # placements; backward values flowing in are gradients of its outputs.
+        want = out_pl if a.meta.get(PHASE) is Phase.BACKWARD else in_pl
+        own = a.op == "placeholder" and a.meta.get(ROLE) in (Role.PARAM, Role.BUFFER)
+        key = (a, None if own else want)
+        if key not in self._into:
+
+            def conv(x: Any) -> Any:
+                if not isinstance(x, DTensor):
+                    return x
+                if not own and tuple(x.placements) != tuple(want):
+                    x = x.redistribute(self.mesh, want)
+                return x._local_tensor
+
+            self._into[key] = pytree.tree_map(conv, v)
+        return self._into[key]
+
+    def _out_of_region(self, a: fx.Node, v: Any, consumer: fx.Node, region: str) -> Any:
+        in_pl, out_pl = self.regions[region]
+        if consumer.target is TAG_GRAD:
+            # A parameter's gradient, computed on this rank's piece of the input: partial sums
+            # over the mesh dimensions the input is sharded on and the parameter is not.
+            own = self.param_pl.get(str(consumer.args[1])) or (Replicate(),) * self.mesh.ndim
+            want = tuple(
+                Partial() if isinstance(p, Replicate) and isinstance(i, Shard) else p
+                for p, i in zip(own, in_pl)
+            )
+        else:
+            want = in_pl if a.meta.get(PHASE) is Phase.BACKWARD else out_pl
+        vals: Any = a.meta.get("val")
+
+        def wrap(x: Any, like: Any) -> Any:
+            return _wrap(x, self.mesh, want, like) if isinstance(x, torch.Tensor) else x
+
+        if isinstance(v, list | tuple):
+            return type(v)(wrap(x, like) for x, like in zip(v, vals))
+        return wrap(v, vals)
+
+    def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if target is TAG_GRAD:
+            g, name = args
+            want = self.param_pl.get(name)
+            if isinstance(g, DTensor):
+                if want is not None and tuple(g.placements) != tuple(want):
+                    g = g.redistribute(self.mesh, want)
+                return _wrap(TAG_GRAD(g._local_tensor, name), self.mesh, g.placements, g)
+            return TAG_GRAD(g, name)
+        q_at = expand_rules.ATTENTION_Q.get(target)
+        if q_at is not None and kwargs.get("attn_mask") is not None:
+            kwargs = {**kwargs, "attn_mask": self._place_mask(args[q_at], kwargs["attn_mask"])}
+        return super().call_function(target, args, kwargs)
+
+    def _place_mask(self, q: Any, mask: torch.Tensor) -> torch.Tensor:
+        """An attention mask redistributed to follow q (DTensor never redistributes a keyword
+        argument); a plain mask (built from factory ops) is replicated."""
+        if not isinstance(q, DTensor):
+            return mask
+        if not isinstance(mask, DTensor):
+            mask = _wrap(mask, self.mesh, (Replicate(),) * self.mesh.ndim, mask)
+        want = expand_rules.attn_mask_placements(q.placements, q.shape, mask.shape)
+        if tuple(mask.placements) != want:
+            mask = mask.redistribute(self.mesh, want)
+        return mask
+
+
+def _wrap(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], like: torch.Tensor
+) -> DTensor:
+    """A DTensor over ``local`` with the global shape of ``like``; records no op (``from_local``
+    would record a view)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(like.shape, like.stride(), like.dtype))
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+
+
+def _placement_tree(x: Any) -> Any:
+    if isinstance(x, DTensor):
+        return tuple(x.placements)
+    if isinstance(x, list | tuple):
+        return [_placement_tree(y) for y in x]
+    return None
+
+
+def _explain(n: fx.Node, env: dict[fx.Node, Any], exc: BaseException) -> str:
+    ins = []
+    for a in n.all_input_nodes:
+        v = env.get(a)
+        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
+        pl = describe_placements(_placement_tree(v)) if isinstance(v, DTensor) else "plain tensor"
+        ins.append(f"{a.name}{list(shape) if shape is not None else ''} {pl}")
+    module = n.meta.get(MODULE) or "<root>"
+    line = _user_line(n.meta.get("stack_trace") or "")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (
+        f"spmd.DTensorExpandMode: DTensor cannot propagate the declared placements through op {n.target} "
+        f"(node {n.name}) in module {module!r}{line}; its inputs are {'; '.join(ins) or 'none'}. "
+        f"DTensor said: {first}. Declare placements this op accepts (param_placements / "
+        "input_placements: e.g. Replicate() for the parameters this op reads, or shard a dimension the "
+        "op keeps), or register a strategy for the op (torch.distributed.tensor.experimental."
+        "register_sharding)."
+    )
+
+
+def _user_line(stack: str) -> str:
+    """`` at file:line (code)`` of the innermost user frame of an fx stack trace."""
+    lines = [ln.strip() for ln in stack.strip().splitlines()]
+    best = ""
+    for i, ln in enumerate(lines):
+        if ln.startswith('File "') and "/torch/" not in ln and "/spmd/" not in ln:
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File") else ""
+            best = f" at {ln.removeprefix('File ')}" + (f" ({code})" if code else "")
+    return best
+
+
+def expand_graph(
+    gm: fx.GraphModule,
+    mesh: DeviceMesh,
+    reals: list[torch.Tensor],
+    in_specs: list[tuple[Placement, ...] | None],
+    param_pl: dict[str, Any],
+    regions: dict[str, Any] | None = None,
+) -> fx.GraphModule:
+    """The graph one rank runs: ``gm`` (global semantics) expanded on ``mesh``.
+
+    ``reals`` are the local tensors fed to the placeholders (their shapes and dtypes are
+    used, not their values); ``in_specs`` their placements (None: a plain, replicated tensor).
+    ``regions``: Override stand-ins that run on local tensors (see :class:`_Expander`).
+    """
+    expand_rules.register()
+    old_nodes = {n.name: n for n in gm.graph.nodes}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(reals) == len(in_specs)
+    saved_custom = {}
+    for n in gm.graph.nodes:
+        saved_custom[n] = n.meta.get(_CUSTOM)
+        n.meta[_CUSTOM] = {**(n.meta.get(_CUSTOM) or {}), _SRC: n.name}
+    expander = _Expander(gm, mesh, param_pl, regions or {})
+
+    def run(*locals_: torch.Tensor) -> list[Any]:
+        ins: list[Any] = []
+        for t, pl, ph in zip(locals_, in_specs, placeholders):
+            if pl is None:
+                ins.append(t)
+                continue
+            ins.append(_wrap(t, mesh, pl, ph.meta["val"]))
+        with implicit_replication():
+            outs = expander.run(*ins)
+        return [o._local_tensor if isinstance(o, DTensor) else o for o in pytree.tree_leaves(outs)]
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fakes = [
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_(False)
+            for t in reals
+        ]
+    try:
+        with fx_traceback.preserve_node_meta(), torch.no_grad():
+            new = make_fx(run, tracing_mode="fake", record_stack_traces=True)(*fakes)
+    finally:
+        for n, c in saved_custom.items():
+            if c is None:
+                n.meta.pop(_CUSTOM, None)
+            else:
+                n.meta[_CUSTOM] = c
+    new = fx.GraphModule(new, new.graph, class_name="GraphModule")
+    _finish(new, old_nodes, placeholders, expander.placements, in_specs)
+    return new
+
+
+_COPIED = (ROLE, PHASE, MODULE, MICROBATCH, GRAD_OF, CAST_OF)
+
+
+def _finish(
+    gm: fx.GraphModule,
+    old: dict[str, fx.Node],
+    old_placeholders: list[fx.Node],
+    placements: dict[str, Any],
+    in_specs: list[Any],
+) -> None:
+    """Give the expanded graph's nodes the traced nodes' names (placeholders) and metadata."""
+    graph = gm.graph
+    new_ph = [n for n in graph.nodes if n.op == "placeholder"]
+    for n, o, pl in zip(new_ph, old_placeholders, in_specs):
+        n._rename(o.name)
+        n.target = n.name
+        for k in (*_COPIED, STATE_NAME):
+            if k in o.meta:
+                n.meta[k] = o.meta[k]
+        n.meta[EXPAND_PLACEMENTS] = pl
+        if o.meta.get(ROLE) is Role.PARAM:
+            n.meta[PLACEMENT] = describe_placements(pl)
+    last: fx.Node | None = None
+    for n in graph.nodes:
+        if n.op in ("placeholder", "output"):
+            if n.op == "output" and last is not None:
+                n.meta.update({k: last.meta[k] for k in _COPIED if k in last.meta})
+                n.meta[ROLE] = Role.ACTIVATION
+            continue
+        src_name = (n.meta.get(_CUSTOM) or {}).pop(_SRC, None)
+        src = old.get(src_name) if src_name else None
+        if src is None:
+            # No traced origin (none expected): the metadata of what it reads, else of the node before.
+            src = next((i for i in n.all_input_nodes if ROLE in i.meta), last)
+        if src is not None:
+            for k in _COPIED:
+                if k in src.meta:
+                    n.meta[k] = src.meta[k]
+                else:
+                    n.meta.pop(k, None)
+            n.meta[EXPAND_PLACEMENTS] = placements.get(src.name)
+        if C.is_collective(n) or C.is_wait(n):
+            n.meta[ROLE] = Role.COMM
+            n.meta.pop(GRAD_OF, None)
+        elif src is not None and src.meta.get(ROLE) is Role.GRAD and n.target is not TAG_GRAD:
+            # The redistribution's own ops (reshapes of a gradient around a collective).
+            n.meta[ROLE] = Role.COMM
+            n.meta.pop(GRAD_OF, None)
+        if not (n.meta.get(_CUSTOM) or {}):
+            n.meta.pop(_CUSTOM, None)
+        last = n
+    _strip_reduced_tags(graph)
+    graph.lint()
+    gm.recompile()
+
+
+def _strip_reduced_tags(graph: fx.Graph) -> None:
+    """Drop the tag of every gradient that arrives through a collective: its wait becomes the gradient.
+
+    As ``DataParallel`` does: the wait's result is a fresh tensor only the tag reads, so the tag
+    (a copy) is not needed, and without a reader right after each wait the gradients' collectives
+    are adjacent for :func:`passes.bucketing.bucket_collectives`. Tags of gradients that need no
+    communication stay for ``strip_grad_tags``.
+    """
+    for n in [n for n in graph.nodes if n.op == "call_function" and n.target is TAG_GRAD]:
+        w = n.args[0]
+        if not (isinstance(w, fx.Node) and C.is_wait(w) and len(w.users) == 1):
+            continue
+        for k in [k for k in n.meta if k.startswith("spmd_")]:
+            w.meta[k] = n.meta[k]
+        n.replace_all_uses_with(w)
+        graph.erase_node(n)
