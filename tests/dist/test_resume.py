@@ -8,22 +8,27 @@ group session, killed as a whole if they overrun their deadline.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import warnings
 
 import torch
+
+from tests.dist.launcher import torchrun_crash
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, EVERY, KILL_AT = 9, 3, 7  # checkpoints after steps 3, 6, 9; the kill comes before step 7
 
 
-def _torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _torchrun(*args: str, timeout: float = 240, retry_crash: bool = True) -> subprocess.CompletedProcess:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "tests/dist/resume_script.py"]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
+        "PYTHONFAULTHANDLER": "1",  # a native crash prints every thread's Python stack
         "PYTHONPATH": ROOT,
         # torchrun's workers share the agent's store across restarts by default, and the restarted
         # gloo group then read the dead attempt's addresses ("Gloo connectFullMesh failed ...
@@ -45,6 +50,16 @@ def _torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
         out, _ = proc.communicate()
         raise AssertionError(f"torchrun did not finish within {timeout} s:\n{out[-4000:]}") from None
+    # A native crash (not the test's SIGKILL; see tests/dist/launcher.py) spends torchrun's one
+    # restart even when it comes at exit after the work is done (the restart then overwrites
+    # --out), so any crash in the output means: run the job once more, from an empty checkpoint dir.
+    crash = torchrun_crash(out)
+    if crash and retry_crash:
+        warnings.warn(
+            f"torchrun {' '.join(args)}: a worker crashed ({crash}); running once more", stacklevel=2
+        )
+        shutil.rmtree(args[args.index("--ckpt") + 1], ignore_errors=True)
+        return _torchrun(*args, timeout=timeout, retry_crash=False)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{out[-4000:]}"
     return subprocess.CompletedProcess(cmd, proc.returncode, out)
 
