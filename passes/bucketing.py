@@ -416,7 +416,9 @@ def _zero_row_pad(node: fx.Node) -> bool:
         return False
     pad = node.args[1]
     value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
-    return isinstance(pad, list | tuple) and len(pad) >= 2 and not any(pad[:-1]) and pad[-1] >= 0 and value == 0
+    return (
+        isinstance(pad, list | tuple) and len(pad) >= 2 and not any(pad[:-1]) and pad[-1] >= 0 and value == 0
+    )
 
 
 def _unpadded(x: fx.Node, until: fx.Node) -> fx.Node:
@@ -502,7 +504,10 @@ def _rewrite_flat(graph: fx.Graph, bucket: _Bucket) -> None:
     with graph.inserting_before(wait.next):
         if kind is C.Kind.ALL_GATHER:
             outs = _call(
-                graph, COPY_OUT, (wait, w, sizes, [d for s in shapes for d in s], [len(s) for s in shapes]), meta
+                graph,
+                COPY_OUT,
+                (wait, w, sizes, [d for s in shapes for d in s], [len(s) for s in shapes]),
+                meta,
             )
             outs._rename(f"{unit}_copy_out")
             pieces = [_call(graph, operator.getitem, (outs, i), meta) for i in range(len(members))]

@@ -39,7 +39,9 @@ def _shapes(shapes: list[int], ranks: list[int]) -> list[list[int]]:
 
 
 @torch.library.custom_op("spmd::all_gather_copy_in", mutates_args=())
-def all_gather_copy_in(shards: list[torch.Tensor], chunk_numels: list[int], dtype: torch.dtype) -> torch.Tensor:
+def all_gather_copy_in(
+    shards: list[torch.Tensor], chunk_numels: list[int], dtype: torch.dtype
+) -> torch.Tensor:
     out = shards[0].new_empty(sum(chunk_numels), dtype=dtype)
     off = 0
     for x, c in zip(shards, chunk_numels):

@@ -86,7 +86,7 @@ def _list_positions(node: fx.Node) -> list[int] | None:
         if isinstance(a, list | tuple):
             if len(a) == n_params and all(isinstance(x, fx.Node) for x in a):
                 out.append(i)
-            elif len(a) != 0:
+            elif len(a) != 0 and i not in _int_lists(node):
                 return None
     return out
 
