@@ -20,7 +20,7 @@ import torch.fx as fx
 from passes import collectives as C
 from passes.flat_ops import COPY_IN, COPY_OUT
 from passes.graph_utils import PASS_THROUGH_OPS, storage_of, written_storages
-from passes.meta import MICROBATCH, MODULE, PHASE, ROLE, Role, module_of
+from passes.meta import MICROBATCH, MODULE, PHASE, ROLE, Phase, Role, module_of
 from passes.units import UNIT
 
 _aten = torch.ops.aten
@@ -486,6 +486,8 @@ def _rewrite_flat(graph: fx.Graph, bucket: _Bucket) -> None:
         if kind is C.Kind.ALL_GATHER:
             dtype = _tensor(ins[0]).dtype
             flat = _call(graph, COPY_IN, (srcs, sizes, dtype), meta)
+            if meta[PHASE] is Phase.BACKWARD:  # the re-gather: name it apart from forward's
+                unit = f"{unit}_bwd"
             flat._rename(f"{unit}_copy_in")
             wait = C.emit_all_gather(graph, flat, group_size=w, group_name=group)[1]
         else:
