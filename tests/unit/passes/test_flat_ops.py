@@ -113,3 +113,26 @@ def test_aligned_fused_optimizer_rounds_like_the_full_tensor(kernel: str) -> Non
     assert torch.equal(shard[2], ref[2][off : off + n_loc])
     if kernel == "adamw":
         assert torch.equal(shard[3], ref[3][off : off + n_loc])
+
+
+def test_invariants_check_the_flat_buffer() -> None:
+    """A copy-in whose chunk sizes do not cover its shards breaks ``flat-buffer``."""
+    import torch.fx as fx
+
+    from passes.invariants import InvariantViolation, check_invariants
+    from passes.meta import MICROBATCH, PHASE, ROLE, Phase, Role
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(6)
+    flat = g.call_function(COPY_IN, ([x], [4], torch.float32))  # 6 elements into a chunk of 4
+    flat.meta["val"] = torch.empty(4)
+    g.output(flat)
+    for n in (x, flat):
+        n.meta.update({ROLE: Role.PARAM, PHASE: Phase.FORWARD, MICROBATCH: 0})
+    with pytest.raises(InvariantViolation) as err:
+        check_invariants(fx.GraphModule({}, g))
+    assert err.value.rules == {"flat-buffer"}
+    flat.args = ([x], [6], torch.float32)
+    flat.meta["val"] = torch.empty(6)
+    check_invariants(fx.GraphModule({}, g))
