@@ -8,6 +8,12 @@
 Prints the wall time of the first call (trace + partition + passes + one real step), the trace time
 spmd logs for make_fx alone, the node count of graphs['traced'], and the time of a cached step.
 World size 1 (no process group).
+
+    OMP_NUM_THREADS=1 python benchmarks/trace_time.py --simulate 2,1024   # spmd.simulate instead
+
+With ``--simulate``: for each world size, in one process, the time of ``spmd.simulate`` of the
+model's fully_shard step (trace + partition + passes, under the fake process group, never run)
+and the final graph's node count.
 """
 
 import argparse
@@ -32,7 +38,27 @@ p.add_argument("--vocab", type=int, default=50257)  # GPT-2 BPE vocabulary
 p.add_argument("--seq", type=int, default=256)  # tokens per sequence
 p.add_argument("--batch", type=int, default=1)  # sequences per step
 p.add_argument("--backend", default="eager")  # spmd.compile(backend=...): eager or inductor
+p.add_argument("--simulate", default="")  # comma-separated world sizes: time spmd.simulate instead
+p.add_argument("--style", default="fully_shard")  # --simulate: the DataParallel style
 args = p.parse_args()
+
+
+def simulate(world_sizes: list[int]) -> None:
+    """spmd.simulate of GPT-2 small (spmd.models, built fake) at each world size, side by side."""
+    from spmd import models
+
+    for w in world_sizes:
+        step = spmd.compile(parallel_mode=spmd.DataParallel(args.style))(models.train_step)
+        model, optim, idx, targets = models.build("gpt2-small", batch=args.batch, seq=args.seq, fake=True)
+        t0 = time.perf_counter()
+        report = spmd.simulate(step, model, optim, idx, targets, world_size=w)
+        took = time.perf_counter() - t0
+        print(f"simulate W={w:<5} {took:6.2f} s  final graph {report.num_nodes} nodes")
+
+
+if args.simulate:
+    simulate([int(w) for w in args.simulate.split(",")])
+    sys.exit(0)
 
 
 class TraceTime(logging.Handler):

@@ -18,8 +18,10 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes.flat_ops import COPY_IN, COPY_OUT
 from passes.graph_utils import PASS_THROUGH_OPS, storage_of, written_storages
-from passes.meta import MICROBATCH, MODULE, PHASE, ROLE, Role, module_of
+from passes.meta import MICROBATCH, MODULE, PHASE, ROLE, Phase, Role, module_of
+from passes.units import UNIT
 
 _aten = torch.ops.aten
 
@@ -292,14 +294,13 @@ def _tensor(node: fx.Node) -> torch.Tensor:
 
 def _rewrite(graph: fx.Graph, bucket: _Bucket) -> None:
     members, last = bucket.members, bucket.members[-1]
+    kind = C.kind_of(last)
+    if kind is not C.Kind.ALL_REDUCE:
+        _rewrite_flat(graph, bucket)
+        return
     ins = [C.inputs_of(m)[0] for m in members]
     waits = [C.wait_of(m) for m in members]
-    meta = {
-        ROLE: Role.COMM,
-        PHASE: last.meta.get(PHASE),
-        MODULE: _common_module(members),
-        MICROBATCH: last.meta.get(MICROBATCH, 0),
-    }
+    meta = _bucket_meta(members)
     with graph.inserting_before(last):
         wait = _pack_and_send(graph, last, ins, meta)
     if bucket.wait_before is not None:
@@ -314,6 +315,24 @@ def _rewrite(graph: fx.Graph, bucket: _Bucket) -> None:
         graph.erase_node(old)
     for m in members:
         graph.erase_node(m)
+
+
+def _bucket_meta(members: list[fx.Node]) -> dict[str, Any]:
+    last = members[-1]
+    meta = {
+        ROLE: Role.COMM,
+        PHASE: last.meta.get(PHASE),
+        MODULE: _common_module(members),
+        MICROBATCH: last.meta.get(MICROBATCH, 0),
+    }
+    if UNIT in last.meta:
+        meta[UNIT] = last.meta[UNIT]
+    return meta
+
+
+def _unit_name(meta: dict[str, Any]) -> str:
+    label = str(meta.get(UNIT) or meta.get(MODULE) or "unit")
+    return "".join(ch if ch.isalnum() else "_" for ch in label).strip("_") or "unit"
 
 
 def _pack_and_send(graph: fx.Graph, like: fx.Node, ins: list[fx.Node], meta: dict[str, Any]) -> fx.Node:
@@ -386,3 +405,134 @@ def _unpack(
         piece.meta.update({k: v for k, v in old.meta.items() if k.startswith("spmd_")})
         pieces.append(piece)
     return pieces
+
+
+# ----------------------------------------------------------------------------- flat buffers
+
+
+def _zero_row_pad(node: fx.Node) -> bool:
+    """Whether ``node`` is ``constant_pad_nd(x, [0, 0, ..., 0, p])`` with value 0: rows appended on dim 0."""
+    if node.op != "call_function" or node.target is not _aten.constant_pad_nd.default:
+        return False
+    pad = node.args[1]
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    return (
+        isinstance(pad, list | tuple) and len(pad) >= 2 and not any(pad[:-1]) and pad[-1] >= 0 and value == 0
+    )
+
+
+def _unpadded(x: fx.Node, until: fx.Node) -> fx.Node:
+    """The input of ``x``'s dim-0 padding, where that padding may fold into the bucket's pack.
+
+    It may where ``x`` is that pad, read by the collective alone, and nothing from the pad up to
+    ``until`` (where the pack will read the unpadded tensor instead) writes the tensor's storage.
+    """
+    if len(x.users) != 1 or not _zero_row_pad(x):
+        return x
+    src = x.args[0]
+    assert isinstance(src, fx.Node)
+    s = storage_of(src)
+    if s is None:
+        return x
+    n = x.next
+    while n is not until:
+        if s in written_storages(n):
+            return x
+        n = n.next
+    return src
+
+
+def _row_slice(wait: fx.Node) -> fx.Node | None:
+    """The wait's only user, if it is ``slice(wait, 0, 0, k)``: the un-padding of a shard or parameter."""
+    if len(wait.users) != 1:
+        return None
+    (u,) = wait.users
+    if u.op != "call_function" or u.target is not _aten.slice.Tensor:
+        return None
+    args = list(u.args) + [None] * (5 - len(u.args))
+    if args[1] not in (0, None) or args[2] not in (0, None) or args[4] not in (1, None):
+        return None
+    return u
+
+
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return strides[::-1]
+
+
+def _rewrite_flat(graph: fx.Graph, bucket: _Bucket) -> None:
+    """A bucket of all-gathers or reduce-scatters on the unit's flat buffer.
+
+    all-gather: ``copy_in(shards) -> all_gather -> wait -> copy_out -> getitem`` per member;
+    reduce-scatter: ``_chunk_cat(grads, 0, W) -> reduce_scatter -> wait -> as_strided`` per
+    member. The partitioner's dim-0 padding of each member's input folds into the pack (both
+    pack ops pad each piece to its chunk with zeros), and the un-padding slice of each result
+    into its piece, so the node count does not grow with the number of ragged shards.
+    """
+    members, last = bucket.members, bucket.members[-1]
+    kind, group, op, w = C.kind_of(last), C.group_of(last), C.reduce_op_of(last), C.group_size_of(last)
+    assert w is not None
+    meta = _bucket_meta(members)
+    unit = _unit_name(meta)
+    ins = [C.inputs_of(m)[0] for m in members]
+    waits = [C.wait_of(m) for m in members]
+    srcs = [_unpadded(x, last) for x in ins]
+    dead_pads = [x for x, s in zip(ins, srcs) if s is not x]
+    sizes = [_tensor(x).numel() // (w if kind is C.Kind.REDUCE_SCATTER else 1) for x in ins]
+    with graph.inserting_before(last):
+        if kind is C.Kind.ALL_GATHER:
+            dtype = _tensor(ins[0]).dtype
+            flat = _call(graph, COPY_IN, (srcs, sizes, dtype), meta)
+            if meta[PHASE] is Phase.BACKWARD:  # the re-gather: name it apart from forward's
+                unit = f"{unit}_bwd"
+            flat._rename(f"{unit}_copy_in")
+            wait = C.emit_all_gather(graph, flat, group_size=w, group_name=group)[1]
+        else:
+            flat = _call(graph, _aten._chunk_cat.default, (srcs, 0, w), meta)
+            flat._rename(f"{unit}_chunk_cat")
+            flat = _call(graph, _aten.view.default, (flat, [-1]), meta)
+            wait = C.emit_reduce_scatter(graph, flat, reduce_op=str(op), group_size=w, group_name=group)[1]
+    for n in (wait, wait.args[0]):
+        assert isinstance(n, fx.Node)
+        n.meta.update({k: v for k, v in meta.items() if k == UNIT})
+    if bucket.wait_before is not None:
+        bucket.wait_before.prepend(wait)
+    slices = [_row_slice(old) for old in waits]
+    shapes = [list(_tensor(sl if sl is not None else old).shape) for old, sl in zip(waits, slices)]
+    pieces: list[fx.Node] = []
+    with graph.inserting_before(wait.next):
+        if kind is C.Kind.ALL_GATHER:
+            outs = _call(
+                graph,
+                COPY_OUT,
+                (wait, w, sizes, [d for s in shapes for d in s], [len(s) for s in shapes]),
+                meta,
+            )
+            outs._rename(f"{unit}_copy_out")
+            pieces = [_call(graph, operator.getitem, (outs, i), meta) for i in range(len(members))]
+        else:
+            off = 0
+            for shape, size in zip(shapes, sizes):
+                args = (wait, shape, _contiguous_strides(shape), off)
+                pieces.append(_call(graph, _aten.as_strided.default, args, meta))
+                off += size
+    folded = {sl for sl in slices if sl is not None}
+    anchor = pieces[-1].next
+    for node in bucket.moved:
+        if node not in folded:
+            anchor.prepend(node)
+    for old, sl, piece in zip(waits, slices, pieces):
+        piece.meta.update({k: v for k, v in old.meta.items() if k.startswith("spmd_")})
+        if sl is not None:
+            piece.meta.update({k: v for k, v in sl.meta.items() if k.startswith("spmd_")})
+            sl.replace_all_uses_with(piece)
+            graph.erase_node(sl)
+        old.replace_all_uses_with(piece)
+        graph.erase_node(old)
+    for m in members:
+        graph.erase_node(m)
+    for pad in dead_pads:
+        graph.erase_node(pad)

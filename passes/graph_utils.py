@@ -8,6 +8,8 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from passes.flat_ops import COPY_OUT
+
 
 def _flat_nodes(arg: object) -> list[fx.Node]:
     if isinstance(arg, fx.Node):
@@ -93,4 +95,5 @@ PASS_THROUGH_OPS = {
     _aten.split_with_sizes.default,
     _aten.clone.default,
     _aten._to_copy.default,
+    COPY_OUT,  # a unit's gathered flat buffer into its parameters (passes.flat_ops)
 }

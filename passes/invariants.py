@@ -16,6 +16,8 @@ matters):
 - ``role-phase``: those nodes carry ``passes.meta`` ROLE, PHASE and MICROBATCH with a
   :class:`~passes.meta.Role`, a :class:`~passes.meta.Phase` and an int >= 0.
 - ``lint``: ``graph.lint()`` passes.
+- ``flat-buffer``: a unit's ``all_gather_copy_in`` packs shards no larger than their chunks into
+  ``sum(chunks)`` elements; its ``all_gather_copy_out`` reads ``world`` such blocks.
 - ``optimizer-split``: the calls :func:`passes.optimizer_overlap.overlap_optimizer` split from one
   fused optimizer call update every parameter exactly once, with the same per-parameter and
   shared arguments as before, each after all of its inputs.
@@ -34,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes.flat_ops import COPY_IN, COPY_OUT
 from passes.meta import MICROBATCH, PHASE, ROLE, Phase, Role, module_of
 from passes.optimizer_overlap import check_optimizer_split
 
@@ -105,9 +108,38 @@ def check_invariants(gm: fx.GraphModule) -> None:
             found.extend(_check_collective(node, order))
         elif C.is_wait(node):
             found.extend(_check_wait(node, order))
+        elif node.op == "call_function" and node.target in (COPY_IN, COPY_OUT):
+            found.extend(_check_flat(node))
     found.extend(Violation("optimizer-split", name, msg) for name, msg in check_optimizer_split(gm))
     if found:
         raise InvariantViolation(found)
+
+
+def _check_flat(node: fx.Node) -> list[Violation]:
+    """A unit's flat buffer agrees with its pieces: copy-in writes ``sum(chunks)`` elements and
+    no shard is larger than its chunk; copy-out reads ``world`` blocks of ``sum(chunks)`` and no
+    output needs more than ``world`` chunks."""
+    out = []
+    val = node.meta.get("val")
+    if node.target is COPY_IN:
+        shards, chunks = node.args[0], node.args[1]
+        sizes = [s.meta["val"].numel() for s in shards]  # type: ignore[union-attr]
+        bad = isinstance(val, torch.Tensor) and val.numel() != sum(chunks)  # type: ignore[arg-type]
+        if bad or len(sizes) != len(chunks) or any(n > c for n, c in zip(sizes, chunks)):  # type: ignore[arg-type]
+            out.append(
+                Violation("flat-buffer", node.name, f"{describe(node)}: shards {sizes} vs chunks {chunks}")
+            )
+    else:
+        src, world, chunks = node.args[0], node.args[1], node.args[2]
+        gathered = src.meta["val"].numel()  # type: ignore[union-attr]
+        outs = [v.numel() for v in val] if isinstance(val, list | tuple) else []
+        if gathered != world * sum(chunks) or any(n > world * c for n, c in zip(outs, chunks)):  # type: ignore[operator,arg-type]
+            out.append(
+                Violation(
+                    "flat-buffer", node.name, f"{describe(node)}: {gathered} gathered, {world} x {chunks}"
+                )
+            )
+    return out
 
 
 def _returns_nothing(node: fx.Node) -> bool:

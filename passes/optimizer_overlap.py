@@ -44,6 +44,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from passes import collectives as C
+from passes.fused_align import ALIGNED_FUSED
 from passes.graph_utils import mutated_nodes, storage_of
 
 _aten = torch.ops.aten
@@ -56,6 +57,7 @@ FUSED_OPTIMIZERS = {
     _aten._fused_adamw_.tensor_lr,
     _aten._fused_sgd_.default,
     _aten._fused_sgd_.tensor_lr,
+    ALIGNED_FUSED,  # a fused kernel on aligned shard copies (passes.fused_align): also per tensor
 }
 
 # On each call this pass made: what it was split from, so the checker can verify it.
@@ -84,19 +86,34 @@ def _list_positions(node: fx.Node) -> list[int] | None:
         if isinstance(a, list | tuple):
             if len(a) == n_params and all(isinstance(x, fx.Node) for x in a):
                 out.append(i)
-            elif len(a) != 0:
+            elif len(a) != 0 and i not in _int_lists(node):
                 return None
     return out
 
 
+def _int_lists(node: fx.Node) -> list[int]:
+    """Positions of per-parameter int arguments (the alignment of ``spmd::aligned_fused_optimizer_``)."""
+    if node.target is not ALIGNED_FUSED:
+        return []
+    n_params = len(_nodes(node, 0))
+    return [
+        i
+        for i, a in enumerate(node.args)
+        if isinstance(a, list | tuple) and len(a) == n_params and a and all(type(x) is int for x in a)
+    ]
+
+
 def _signature(node: fx.Node, k: int, lists: list[int]) -> tuple[tuple[int, str], ...]:
-    """Parameter ``k``'s per-parameter arguments of ``node``, by node name."""
-    return tuple((i, _nodes(node, i)[k].name) for i in lists)
+    """Parameter ``k``'s per-parameter arguments of ``node``, by node name (or value)."""
+    return tuple((i, _nodes(node, i)[k].name) for i in lists) + tuple(
+        (i, repr(cast(list, node.args[i])[k])) for i in _int_lists(node)
+    )
 
 
 def _shared(node: fx.Node, lists: list[int]) -> tuple[Any, ...]:
     """What every split call shares with the original: non-list args, empty lists, kwargs."""
-    args = tuple("<per-param>" if i in lists else repr(a) for i, a in enumerate(node.args))
+    per_param = set(lists) | set(_int_lists(node))
+    args = tuple("<per-param>" if i in per_param else repr(a) for i, a in enumerate(node.args))
     return args, tuple(sorted((k, repr(v)) for k, v in node.kwargs.items()))
 
 
@@ -197,7 +214,7 @@ def _split(graph: fx.Graph, node: fx.Node) -> bool:
         groups.setdefault(segment(ready[k]), []).append(k)
     if len(groups) < 2:
         return False
-    lists_set = set(lists)
+    lists_set = set(lists) | set(_int_lists(node))
     total = n_params
     for members in groups.values():
         anchor = nodes[max(ready[k] for k in members)]

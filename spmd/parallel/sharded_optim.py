@@ -23,14 +23,14 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes.fused_align import ALIGNED_FUSED, wrap_args
 from passes.meta import GRAD_OF, PHASE, ROLE, STATE_NAME, Phase, Role
 from spmd.errors import TraceError
-from spmd.parallel import layout
 from spmd.parallel.offload import CPU
 from spmd.parallel.partition_state import PartitionState
 
 # Fused optimizer kernels whose SIMD/scalar split depends on where an element sits (see
-# align_fused_optimizer), their per-parameter list arguments, and an element
+# align_fused_optimizer), and an element
 # alignment that is a multiple of every CPU vector width (AVX-512 float: 16, bf16: 32).
 _FUSED_OPTIMIZERS = {
     torch.ops.aten._fused_adam_.default,
@@ -40,7 +40,6 @@ _FUSED_OPTIMIZERS = {
     torch.ops.aten._fused_sgd_.default,
     torch.ops.aten._fused_sgd_.tensor_lr,
 }
-_PER_PARAM_LISTS = {"self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "momentum_buffer_list"}
 _ALIGN = 64
 aten = torch.ops.aten
 
@@ -97,21 +96,16 @@ def align_fused_optimizer(ps: PartitionState) -> None:
     index range rounded out to ``_ALIGN`` (up to ``n`` when the shard holds the tensor's
     tail), the kernel runs on the buffers, and the results are copied back. Shards that
     are aligned already (the common case: rows of a multiple of 64 elements) cost nothing.
+
+    A call with any shard to align becomes one ``spmd::aligned_fused_optimizer_`` node
+    (:mod:`passes.fused_align`), which pads, runs the kernel and copies back inside, so the
+    graph does not grow with the number of ragged shards (almost all at large world sizes).
     """
     for node in list(ps.graph.nodes):
         if node.op != "call_function" or node.target not in _FUSED_OPTIMIZERS:
             continue
-        schema = node.target._schema
         n_params = len(node.args[0])
-        per_param = [
-            i
-            for i, a in enumerate(schema.arguments)
-            if a.name in _PER_PARAM_LISTS and i < len(node.args) and len(node.args[i]) == n_params
-        ]
-        written = {i for i in per_param if schema.arguments[i].alias_info is not None}
-        written.discard(1)  # grads: scratch, nothing to copy back
-        args = [list(a) if isinstance(a, list | tuple) else a for a in node.args]
-        copy_backs: list[tuple[fx.Node, fx.Node, int, int, list[int], list[int] | None]] = []
+        pre, post, channels_last = [0] * n_params, [0] * n_params, [0] * n_params
         for k, p in enumerate(node.args[0]):
             name = p.meta.get(STATE_NAME) if isinstance(p, fx.Node) else None
             lay = ps.layouts.get(name) if name is not None else None
@@ -122,40 +116,23 @@ def align_fused_optimizer(ps: PartitionState) -> None:
             total, off, n_loc = lay.rows * row, lay.offset * row, lay.local_rows * row
             if off % _ALIGN == 0 and (n_loc % _ALIGN == 0 or off + n_loc == total):
                 continue
-            pre = off % _ALIGN
+            pre[k] = off % _ALIGN
             end = -(-(off + n_loc) // _ALIGN) * _ALIGN if off + n_loc <= total - total % _ALIGN else total
-            post = end - (off - pre) - pre - n_loc
+            post[k] = end - (off - pre[k]) - pre[k] - n_loc
             # Flatten in memory order (the kernel DDP runs walks the full tensor's memory).
-            perm = ps.perms.get(name)
-            local_shape = [lay.local_rows, *shape[1:]]
-            with ps.graph.inserting_before(node):
-                for i in per_param:
-                    t = args[i][k]
-                    src = t
-                    if perm is not None:
-                        src = ps.call(aten.permute.default, (t, perm), node, role=Role.UPDATE)
-                    flat = ps.call(aten.reshape.default, (src, [-1]), node, role=Role.UPDATE)
-                    buf = ps.call(aten.constant_pad_nd.default, (flat, [pre, post]), node, role=Role.UPDATE)
-                    args[i][k] = buf
-                    if i in written:
-                        copy_backs.append((t, buf, pre, n_loc, local_shape, perm))
-        if not copy_backs:
+            channels_last[k] = len(shape) if name in ps.perms else 0
+        if not any(pre) and not any(post):
             continue
-        node.args = tuple(args)
-        anchor = node
-        for t, buf, pre, n_loc, local_shape, perm in copy_backs:
-            with ps.graph.inserting_after(anchor):
-                piece = ps.call(aten.slice.Tensor, (buf, 0, pre, pre + n_loc), node, role=Role.UPDATE)
-            with ps.graph.inserting_after(piece):
-                view_shape = [local_shape[d] for d in perm] if perm is not None else local_shape
-                shaped = ps.call(aten.view.default, (piece, view_shape), node, role=Role.UPDATE)
-            if perm is not None:
-                with ps.graph.inserting_after(shaped):
-                    shaped = ps.call(
-                        aten.permute.default, (shaped, layout.inverse(perm)), node, role=Role.UPDATE
-                    )
-            with ps.graph.inserting_after(shaped):
-                anchor = ps.call(aten.copy_.default, (t, shaped), node, role=Role.UPDATE)
+        schema = node.target._schema
+        values = {a.name: node.args[i] for i, a in enumerate(schema.arguments) if i < len(node.args)}
+        values.update(node.kwargs)
+        args, kwargs = wrap_args(node.target, values, pre, post, channels_last)
+        with ps.graph.inserting_before(node):
+            wrapped = ps.graph.call_function(ALIGNED_FUSED, args, kwargs)
+        wrapped.meta.update(node.meta)
+        wrapped.meta["val"] = None
+        node.replace_all_uses_with(wrapped)
+        ps.graph.erase_node(node)
 
 
 def _globalize(ps: PartitionState, norm: fx.Node, ord_: Any) -> None:

@@ -23,6 +23,7 @@ import torch.fx as fx
 
 import spmd
 from passes import collectives as C
+from passes.fused_align import ALIGNED_FUSED
 from passes.meta import CAST_OF, GRAD_OF, INPUT_CAST, PHASE, ROLE, STATE_NAME, Phase, Role
 from spmd.dump import annotated_code
 from tests import models
@@ -233,8 +234,14 @@ def test_fully_shard_gathers_in_param_dtype(fake_world) -> None:
 
 
 def _assert_optimizer_in_fp32(gm: fx.GraphModule) -> None:
-    # One call per unit after overlap_optimizer; together they update every parameter once.
-    fused = [n for n in gm.graph.nodes if n.target is torch.ops.aten._fused_adamw_.tensor_lr]
+    # One call per unit after overlap_optimizer; together they update every parameter once. A
+    # call with ragged shards to align runs the kernel inside spmd::aligned_fused_optimizer_.
+    fused = [
+        n
+        for n in gm.graph.nodes
+        if n.target is torch.ops.aten._fused_adamw_.tensor_lr
+        or (n.target is ALIGNED_FUSED and n.args[9] == "_fused_adamw_.tensor_lr")
+    ]
     assert fused
     params = [p for f in fused for p in f.args[0]]
     grads = [g for f in fused for g in f.args[1]]

@@ -27,6 +27,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import spmd
 from passes import collectives as C
+from passes.fused_align import ALIGNED_FUSED
 from passes.meta import GRAD_OF, PHASE, ROLE, Phase, Role
 from spmd import optim as optim_utils
 from spmd import tracing
@@ -162,7 +163,12 @@ def _check_structure(gm: fx.GraphModule, n_params: int) -> None:
     opt_nodes = [
         n for n in gm.graph.nodes if n.meta.get(PHASE) is Phase.OPTIMIZER and n.op == "call_function"
     ]
-    assert any(n.target is torch.ops.aten._fused_adamw_.tensor_lr for n in opt_nodes)
+    # The fused kernel, or (ragged shards to align) the op that runs it on aligned copies.
+    assert any(
+        n.target is torch.ops.aten._fused_adamw_.tensor_lr
+        or (n.target is ALIGNED_FUSED and n.args[9] == "_fused_adamw_.tensor_lr")
+        for n in opt_nodes
+    )
     for n in opt_nodes:  # the optimizer runs on CPU tensors only (the norm's all-reduce excepted)
         if n.meta.get(ROLE) is Role.COMM or _is_copy_to(n, "cuda"):
             continue

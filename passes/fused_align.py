@@ -1,0 +1,121 @@
+"""One node for a fused optimizer call on shards that must be aligned: ``spmd::aligned_fused_optimizer_``.
+
+CPU fused optimizer kernels (``_fused_adam_``, ``_fused_adamw_``, ``_fused_sgd_``) run a SIMD
+loop with a scalar tail that rounds differently; a shard that does not start at a multiple of
+the vector width, or ends early, would round some elements differently from the full tensor
+(DDP). The fix (see ``spmd.parallel.sharded_optim.align_fused_optimizer``) runs the kernel on
+zero-padded copies covering the shard's global index range rounded out to the alignment, and
+copies the results back. Emitted as graph ops that is a pad and reshape per tensor and a slice,
+view and copy per written tensor: thousands of nodes at large world sizes, where almost every
+shard is ragged. This op does the same inside one node.
+
+Schema: the kernel's six per-parameter list slots (``self, grads`` and up to three state lists,
+then ``state_steps``; a kernel with fewer lists passes empty ones), then per parameter ``pre``,
+``post`` (elements of padding before and after the shard; both 0: the tensors are used as they
+are) and ``channels_last`` (0, or the ndim of a channels-last shard, flattened in memory
+order), then the kernel's name, its non-tensor keyword arguments as a ``repr``'d dict, and its
+tensor keyword arguments. Every list argument is per parameter (or empty) and everything else
+is shared, so :mod:`passes.optimizer_overlap` splits it like the kernel itself.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import torch
+
+_LIST_SLOTS = 5  # self, grads, up to three state lists; then state_steps
+
+
+def _kernel(name: str) -> torch._ops.OpOverload:
+    packet, overload = name.split(".")
+    return getattr(getattr(torch.ops.aten, packet), overload)
+
+
+def _padded(t: torch.Tensor, pre: int, post: int, cl: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the tensor in memory order, its flat zero-padded copy)."""
+    src = t.permute(0, *range(2, cl), 1) if cl else t
+    return src, torch.constant_pad_nd(src.reshape(-1), [pre, post])
+
+
+@torch.library.custom_op(
+    "spmd::aligned_fused_optimizer_", mutates_args=("params", "grads", "state0", "state1", "state2")
+)
+def aligned_fused_optimizer_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    state0: list[torch.Tensor],
+    state1: list[torch.Tensor],
+    state2: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    pre: list[int],
+    post: list[int],
+    channels_last: list[int],
+    kernel: str,
+    options: str,
+    lr: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    op = _kernel(kernel)
+    lists = [params, grads, state0, state1, state2]
+    positional = [a.name for a in op._schema.arguments if not a.kwarg_only]
+    bufs: list[list[torch.Tensor]] = [list(lst) for lst in lists]
+    copy_backs: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+    for k in range(len(params)):
+        if not pre[k] and not post[k]:
+            continue
+        for j, lst in enumerate(lists):
+            if not lst:
+                continue
+            src, buf = _padded(lst[k], pre[k], post[k], channels_last[k])
+            bufs[j][k] = buf
+            if j != 1:  # grads are the kernel's scratch: nothing to copy back
+                copy_backs.append((src, buf, pre[k]))
+    kwargs = ast.literal_eval(options)
+    for name, value in (("lr", lr), ("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if value is not None:
+            kwargs[name] = value
+    args = bufs[: len([n for n in positional if n != "state_steps"])]
+    if "state_steps" in positional:
+        args.append(state_steps)
+    op(*args, **kwargs)
+    for src, buf, p in copy_backs:
+        src.copy_(buf[p : p + src.numel()].view(src.shape))
+
+
+@aligned_fused_optimizer_.register_fake
+def _(params, grads, state0, state1, state2, state_steps, pre, post, channels_last, kernel, options, lr=None,
+      grad_scale=None, found_inf=None) -> None:  # fmt: skip
+    return None
+
+
+ALIGNED_FUSED = torch.ops.spmd.aligned_fused_optimizer_.default
+
+
+def wrap_args(
+    kernel: torch._ops.OpOverload,
+    values: dict[str, object],
+    pre: list[int],
+    post: list[int],
+    channels_last: list[int],
+) -> tuple[tuple, dict]:
+    """The (args, kwargs) of :data:`ALIGNED_FUSED` standing for ``kernel`` called with ``values``
+    (its arguments by schema name)."""
+    lists: list[list] = []
+    options: dict[str, object] = {}
+    tensors: dict[str, object] = {}
+    for a in kernel._schema.arguments:
+        v = values.get(a.name, a.default_value if a.has_default_value() else None)
+        if not a.kwarg_only:
+            if a.name != "state_steps":
+                lists.append(list(v))  # type: ignore[call-overload]
+        elif a.name in ("lr", "grad_scale", "found_inf") and (v is None or not isinstance(v, float | int)):
+            tensors[a.name] = v
+        else:
+            options[a.name] = v
+    lists += [[] for _ in range(_LIST_SLOTS - len(lists))]
+    steps = list(values.get("state_steps", []))  # type: ignore[call-overload]
+    name = f"{kernel._schema.name.split('::')[1]}.{kernel._overloadname}"
+    args = (*lists, steps, pre, post, channels_last, name, repr(options))
+    return args, {k: v for k, v in tensors.items() if v is not None}
