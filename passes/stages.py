@@ -24,11 +24,22 @@ import torch.fx as fx
 
 
 def copy_graph(graph: fx.Graph) -> fx.Graph:
-    """An independent copy of ``graph`` (node meta copied shallowly, the output node's too)."""
+    """An independent copy of ``graph``: the same nodes, names, targets and arguments, each
+    node's meta copied shallowly (the output node's too), as ``Graph.graph_copy`` makes it.
+
+    Nodes are created without arguments and given them after: ``Graph.create_node`` walks
+    every argument with pytree to warn about raw SymInts (torch 2.13), which is most of a
+    copy's cost on a whole-step graph (the fused optimizer takes lists of hundreds of
+    tensors); a copy of a valid graph has nothing to warn about.
+    """
     new = fx.Graph()
-    out = new.graph_copy(graph, {})
-    new_output = new.output(out)
-    new_output.meta = dict(graph.output_node().meta)
+    env: dict[fx.Node, fx.Node] = {}
+    for n in graph.nodes:
+        m = new.create_node(n.op, n.target, name=n.name, type_expr=n.type)
+        m.args = fx.map_arg(n.args, env.__getitem__)
+        m.kwargs = fx.map_arg(n.kwargs, env.__getitem__)
+        m.meta = dict(n.meta)
+        env[n] = m
     return new
 
 
@@ -46,7 +57,9 @@ def _attrs(gm: fx.GraphModule, graph: fx.Graph) -> dict[str, Any]:
 
 def _fingerprint(graph: fx.Graph) -> list[tuple[Any, ...]]:
     # References, not ids: holding the objects keeps an id from being reused by a new one.
-    return [(n, n.op, n.target, n.name, n.args, n.kwargs, *n.meta.keys(), *n.meta.values()) for n in graph.nodes]
+    return [
+        (n, n.op, n.target, n.name, n.args, n.kwargs, *n.meta.keys(), *n.meta.values()) for n in graph.nodes
+    ]
 
 
 def _same(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> bool:

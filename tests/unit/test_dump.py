@@ -93,18 +93,26 @@ def _lower_fully_shard(dump_dir=None):
     return step
 
 
+def _full_copy(gm):
+    """A stage as spmd used to copy it: torch's own graph_copy, then a GraphModule."""
+    import torch.fx as fx
+
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {})).meta = dict(gm.graph.output_node().meta)
+    return fx.GraphModule(gm, graph)
+
+
 def test_every_stage_is_the_graph_after_that_stage(tmp_path, monkeypatch):
     """step.graphs and the dump (cheap copies, built on lookup) show each stage exactly as a full
     GraphModule copy taken right after it does, in fully_shard at world size 2 where every pass
     rewrites the graph in place; a no-op pass's stage equals the one before it."""
-    from passes.driver import copy_graph_module
     from passes.stages import Stages
     from spmd.dump import annotated_code
     from tests.unit.fake_pg import fake_process_group
 
     with fake_process_group(2):
         with monkeypatch.context() as m:  # the old way: a full copy right after each stage
-            m.setattr(Stages, "record", lambda self, name, gm: self.__setitem__(name, copy_graph_module(gm)))
+            m.setattr(Stages, "record", lambda self, name, gm: self.__setitem__(name, _full_copy(gm)))
             old = _lower_fully_shard().graphs
             want = {name: gm.code for name, gm in old.items()}
             want_dump = {name: annotated_code(gm) for name, gm in old.items()}
