@@ -17,6 +17,7 @@ process group (--world 2) the collectives return garbage: shapes and times are r
 import argparse
 import contextlib
 import gc
+import json
 import os
 import sys
 import time
@@ -44,6 +45,7 @@ p.add_argument("--world", type=int, default=1)  # >1: fully_shard under the fake
 p.add_argument("--backend", default="eager")  # spmd.compile(backend=...)
 p.add_argument("--variants", default="full,cheap")  # stage copies: full (before), cheap (now)
 p.add_argument("--reps", type=int, default=2)  # rounds of the variants
+p.add_argument("--inductor-config", default="{}")  # JSON: spmd.compile(inductor_config=...)
 args = p.parse_args()
 
 times: dict[str, float] = defaultdict(float)
@@ -98,7 +100,8 @@ def first_call(variant: str) -> dict[str, float]:
     model, batch, fn = build()
     optim = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
     mode = spmd.DataParallel("fully_shard") if args.world > 1 else None
-    step = spmd.compile(parallel_mode=mode, backend=args.backend)(fn)
+    extra = {"inductor_config": json.loads(args.inductor_config)} if args.backend == "inductor" else {}
+    step = spmd.compile(parallel_mode=mode, backend=args.backend, **extra)(fn)
     times.clear()
     mode_cls = type(step.parallel_mode)
     record = full_record if variant == "full" else Stages.record
@@ -148,3 +151,7 @@ if __name__ == "__main__":
         row = [min(r.get(ph, 0.0) for r in results[v]) for v in variants]
         print(f"{ph:<12}" + "".join(f"{x:12.2f}" for x in row))
     print(f"{'final nodes':<12}" + "".join(f"{int(results[v][0]['nodes']):>12}" for v in variants))
+    if args.backend != "eager":  # inductor's own phases (its dynamo_timed metrics), summed over rounds
+        from torch._dynamo.utils import compile_times
+
+        print(compile_times(repr="str", aggregate=True))

@@ -160,6 +160,8 @@ def _fake(example_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], A
 
 # inductor emits the functional op, or its in-place/out variant: all_reduce_, ..._out.
 _CALL = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.\w+\((.*)\)")
+# With cpp_wrapper=True the code is C++: ops with a C shim are called through it (sizes not shown).
+_CPP_CALL = re.compile(r"aoti_torch_[a-z]+__c10d_functional_(\w+)\((.*)\)")
 _ALLOC = re.compile(r"(buf\w+) = empty_strided\w*\(\(([^)]*)\)")
 _REUSE = re.compile(r"(buf\w+) = (buf\w+); del \2\s+# reuse")
 _ASSERT = re.compile(r"assert_size_stride\((\w+), \(([^)]*)\)")
@@ -211,7 +213,7 @@ def code_order(code: str, example_inputs: Sequence[torch.Tensor] = ()) -> list[I
         if m := _REUSE.match(line):
             numel[m.group(1)] = numel.get(m.group(2))
             continue
-        m = _CALL.search(line)
+        m = _CALL.search(line) or _CPP_CALL.search(line)
         if m is None:
             continue
         name = m.group(1).removesuffix("_out").removesuffix("_")

@@ -154,3 +154,14 @@ def test_cat_onto_legacy_empty_becomes_a_clone_in_eager_layout() -> None:
     assert len(clones) == 1 and clones[0].kwargs == {"memory_format": torch.contiguous_format}
     for got, want in zip(lowered(k, a), f(k, a)):
         assert torch.equal(got, want)
+
+
+def test_code_order_reads_cpp_wrapper_code() -> None:
+    """With inductor_config={"cpp_wrapper": True} the code is C++ and collectives with a C shim are
+    called through it (all_reduce_, seen in replicate); kind and group are read, sizes are not."""
+    code = """
+AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu__c10d_functional_all_reduce_(buf16, "avg", "0", &buf17_handle));
+AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu__c10d_functional_wait_tensor(buf16, &buf23_handle));
+AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu__c10d_functional_all_reduce_(buf20, "sum", "3", &buf21_handle));
+"""
+    assert code_order(code) == [("all_reduce", False, "0", None), ("all_reduce", False, "3", None)]
