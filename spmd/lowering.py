@@ -313,17 +313,16 @@ def _for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` as inductor gets it: a copy with every ATen fused optimizer op swapped for its
     opaque twin and legacy empty operands dropped from ``cat`` (:func:`_drop_empty_cat_inputs`);
     ``gm`` itself when neither applies."""
-    from passes.driver import copy_graph_module
+    from passes.stages import copy_graph
 
     if not any(_is_fused_optimizer(n.target) or _has_empty_cat_input(n) for n in gm.graph.nodes):
         return gm
-    gm = copy_graph_module(gm)
-    for n in gm.graph.nodes:
+    graph = copy_graph(gm.graph)  # rewritten before it becomes a GraphModule: one recompile
+    for n in graph.nodes:
         if n.op == "call_function" and _is_fused_optimizer(n.target):
             n.target = _opaque(n.target)
-    _drop_empty_cat_inputs(gm)
-    gm.recompile()
-    return gm
+    _drop_empty_cat_inputs(graph)
+    return fx.GraphModule(gm, graph)
 
 
 # ----------------------------------------------------------------------------- cat of legacy empties
@@ -343,8 +342,8 @@ def _has_empty_cat_input(n: fx.Node) -> bool:
     )
 
 
-def _drop_empty_cat_inputs(gm: fx.GraphModule) -> None:
-    """Drop the legacy empty inputs of every ``cat`` in ``gm`` (in place); a ``cat`` left with
+def _drop_empty_cat_inputs(graph: fx.Graph) -> None:
+    """Drop the legacy empty inputs of every ``cat`` in ``graph`` (in place); a ``cat`` left with
     one input becomes a ``clone`` in the layout eager's ``cat`` gave (``node.meta["val"]``).
 
     Why: Hugging Face's ``DynamicCache.update`` (``use_cache=True``) runs
@@ -353,7 +352,7 @@ def _drop_empty_cat_inputs(gm: fx.GraphModule) -> None:
     input and returns ``k.clone()`` in ``k``'s (transposed) layout, and the ``view`` fails.
     Legal: eager's ``cat`` skips such inputs, so the values are the same.
     """
-    for n in list(gm.graph.nodes):
+    for n in list(graph.nodes):
         if not _has_empty_cat_input(n):
             continue
         kept = [a for a in n.args[0] if not _legacy_empty(a)]
@@ -368,8 +367,8 @@ def _drop_empty_cat_inputs(gm: fx.GraphModule) -> None:
             fmt = torch.preserve_format
         else:
             continue  # a layout clone cannot give: leave it to inductor
-        with gm.graph.inserting_before(n):
-            clone = gm.graph.call_function(torch.ops.aten.clone.default, (kept[0],), {"memory_format": fmt})
+        with graph.inserting_before(n):
+            clone = graph.call_function(torch.ops.aten.clone.default, (kept[0],), {"memory_format": fmt})
         clone.meta = dict(n.meta)
         n.replace_all_uses_with(clone)
-        gm.graph.erase_node(n)
+        graph.erase_node(n)
