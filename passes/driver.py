@@ -2,9 +2,10 @@
 
 Every pass is a plain ``GraphModule -> GraphModule`` function. The driver:
 asserts it returned a GraphModule; re-raises a failure naming the pass and the
-ones that ran before it; logs time and node-count change; records a copy of the
-graph after every pass under the pass's name; and, when asked, runs the
-invariant checker after every pass.
+ones that ran before it; logs time and node-count change; hands the graph after
+every pass to ``record`` under the pass's name (a :class:`passes.stages.Stages`
+keeps a cheap copy of it); and, when asked, runs the invariant checker after
+every pass.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import time
 from collections.abc import Callable, Iterable
 
 import torch.fx as fx
+
+from passes.stages import copy_graph
 
 log = logging.getLogger("spmd.passes")
 
@@ -40,11 +43,7 @@ class PassFailure(RuntimeError):
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """An independent copy of ``gm``'s graph (node meta copied shallowly; tensors shared)."""
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    new_output = graph.output(out)
-    new_output.meta = dict(gm.graph.output_node().meta)
-    return fx.GraphModule(gm, graph)
+    return fx.GraphModule(gm, copy_graph(gm.graph))
 
 
 def run_passes(
@@ -55,7 +54,11 @@ def run_passes(
     check: Callable[[fx.GraphModule, str], None] | None = None,
     record: Callable[[str, fx.GraphModule], None] | None = None,
 ) -> fx.GraphModule:
-    """Apply ``passes`` in order, skipping the names in ``disabled``."""
+    """Apply ``passes`` in order, skipping the names in ``disabled``.
+
+    ``record(name, gm)`` gets the live graph after each pass; later passes change it in
+    place, so it must copy what it keeps (``Stages.record`` does, cheaply).
+    """
     disabled = set(disabled)
     ran: list[str] = []
     for p in passes:
@@ -85,5 +88,5 @@ def run_passes(
         )
         ran.append(p.name)
         if record is not None:
-            record(p.name, copy_graph_module(gm))
+            record(p.name, gm)
     return gm

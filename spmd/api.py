@@ -14,7 +14,6 @@ import functools
 import logging
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from passes.stages import Stages
 from spmd import guards, tracing
 from spmd import optim as optim_utils
 from spmd.dump import dump_code, dump_report, dump_stages
@@ -124,7 +124,7 @@ def compile(
 @dataclasses.dataclass
 class _Entry:
     exe: Executable
-    graphs: OrderedDict[str, fx.GraphModule]
+    graphs: Stages
     # For report(): the compile's facts that the graph does not hold.
     world_size: int = 1
     parallel_style: str = ""
@@ -173,7 +173,7 @@ class CompiledStep:
     # ------------------------------------------------------------------ inspection
 
     @property
-    def graphs(self) -> OrderedDict[str, fx.GraphModule]:
+    def graphs(self) -> Stages:
         """The stages of the most recently run graph: ``traced``, ``partitioned``, one per pass, ``final``."""
         if self._last is None:
             raise RuntimeError("spmd: the step has not been called yet; graphs exist after the first call.")
@@ -216,7 +216,7 @@ class CompiledStep:
         self._last_call = LastCall.build(entry, step_args, args, kwargs, grad_key)
         return out
 
-    def lower(self, *args: Any, **kwargs: Any) -> OrderedDict[str, fx.GraphModule]:
+    def lower(self, *args: Any, **kwargs: Any) -> Stages:
         """Compile for these arguments without running the step; returns the graph stages.
 
         The model and optimizer are put in their distributed form (as on a first call),
@@ -302,10 +302,9 @@ class CompiledStep:
         log.info(
             "spmd: traced %s in %.2f s (%d nodes)", self.__name__, traced.trace_s, len(traced.gm.graph.nodes)
         )
-        graphs: OrderedDict[str, fx.GraphModule] = OrderedDict()
-        from passes.driver import copy_graph_module
-
-        graphs["traced"] = copy_graph_module(traced.gm)
+        # Stages keeps a cheap copy per stage and builds its GraphModule when looked up.
+        graphs = Stages()
+        graphs.record("traced", traced.gm)
         gm = self.parallel_mode.partition(traced.gm, state, step_args)
         flat_state = state.tensors(optimizer) + step_args.tensors
         for o in self.module_override:
@@ -313,17 +312,17 @@ class CompiledStep:
             if isinstance(res, fx.Graph):
                 res = fx.GraphModule(gm, res)
             gm = res
-        graphs["partitioned"] = copy_graph_module(gm)
+        graphs.record("partitioned", gm)
         pipeline = build_pipeline(self.parallel_mode)
         gm = pipeline.run(
             gm,
             disabled=self.disabled_passes,
             check=self.check_invariants,
-            record=lambda name, g: graphs.__setitem__(name, g),
+            record=graphs.record,
         )
         if self.gm_transformation is not None:
             gm = self.gm_transformation(gm)
-            graphs["gm_transformation"] = copy_graph_module(gm)
+            graphs.record("gm_transformation", gm)
         graphs["final"] = gm
         check_rank_agreement(gm, step_name=self.__name__)
         exe = make_executable(gm, traced, state)
@@ -355,11 +354,9 @@ class CompiledStep:
 
     def _record_layout_fix(self, entry: _Entry, gm: fx.GraphModule) -> None:
         """The first run inserted layout fix-ups into the final graph: show them as a stage."""
-        from passes.driver import copy_graph_module
-
         old_index = list(entry.graphs).index("final")
-        entry.graphs.pop("final")
-        entry.graphs["fix_layouts"] = copy_graph_module(gm)
+        del entry.graphs["final"]
+        entry.graphs.record("fix_layouts", gm)
         entry.graphs["final"] = gm
         if self.dump_dir:
             where = dump_stages(self.dump_dir, self.__name__, entry.graphs)

@@ -110,7 +110,7 @@ def compile_graph(
     from torch._inductor.graph import GraphLowering
 
     t0 = time.perf_counter()
-    lowered_gm = _opaque_fused_optimizers(gm)
+    lowered_gm = _for_inductor(gm)
     codes: list[str] = []
     settings = {**_INDUCTOR_CONFIG, **(inductor_config or {})}
     try:
@@ -160,6 +160,8 @@ def _fake(example_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], A
 
 # inductor emits the functional op, or its in-place/out variant: all_reduce_, ..._out.
 _CALL = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.\w+\((.*)\)")
+# With cpp_wrapper=True the code is C++: ops with a C shim are called through it (sizes not shown).
+_CPP_CALL = re.compile(r"aoti_torch_[a-z]+__c10d_functional_(\w+)\((.*)\)")
 _ALLOC = re.compile(r"(buf\w+) = empty_strided\w*\(\(([^)]*)\)")
 _REUSE = re.compile(r"(buf\w+) = (buf\w+); del \2\s+# reuse")
 _ASSERT = re.compile(r"assert_size_stride\((\w+), \(([^)]*)\)")
@@ -211,7 +213,7 @@ def code_order(code: str, example_inputs: Sequence[torch.Tensor] = ()) -> list[I
         if m := _REUSE.match(line):
             numel[m.group(1)] = numel.get(m.group(2))
             continue
-        m = _CALL.search(line)
+        m = _CALL.search(line) or _CPP_CALL.search(line)
         if m is None:
             continue
         name = m.group(1).removesuffix("_out").removesuffix("_")
@@ -307,15 +309,66 @@ def _opaque(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     return getattr(torch.ops.spmd_lowering, name).default
 
 
-def _opaque_fused_optimizers(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` with every ATen fused optimizer op swapped for its opaque twin."""
-    from passes.driver import copy_graph_module
+def _for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` as inductor gets it: a copy with every ATen fused optimizer op swapped for its
+    opaque twin and legacy empty operands dropped from ``cat`` (:func:`_drop_empty_cat_inputs`);
+    ``gm`` itself when neither applies."""
+    from passes.stages import copy_graph
 
-    if not any(_is_fused_optimizer(n.target) for n in gm.graph.nodes):
+    if not any(_is_fused_optimizer(n.target) or _has_empty_cat_input(n) for n in gm.graph.nodes):
         return gm
-    gm = copy_graph_module(gm)
-    for n in gm.graph.nodes:
+    graph = copy_graph(gm.graph)  # rewritten before it becomes a GraphModule: one recompile
+    for n in graph.nodes:
         if n.op == "call_function" and _is_fused_optimizer(n.target):
             n.target = _opaque(n.target)
-    gm.recompile()
-    return gm
+    _drop_empty_cat_inputs(graph)
+    return fx.GraphModule(gm, graph)
+
+
+# ----------------------------------------------------------------------------- cat of legacy empties
+
+
+def _legacy_empty(a: Any) -> bool:
+    """A 1-D tensor of size 0, which ``aten.cat`` skips whatever ``dim`` (legacy behaviour)."""
+    v = a.meta.get("val") if isinstance(a, fx.Node) else None
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == 0
+
+
+def _has_empty_cat_input(n: fx.Node) -> bool:
+    return (
+        n.op == "call_function"
+        and n.target is torch.ops.aten.cat.default
+        and any(_legacy_empty(a) for a in n.args[0])
+    )
+
+
+def _drop_empty_cat_inputs(graph: fx.Graph) -> None:
+    """Drop the legacy empty inputs of every ``cat`` in ``graph`` (in place); a ``cat`` left with
+    one input becomes a ``clone`` in the layout eager's ``cat`` gave (``node.meta["val"]``).
+
+    Why: Hugging Face's ``DynamicCache.update`` (``use_cache=True``) runs
+    ``cat([torch.tensor([]), k], -2)``. Eager returns a contiguous tensor and the trace
+    records ``view``s that rely on it; inductor's ``cat`` decomposition drops the empty
+    input and returns ``k.clone()`` in ``k``'s (transposed) layout, and the ``view`` fails.
+    Legal: eager's ``cat`` skips such inputs, so the values are the same.
+    """
+    for n in list(graph.nodes):
+        if not _has_empty_cat_input(n):
+            continue
+        kept = [a for a in n.args[0] if not _legacy_empty(a)]
+        if len(kept) != 1:
+            if kept:
+                n.args = (kept, *n.args[1:])
+            continue
+        val, x_val = n.meta["val"], kept[0].meta.get("val")
+        if val.is_contiguous():
+            fmt = torch.contiguous_format
+        elif isinstance(x_val, torch.Tensor) and x_val.stride() == val.stride():
+            fmt = torch.preserve_format
+        else:
+            continue  # a layout clone cannot give: leave it to inductor
+        with graph.inserting_before(n):
+            clone = graph.call_function(torch.ops.aten.clone.default, (kept[0],), {"memory_format": fmt})
+        clone.meta = dict(n.meta)
+        n.replace_all_uses_with(clone)
+        graph.erase_node(n)

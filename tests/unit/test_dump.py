@@ -77,3 +77,53 @@ def test_micro_batches_are_named_in_the_dump() -> None:
     assert "# micro-batch 1 backward | grad | net.2" in code
     assert "# optimizer | update" in code
     assert "micro-batch" not in annotated_code(_run().graphs["traced"])
+
+
+def _lower_fully_shard(dump_dir=None):
+    import torch
+
+    torch.manual_seed(0)
+    model = models.TinyGPT(n_layers=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    options = {"dump_dir": dump_dir} if dump_dir else {}
+    step = spmd.compile(parallel_mode=spmd.DataParallel("fully_shard", min_unit_mb=0), **options)(
+        models.train_step
+    )
+    step.lower(model, opt, *models.batches("tinygpt", 1)[0])
+    return step
+
+
+def _full_copy(gm):
+    """A stage as spmd used to copy it: torch's own graph_copy, then a GraphModule."""
+    import torch.fx as fx
+
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {})).meta = dict(gm.graph.output_node().meta)
+    return fx.GraphModule(gm, graph)
+
+
+def test_every_stage_is_the_graph_after_that_stage(tmp_path, monkeypatch):
+    """step.graphs and the dump (cheap copies, built on lookup) show each stage exactly as a full
+    GraphModule copy taken right after it does, in fully_shard at world size 2 where every pass
+    rewrites the graph in place; a no-op pass's stage equals the one before it."""
+    from passes.stages import Stages
+    from spmd.dump import annotated_code
+    from tests.unit.fake_pg import fake_process_group
+
+    with fake_process_group(2):
+        with monkeypatch.context() as m:  # the old way: a full copy right after each stage
+            m.setattr(Stages, "record", lambda self, name, gm: self.__setitem__(name, _full_copy(gm)))
+            old = _lower_fully_shard().graphs
+            want = {name: gm.code for name, gm in old.items()}
+            want_dump = {name: annotated_code(gm) for name, gm in old.items()}
+        step = _lower_fully_shard(str(tmp_path))
+    got = step.graphs
+    assert list(got) == list(want) and len(want) >= 10
+    assert len({want[s] for s in want}) >= 6  # the passes did rewrite the graph
+    assert got._items["final"] is got["final"]  # the live graph, not a copy
+    for i, stage in enumerate(want):
+        assert got[stage].code == want[stage], stage
+        with open(tmp_path / "train_step" / "rank0" / f"{i:02d}_{stage}.py") as f:
+            src = f.read()
+        assert src.split("\n", 1)[1] == want_dump[stage], stage
+    assert got.recordings() < len(want) - 1  # no-op passes shared a copy

@@ -121,3 +121,47 @@ def test_hf_llama_accumulation_and_cache_output() -> None:
 
     with pytest.raises(spmd.TraceError, match="DynamicCache at output.*use_cache=False"), torch.no_grad():
         spmd.compile()(whole)(model, ids)
+
+
+def _tiny_gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, attn_implementation="eager"
+    )
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0  # same numbers on both backends
+    return transformers.GPT2LMHeadModel(config)
+
+
+@pytest.mark.parametrize("build", [_tiny_gpt2, _tiny_llama], ids=["gpt2", "llama"])
+def test_hf_default_use_cache_under_inductor(build, tmp_path, monkeypatch) -> None:
+    """HF models called with the default ``use_cache=True`` lower with inductor (their
+    ``DynamicCache`` concatenates onto a legacy empty tensor, which spmd.lowering drops) and
+    match the eager backend within the inductor tolerance (test_lowering.TOL) after each step."""
+    from tests.unit.test_lowering import TOL
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    model = build()
+    ref = copy.deepcopy(model)
+
+    def sgd(m: nn.Module) -> torch.optim.Optimizer:  # not Adam: it amplifies rounding on ~0 gradients
+        return torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, fused=True)
+
+    opt, ref_opt = sgd(model), sgd(ref)
+
+    def step(model, opt, ids):
+        loss = model(input_ids=ids, labels=ids).loss  # use_cache left at its default, True
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    ind, eag = spmd.compile(backend="inductor")(step), spmd.compile()(step)
+    g = torch.Generator().manual_seed(1)
+    for i in range(2):
+        ids = torch.randint(0, 64, (2, 8), generator=g)
+        torch.testing.assert_close(ind(model, opt, ids), eag(ref, ref_opt, ids), **TOL)
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=n, i=i: f"step {i}, {n}: {m}")
+    assert "aten.cat.default([lift_fresh_copy" in ind.graphs["final"].code  # the final graph keeps it

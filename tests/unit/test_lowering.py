@@ -126,3 +126,42 @@ def test_world_size_1_inductor_matches_eager_backend_in_place(inductor_cache) ->
     assert "def call(" in ind.lowered_code
     files = sorted(os.listdir(dump / "train_step" / "rank0"))
     assert files[files.index(next(f for f in files if f.endswith("_final.py"))) + 1].endswith("_inductor.py")
+
+
+def test_cat_onto_legacy_empty_becomes_a_clone_in_eager_layout() -> None:
+    """``cat([tensor([]), k.transpose(1, 2)], -2)`` (HF ``DynamicCache``, use_cache=True): eager
+    skips the 1-D empty input and returns a contiguous tensor; inductor gets a contiguous
+    clone instead (its cat decomposition would keep k's transposed layout). A cat of two real
+    inputs and an empty keeps the real two. The final graph is not modified."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from spmd.lowering import _for_inductor
+
+    def f(k, a):
+        kt = k.transpose(1, 2)
+        c = torch.cat([torch.empty(0), kt], -2)
+        d = torch.cat([a, torch.empty(0), a], 0)
+        return c.view(-1), d
+
+    k, a = torch.randn(2, 3, 4), torch.randn(2, 2)
+    gm = make_fx(f)(k, a)
+    before = gm.code
+    lowered = _for_inductor(gm)
+    assert gm.code == before and lowered is not gm
+    cats = [n for n in lowered.graph.nodes if n.target is torch.ops.aten.cat.default]
+    clones = [n for n in lowered.graph.nodes if n.target is torch.ops.aten.clone.default]
+    assert len(cats) == 1 and len(cats[0].args[0]) == 2
+    assert len(clones) == 1 and clones[0].kwargs == {"memory_format": torch.contiguous_format}
+    for got, want in zip(lowered(k, a), f(k, a)):
+        assert torch.equal(got, want)
+
+
+def test_code_order_reads_cpp_wrapper_code() -> None:
+    """With inductor_config={"cpp_wrapper": True} the code is C++ and collectives with a C shim are
+    called through it (all_reduce_, seen in replicate); kind and group are read, sizes are not."""
+    code = """
+AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu__c10d_functional_all_reduce_(buf16, "avg", "0", &buf17_handle));
+AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu__c10d_functional_wait_tensor(buf16, &buf23_handle));
+AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu__c10d_functional_all_reduce_(buf20, "sum", "3", &buf21_handle));
+"""
+    assert code_order(code) == [("all_reduce", False, "0", None), ("all_reduce", False, "3", None)]

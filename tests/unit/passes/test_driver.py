@@ -8,6 +8,7 @@ import torch.fx as fx
 from passes.driver import NamedPass, PassFailure, copy_graph_module, run_passes
 from passes.invariants import InvariantViolation, check_invariants
 from passes.meta import Role
+from passes.stages import Stages
 from tests.unit.passes.graphs import Builder, aten
 
 
@@ -34,9 +35,9 @@ def _targets(gm: fx.GraphModule) -> list:
 
 
 def test_records_a_copy_of_the_graph_after_each_pass():
-    recorded: dict[str, fx.GraphModule] = {}
+    recorded = Stages()
     passes = [NamedPass(name="identity", fn=lambda gm: gm), NamedPass(name="exp", fn=_add_exp)]
-    out = run_passes(_gm(), passes, record=recorded.__setitem__)
+    out = run_passes(_gm(), passes, record=recorded.record)
     assert list(recorded) == ["identity", "exp"]
     assert _targets(recorded["identity"]) == [aten.neg.default, aten.relu.default]
     assert (
