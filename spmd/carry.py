@@ -1,0 +1,119 @@
+"""Keep the gathers a step issued for its next call (``cross_step_prefetch``); decide when not to use them.
+
+A graph rewritten by :func:`passes.cross_step.carry_first_gathers` returns its first
+unit's all-gather, still in flight, as its last outputs and takes it back as its last
+inputs on the next call. :class:`CarriedGathers` (one per compiled step) holds those
+tensors between calls together with what they were gathered from, and hands them to
+the next call only if nothing could have changed that since:
+
+- the same graph runs again (the same :class:`~spmd.runtime.Executable`): another graph
+  (new input shapes, eval vs train, a retrace, changed optimizer param_groups, which
+  are part of the cache key) drains them;
+- each parameter shard the gathers read is the same tensor object, with the same
+  storage and the same version counter as right after the call: ``load_state_dict``,
+  DCP ``dcp.load``, an in-place edit under ``no_grad`` (all ``copy_``/in-place ops, which
+  bump ``_version``) and ``p.data = ...`` or a re-sharding (a new tensor or storage) all
+  fail this.
+
+Otherwise it drains them (waits, so no collective stays in flight, then drops them) and
+the call issues the gathers itself (:func:`passes.cross_step.issue_module`) right before
+the graph, which is exactly the collective the graph would have issued first.
+
+Why every rank decides the same (a rank that issued one gather more than its peers
+would hang them): the decision reads only (1) which cached graph the call selected,
+which is the same on every rank (the ranks run the same graph; ``check_rank_agreement``
+checks it at compile), and (2) object identity, storage and version counters of the
+parameter shards, which change only through the same user code on every rank
+(``load_state_dict``, ``dcp.load`` -- itself collective --, an edit in the SPMD training
+script). Version counters are compared with their value right after the last call on
+this rank, so what the graph itself writes never counts. An edit on one rank alone
+would already make the ranks' parameters disagree (no data-parallel semantics survive
+it); with carried gathers it would also make that rank issue one more collective.
+
+At the end of training (``last_train_step=True``), when the compiled step is garbage
+collected, and at interpreter exit, the in-flight gathers are drained: a functional
+collective left unwaited makes c10d warn at exit. Waiting after
+``dist.destroy_process_group()`` is fine on gloo (measured: the gather completed when
+both ranks issued it).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger("spmd")
+
+_wait = torch.ops._c10d_functional.wait_tensor.default
+
+
+class CarriedGathers:
+    """The in-flight gathers of one compiled step, kept for its next call."""
+
+    def __init__(self) -> None:
+        self.owner: Any = None  # the Executable whose call issued them
+        self.tensors: list[torch.Tensor] = []
+        self.sources: list[torch.Tensor] = []  # the parameter shards they were gathered from
+        self.key: list[tuple[int, int]] = []  # (version, storage address) of each source
+        self.reused = 0  # calls that used carried gathers (for tests and logs)
+        self.issued = 0  # calls that gathered themselves
+
+    def take(
+        self, exe: Any, flat: list[torch.Tensor], sources: list[int], issue: fx.GraphModule
+    ) -> list[torch.Tensor]:
+        """The carried tensors for a call of ``exe`` on ``flat``: the kept ones if still
+        exact, else freshly issued ones (after draining the kept ones)."""
+        if self.owner is exe and self._still_valid(flat, sources):
+            out = self.tensors
+            self._forget()
+            self.reused += 1
+            return out
+        if self.tensors:
+            log.debug("spmd: carried gathers invalidated; gathering again")
+        self.drain()
+        self.issued += 1
+        with torch.no_grad():
+            return list(issue(*flat))
+
+    def keep(
+        self, exe: Any, flat: list[torch.Tensor], sources: list[int], tensors: list[torch.Tensor]
+    ) -> None:
+        """Hold the carried outputs of a call of ``exe`` on ``flat`` for the next call."""
+        self.owner = exe
+        self.tensors = list(tensors)
+        self.sources = [flat[i] for i in sources]
+        self.key = [_key(t) for t in self.sources]
+
+    def drain(self) -> None:
+        """Wait on the kept gathers (if any) and drop them."""
+        tensors = self.tensors
+        self._forget()
+        for t in tensors:
+            _wait(t)
+
+    def drain_quietly(self) -> None:
+        """:meth:`drain` for finalizers (garbage collection, interpreter exit): a failure
+        (a peer died, the group timed out) is logged, not raised."""
+        try:
+            self.drain()
+        except Exception as exc:  # noqa: BLE001 - nothing to raise to at exit
+            log.warning("spmd: could not wait on a carried all-gather at exit: %s", exc)
+
+    def _still_valid(self, flat: list[torch.Tensor], sources: list[int]) -> bool:
+        if len(sources) != len(self.sources):
+            return False
+        for i, old, key in zip(sources, self.sources, self.key):
+            if flat[i] is not old or _key(old) != key:
+                return False
+        return True
+
+    def _forget(self) -> None:
+        self.owner = None
+        self.tensors, self.sources, self.key = [], [], []
+
+
+def _key(t: torch.Tensor) -> tuple[int, int]:
+    return (t._version, t.untyped_storage().data_ptr())
