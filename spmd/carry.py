@@ -57,16 +57,22 @@ class CarriedGathers:
         self.owner: Any = None  # the Executable whose call issued them
         self.tensors: list[torch.Tensor] = []
         self.sources: list[torch.Tensor] = []  # the parameter shards they were gathered from
-        self.key: list[tuple[int, int]] = []  # (version, storage address) of each source
+        self.key: list[tuple[int, ...]] = []  # see _keys
         self.reused = 0  # calls that used carried gathers (for tests and logs)
         self.issued = 0  # calls that gathered themselves
 
     def take(
-        self, exe: Any, flat: list[torch.Tensor], sources: list[int], issue: fx.GraphModule
+        self,
+        exe: Any,
+        flat: list[torch.Tensor],
+        params: list[torch.Tensor],
+        sources: list[int],
+        issue: fx.GraphModule,
     ) -> list[torch.Tensor]:
         """The carried tensors for a call of ``exe`` on ``flat``: the kept ones if still
-        exact, else freshly issued ones (after draining the kept ones)."""
-        if self.owner is exe and self._still_valid(flat, sources):
+        exact, else freshly issued ones (after draining the kept ones). ``params`` are the
+        parameters whose local shards are ``flat[i] for i in sources``."""
+        if self.owner is exe and self.key == _keys(params, [flat[i] for i in sources]):
             out = self.tensors
             self._forget()
             self.reused += 1
@@ -79,13 +85,18 @@ class CarriedGathers:
             return list(issue(*flat))
 
     def keep(
-        self, exe: Any, flat: list[torch.Tensor], sources: list[int], tensors: list[torch.Tensor]
+        self,
+        exe: Any,
+        flat: list[torch.Tensor],
+        params: list[torch.Tensor],
+        sources: list[int],
+        tensors: list[torch.Tensor],
     ) -> None:
         """Hold the carried outputs of a call of ``exe`` on ``flat`` for the next call."""
         self.owner = exe
         self.tensors = list(tensors)
-        self.sources = [flat[i] for i in sources]
-        self.key = [_key(t) for t in self.sources]
+        self.sources = [*params, *(flat[i] for i in sources)]  # alive, so no id is reused
+        self.key = _keys(params, [flat[i] for i in sources])
 
     def drain(self) -> None:
         """Wait on the kept gathers (if any) and drop them."""
@@ -102,18 +113,19 @@ class CarriedGathers:
         except Exception as exc:  # noqa: BLE001 - nothing to raise to at exit
             log.warning("spmd: could not wait on a carried all-gather at exit: %s", exc)
 
-    def _still_valid(self, flat: list[torch.Tensor], sources: list[int]) -> bool:
-        if len(sources) != len(self.sources):
-            return False
-        for i, old, key in zip(sources, self.sources, self.key):
-            if flat[i] is not old or _key(old) != key:
-                return False
-        return True
-
     def _forget(self) -> None:
         self.owner = None
         self.tensors, self.sources, self.key = [], [], []
 
 
-def _key(t: torch.Tensor) -> tuple[int, int]:
-    return (t._version, t.untyped_storage().data_ptr())
+def _keys(params: list[torch.Tensor], shards: list[torch.Tensor]) -> list[tuple[int, ...]]:
+    """What must not change between calls, per parameter: the parameter object and its version
+    counter (an in-place write through a DTensor parameter -- ``copy_`` from ``load_state_dict``
+    or ``dcp.load``, an edit under ``no_grad`` -- bumps the wrapper's counter, not its local
+    tensor's), and its local shard's identity, version and storage (a write to the local
+    itself, ``p.data = ...``, a re-sharding). The step's own writes (the optimizer, on the local
+    shards, through kernels that may not bump counters at all) happen before the snapshot."""
+    return [
+        (id(p), p._version, id(t), t._version, t.untyped_storage().data_ptr())
+        for p, t in zip(params, shards, strict=True)
+    ]

@@ -135,20 +135,31 @@ class Executable:
         flat = [local(t) for t in self.inputs(step_args)]
         grad_params: list[torch.Tensor] = []
         cleared: list[torch.Tensor] = []
-        if self.grad_outs or self.grad_cleared:
+        carry_params: list[torch.Tensor] = []
+        if self.grad_outs or self.grad_cleared or self.n_carried:
             params = dict(step_args.module.named_parameters())
             grad_params = [params[n] for n in self.grad_outs]
             cleared = [params[n] for n in self.grad_cleared]
-        return self.call(flat, grad_params, cleared)
+            carry_params = [params[n] for n in self.carry_param_names()]
+        return self.call(flat, grad_params, cleared, carry_params)
+
+    def carry_param_names(self) -> list[str]:
+        """The parameters whose shards the carried gathers read (``carry_sources``' slots)."""
+        return [self.slots[i].name for i in self.carry_sources]
 
     def call(
-        self, flat: list[torch.Tensor], grad_params: list[torch.Tensor], cleared: list[torch.Tensor]
+        self,
+        flat: list[torch.Tensor],
+        grad_params: list[torch.Tensor],
+        cleared: list[torch.Tensor],
+        carry_params: list[torch.Tensor] | None = None,
     ) -> Any:
         """Run the graph on its local inputs; set ``.grad`` of ``grad_params`` (``grad_outs``
-        order) from its gradient outputs and clear that of ``cleared``."""
+        order) from its gradient outputs and clear that of ``cleared``. ``carry_params``: the
+        parameters of :meth:`carry_param_names` (with ``cross_step_prefetch``)."""
         if self.n_carried:
-            assert self.carry is not None and self.issue is not None
-            flat = [*flat, *self.carry.take(self, flat, self.carry_sources, self.issue)]
+            assert self.carry is not None and self.issue is not None and carry_params is not None
+            flat = [*flat, *self.carry.take(self, flat, carry_params, self.carry_sources, self.issue)]
         try:
             with torch.no_grad():
                 if self.compiled is not None:
@@ -166,7 +177,8 @@ class Executable:
         if self.n_carried:
             assert self.carry is not None
             outs = list(outs)
-            self.carry.keep(self, flat, self.carry_sources, outs[-self.n_carried :])
+            assert carry_params is not None
+            self.carry.keep(self, flat, carry_params, self.carry_sources, outs[-self.n_carried :])
             del outs[-self.n_carried :]
         it = iter(outs)
         leaves = [next(it) if c is tracing.TENSOR_OUT else c for c in self.out_constants]
