@@ -7,6 +7,8 @@ exactly what a step that gathers itself gives.
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 from tests.dist import workers_cross_step as w
@@ -29,12 +31,13 @@ def test_bitwise_parity_with_ddp_and_graph_shows_carry() -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("what", ["load_state_dict", "inplace", "data", "shape", "eval", "eval_step"])
-def test_change_between_calls_gives_fresh_gather_values(what: str) -> None:
-    """A checkpoint load, an in-place edit under no_grad, ``p.data = ...``, another input shape,
-    a train call in eval mode and a separate eval step between train calls: the losses and
-    parameters equal those of a step without carried gathers, bit for bit."""
-    results = run_ranks(w.between_calls, 2, "tinygpt", what, timeout=540)
+@pytest.mark.parametrize("what", ["load_state_dict", "dcp", "inplace", "data", "shape", "eval", "eval_step"])
+def test_change_between_calls_gives_fresh_gather_values(what: str, tmp_path: pathlib.Path) -> None:
+    """A checkpoint load (``load_state_dict``, DCP), an in-place edit under no_grad,
+    ``p.data = ...``, another input shape, a train call in eval mode and a separate eval step
+    between train calls: the losses and parameters equal those of a step without carried
+    gathers, bit for bit."""
+    results = run_ranks(w.between_calls, 2, "tinygpt", what, False, str(tmp_path / "ckpt"), timeout=540)
     for r in results:
         assert not r["problems"], "\n".join(r["problems"])
         assert r["after_last"] == 0  # last_train_step=True drained it

@@ -6,6 +6,7 @@ import copy
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -75,7 +76,9 @@ def _compare(tag: str, a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
     ]
 
 
-def between_calls(rank: int, world: int, model_name: str, what: str, trust: bool = False) -> dict[str, Any]:
+def between_calls(
+    rank: int, world: int, model_name: str, what: str, trust: bool = False, ckpt_dir: str = ""
+) -> dict[str, Any]:
     """Train with and without carried gathers, doing ``what`` to both models between calls;
     every loss and the final parameters must agree bit for bit.
 
@@ -96,10 +99,14 @@ def between_calls(rank: int, world: int, model_name: str, what: str, trust: bool
         batch = pm.batch(model_name, i, rank)
         if i == 1:
             saved = {k: v.detach().clone() for k, v in a.state_dict().items()}
+            if what == "dcp":
+                dcp.save({"model": a.state_dict()}, checkpoint_id=ckpt_dir)
         if i == 3:
             for m in (a, b):
                 if what == "load_state_dict":
                     m.load_state_dict(saved)
+                elif what == "dcp":  # loads in place into the parameters (DTensors)
+                    dcp.load({"model": m.state_dict()}, checkpoint_id=ckpt_dir)
                 elif what == "inplace":
                     with torch.no_grad():
                         for p in m.parameters():
