@@ -26,6 +26,7 @@ import torch.nn as nn
 from spmd import guards, tracing
 from spmd import optim as optim_utils
 from spmd.carry import CarriedGathers
+from spmd.carry import install as carry_install
 from spmd.dump import dump_code, dump_report, dump_stages
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.lastcall import LastCall
@@ -174,7 +175,9 @@ class CompiledStep:
         )
         # The gathers the last call issued for the next (cross_step_prefetch); drained when this
         # step is garbage collected or the interpreter exits, so none is left unwaited.
-        self._carry = CarriedGathers()
+        self._carry = CarriedGathers(verify=self.check_invariants)
+        if self.cross_step_prefetch:
+            carry_install()
         weakref.finalize(self, self._carry.drain_quietly)
         # signature -> the graphs traced for it, each valid while its attribute guards hold
         self._cache: dict[Hashable, list[_Entry]] = {}
@@ -233,6 +236,12 @@ class CompiledStep:
         if last_train_step:
             self._carry.drain()
         return out
+
+    def invalidate_prefetch(self) -> None:
+        """Drop the all-gather carried to the next call (``cross_step_prefetch``): the next call
+        gathers again. Call it on every rank after writing parameters in a way spmd cannot see
+        (through ``p.to_local()`` or ``.data``); see :mod:`spmd.carry`."""
+        self._carry.drain()
 
     def lower(self, *args: Any, **kwargs: Any) -> OrderedDict[str, fx.GraphModule]:
         """Compile for these arguments without running the step; returns the graph stages.

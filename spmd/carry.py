@@ -15,6 +15,15 @@ the next call only if nothing could have changed that since:
   bump ``_version``) and ``p.data = ...`` or a re-sharding (a new tensor or storage) all
   fail this.
 
+- no DCP load ran since (``dcp.load``/``dcp.load_state_dict`` write the local shards through
+  views whose version counters are not the shards', so :func:`install` counts the loads).
+
+What the checks cannot see: a write to a shard through a tensor that does not share its
+version counter (``p.to_local().data``, ``p._local_tensor.data``). After such an edit call
+``train_step.invalidate_prefetch()`` on every rank; with
+``check_invariants=True`` (or ``SPMD_DEBUG=1``) the runtime also compares the shards with a
+copy taken after the call and raises :class:`~spmd.errors.StalePrefetchError` if they differ.
+
 Otherwise it drains them (waits, so no collective stays in flight, then drops them) and
 the call issues the gathers itself (:func:`passes.cross_step.issue_module`) right before
 the graph, which is exactly the collective the graph would have issued first.
@@ -45,15 +54,40 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from spmd.errors import StalePrefetchError
+
 log = logging.getLogger("spmd")
 
 _wait = torch.ops._c10d_functional.wait_tensor.default
+# DCP loads so far (see install); part of every validity key.
+_loads = [0]
+
+
+def install() -> None:
+    """Count DCP loads: wrap ``torch.distributed.checkpoint.state_dict_loader._load_state_dict``,
+    which ``dcp.load`` and ``dcp.load_state_dict`` call on every rank (a collective load), so the
+    count is the same on every rank."""
+    from torch.distributed.checkpoint import state_dict_loader as loader
+
+    fn = loader._load_state_dict
+    if getattr(fn, "__spmd_counts__", False):
+        return
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        _loads[0] += 1
+        return fn(*args, **kwargs)
+
+    counting.__spmd_counts__ = True  # type: ignore[attr-defined]
+    loader._load_state_dict = counting
 
 
 class CarriedGathers:
     """The in-flight gathers of one compiled step, kept for its next call."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, verify: bool = False) -> None:
+        # verify: also compare the shards with a copy taken after the call (debug mode).
+        self.verify = verify
+        self.copies: list[torch.Tensor] = []
         self.owner: Any = None  # the Executable whose call issued them
         self.tensors: list[torch.Tensor] = []
         self.sources: list[torch.Tensor] = []  # the parameter shards they were gathered from
@@ -73,6 +107,8 @@ class CarriedGathers:
         exact, else freshly issued ones (after draining the kept ones). ``params`` are the
         parameters whose local shards are ``flat[i] for i in sources``."""
         if self.owner is exe and self.key == _keys(params, [flat[i] for i in sources]):
+            if self.verify:
+                self._check_unchanged([flat[i] for i in sources])
             out = self.tensors
             self._forget()
             self.reused += 1
@@ -97,6 +133,8 @@ class CarriedGathers:
         self.tensors = list(tensors)
         self.sources = [*params, *(flat[i] for i in sources)]  # alive, so no id is reused
         self.key = _keys(params, [flat[i] for i in sources])
+        if self.verify:
+            self.copies = [flat[i].clone() for i in sources]
 
     def drain(self) -> None:
         """Wait on the kept gathers (if any) and drop them."""
@@ -113,9 +151,21 @@ class CarriedGathers:
         except Exception as exc:  # noqa: BLE001 - nothing to raise to at exit
             log.warning("spmd: could not wait on a carried all-gather at exit: %s", exc)
 
+    def _check_unchanged(self, shards: list[torch.Tensor]) -> None:
+        changed = [i for i, (a, b) in enumerate(zip(shards, self.copies)) if not torch.equal(a, b)]
+        if changed:
+            self.drain()
+            raise StalePrefetchError(
+                f"spmd: {len(changed)} parameter shard(s) read by the carried all-gather changed between "
+                "calls without bumping a version counter (a write through .data), so "
+                "the gather issued at the end of the last call holds old values. Call "
+                "train_step.invalidate_prefetch() on every rank after such an edit, or edit the "
+                "parameters themselves (in place under torch.no_grad(), load_state_dict), which spmd sees."
+            )
+
     def _forget(self) -> None:
         self.owner = None
-        self.tensors, self.sources, self.key = [], [], []
+        self.tensors, self.sources, self.key, self.copies = [], [], [], []
 
 
 def _keys(params: list[torch.Tensor], shards: list[torch.Tensor]) -> list[tuple[int, ...]]:
@@ -126,6 +176,6 @@ def _keys(params: list[torch.Tensor], shards: list[torch.Tensor]) -> list[tuple[
     itself, ``p.data = ...``, a re-sharding). The step's own writes (the optimizer, on the local
     shards, through kernels that may not bump counters at all) happen before the snapshot."""
     return [
-        (id(p), p._version, id(t), t._version, t.untyped_storage().data_ptr())
+        (id(p), p._version, id(t), t._version, t.untyped_storage().data_ptr(), _loads[0])
         for p, t in zip(params, shards, strict=True)
     ]

@@ -31,12 +31,16 @@ def test_bitwise_parity_with_ddp_and_graph_shows_carry() -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("what", ["load_state_dict", "dcp", "inplace", "data", "shape", "eval", "eval_step"])
+@pytest.mark.parametrize(
+    "what",
+    ["load_state_dict", "dcp", "inplace", "to_local", "dot_data", "data", "shape", "eval", "eval_step"],
+)
 def test_change_between_calls_gives_fresh_gather_values(what: str, tmp_path: pathlib.Path) -> None:
     """A checkpoint load (``load_state_dict``, DCP), an in-place edit under no_grad,
     ``p.data = ...``, another input shape, a train call in eval mode and a separate eval step
     between train calls: the losses and parameters equal those of a step without carried
-    gathers, bit for bit."""
+    gathers, bit for bit. (``dot_data``: an edit through ``p.to_local().data``, which no version
+    counter shows, followed by ``invalidate_prefetch()``.)"""
     results = run_ranks(w.between_calls, 2, "tinygpt", what, False, str(tmp_path / "ckpt"), timeout=540)
     for r in results:
         assert not r["problems"], "\n".join(r["problems"])
@@ -51,11 +55,11 @@ def test_change_between_calls_gives_fresh_gather_values(what: str, tmp_path: pat
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("what", ["load_state_dict", "inplace"])
-def test_without_validity_check_the_change_is_missed(what: str) -> None:
+@pytest.mark.parametrize("what", ["load_state_dict", "dcp", "inplace"])
+def test_without_validity_check_the_change_is_missed(what: str, tmp_path: pathlib.Path) -> None:
     """The scenarios above can fail: trusting the carried gather regardless of the edit gives
     other losses than a fresh gather."""
-    results = run_ranks(w.between_calls, 2, "tinygpt", what, True, timeout=540)
+    results = run_ranks(w.between_calls, 2, "tinygpt", what, True, str(tmp_path / "ckpt"), timeout=540)
     assert all(r["problems"] for r in results)
 
 
@@ -66,3 +70,10 @@ def test_in_flight_gather_at_exit_does_not_warn(capfd: pytest.CaptureFixture[str
     assert results == [1, 1]
     err = capfd.readouterr().err
     assert "unwaited collective" not in err, err[-2000:]
+
+
+def test_unseen_edit_is_caught_in_debug_mode() -> None:
+    """An edit through ``.data`` (no version counter moves) without ``invalidate_prefetch()``:
+    with invariant checks on, the next call raises StalePrefetchError instead of using old values."""
+    results = run_ranks(w.between_calls, 2, "tinygpt", "dot_data_unseen", timeout=540)
+    assert all(r["problems"] == ["StalePrefetchError"] for r in results), results

@@ -91,7 +91,14 @@ def between_calls(
     saved: dict[str, Any] = {}
 
     def both(i: int, batch: tuple[torch.Tensor, ...]) -> None:
-        la, lb = sa(a, oa, *batch), sb(b, ob, *batch)
+        try:
+            la = sa(a, oa, *batch)
+        except spmd.StalePrefetchError:
+            problems.append("StalePrefetchError")
+            la = None
+        lb = sb(b, ob, *batch)
+        if la is None:
+            return
         if not torch.equal(la, lb):
             problems.append(f"{what}: step {i} loss {la.item()!r} != {lb.item()!r}")
 
@@ -111,6 +118,15 @@ def between_calls(
                     with torch.no_grad():
                         for p in m.parameters():
                             p.mul_(0.5)
+                elif what == "to_local":
+                    with torch.no_grad():
+                        for p in m.parameters():
+                            p.to_local().mul_(0.5)
+                elif what in ("dot_data", "dot_data_unseen"):  # .data has its own version counter
+                    for p in m.parameters():
+                        p.to_local().data.mul_(0.5)
+                    if what == "dot_data" and m is a:
+                        sa.invalidate_prefetch()
                 elif what == "data":
                     for p in m.parameters():
                         p.data = p.data * 0.5
@@ -126,6 +142,8 @@ def between_calls(
             a.train()
             b.train()
         both(i, batch)
+        if "StalePrefetchError" in problems:
+            return {"problems": problems}
     problems += _compare(what, a, b)
     out = {"problems": problems, "reused": sa._carry.reused, "issued": sa._carry.issued}
     sa(a, oa, *pm.batch(model_name, 9, rank), last_train_step=True)
