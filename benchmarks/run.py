@@ -20,7 +20,8 @@ data and times them in interleaved rounds (``worker.py``; how each number is mea
     spmd_fully_shard_inductor   spmd_fully_shard with backend="inductor"
 
 Ablations (only when named in --variants): ``spmd_replicate_no_optoverlap`` and
-``spmd_fully_shard_no_optoverlap`` run with the ``overlap_optimizer`` pass disabled.
+``spmd_fully_shard_no_optoverlap`` run with the ``overlap_optimizer`` pass disabled;
+``spmd_fully_shard_xstep`` runs with ``cross_step_prefetch=True``.
 
 Prints one table per model with ratios to fsdp2 and to no_comm, the issue's targets, and (for
 spmd_fully_shard) the predicted comparison with inductor's overlap scheduler (``overlap.py``);
@@ -44,7 +45,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from worker import ABLATIONS, VARIANTS  # noqa: E402
+from worker import ABLATIONS, OPTION_VARIANTS, VARIANTS  # noqa: E402
 
 MODELS = ("overhead", "gpt")
 INDUCTOR = ("spmd_replicate_inductor", "spmd_fully_shard_inductor")
@@ -358,7 +359,7 @@ def _div(a: float | None, b: float | None) -> float | None:
 def main() -> None:
     models = [m for m in args.models.split(",") if m]
     variants = [v for v in args.variants.split(",") if v]
-    known = (*VARIANTS, *ABLATIONS)
+    known = (*VARIANTS, *ABLATIONS, *OPTION_VARIANTS)
     bad = [m for m in models if m not in MODELS] + [v for v in variants if v not in known]
     if bad:
         sys.exit(f"unknown model/variant {bad}; models: {', '.join(MODELS)}; variants: {', '.join(VARIANTS)}")

@@ -57,6 +57,11 @@ ABLATIONS = {
     "spmd_replicate_no_optoverlap": ("spmd_replicate", "overlap_optimizer"),
     "spmd_fully_shard_no_optoverlap": ("spmd_fully_shard", "overlap_optimizer"),
 }
+# Not run by default either: a variant with one compile option switched on
+# (``--variants spmd_fully_shard,spmd_fully_shard_xstep``).
+OPTION_VARIANTS = {
+    "spmd_fully_shard_xstep": ("spmd_fully_shard", {"cross_step_prefetch": True}),
+}
 
 
 @dataclasses.dataclass
@@ -99,6 +104,7 @@ def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
         import spmd
 
         base, off = ABLATIONS.get(name, (name, None))
+        base, options = OPTION_VARIANTS.get(base, (base, {}))
         base = base.removesuffix("_inductor")
         mode = {
             "spmd_replicate": spmd.DataParallel("replicate"),
@@ -107,7 +113,9 @@ def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
         }[base]
         backend = "inductor" if name.endswith("_inductor") else "eager"
         disabled = (off,) if off else ()
-        step = spmd.compile(parallel_mode=mode, backend=backend, disabled_passes=disabled)(train_step)
+        step = spmd.compile(parallel_mode=mode, backend=backend, disabled_passes=disabled, **options)(
+            train_step
+        )
     elif name == "no_comm_compiled":
         # torch.compile of the single-device forward (and, through AOTAutograd, backward);
         # the optimizer stays eager. The bar the inductor backend is measured against.

@@ -18,6 +18,10 @@ matters):
 - ``lint``: ``graph.lint()`` passes.
 - ``flat-buffer``: a unit's ``all_gather_copy_in`` packs shards no larger than their chunks into
   ``sum(chunks)`` elements; its ``all_gather_copy_out`` reads ``world`` such blocks.
+- ``carried``: the gathers :func:`passes.cross_step.carry_first_gathers` carries to the next
+  call are well formed (see :func:`passes.cross_step.check_carried`); a carried output is the one
+  collective without a wait in its graph, a carried placeholder the one wait source that is not
+  a collective.
 - ``optimizer-split``: the calls :func:`passes.optimizer_overlap.overlap_optimizer` split from one
   fused optimizer call update every parameter exactly once, with the same per-parameter and
   shared arguments as before, each after all of its inputs.
@@ -36,6 +40,7 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes.cross_step import CARRIED, check_carried
 from passes.flat_ops import COPY_IN, COPY_OUT
 from passes.meta import MICROBATCH, PHASE, ROLE, Phase, Role, module_of
 from passes.optimizer_overlap import check_optimizer_split
@@ -105,11 +110,17 @@ def check_invariants(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         found.extend(_check_meta(node))
         if C.is_collective(node):
-            found.extend(_check_collective(node, order))
+            if CARRIED not in node.meta:  # waited by the next call: check_carried below
+                found.extend(_check_collective(node, order))
+            else:
+                found.extend(_check_collective_val(node))
         elif C.is_wait(node):
-            found.extend(_check_wait(node, order))
+            src = node.args[0]
+            if not (isinstance(src, fx.Node) and src.op == "placeholder" and CARRIED in src.meta):
+                found.extend(_check_wait(node, order))
         elif node.op == "call_function" and node.target in (COPY_IN, COPY_OUT):
             found.extend(_check_flat(node))
+    found.extend(Violation("carried", name, msg) for name, msg in check_carried(gm))
     found.extend(Violation("optimizer-split", name, msg) for name, msg in check_optimizer_split(gm))
     if found:
         raise InvariantViolation(found)

@@ -20,6 +20,7 @@ from spmd.errors import (
     RankDivergenceError,
     ShardingPropagationError,
     SpmdError,
+    StalePrefetchError,
     TraceError,
     UntraceableOpError,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "RankDivergenceError",
     "ShardingPropagationError",
     "SpmdError",
+    "StalePrefetchError",
     "StepReport",
     "TraceError",
     "UntraceableOpError",

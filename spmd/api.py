@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -24,6 +25,8 @@ import torch.nn as nn
 from passes.stages import Stages
 from spmd import guards, tracing
 from spmd import optim as optim_utils
+from spmd.carry import CarriedGathers
+from spmd.carry import install as carry_install
 from spmd.dump import dump_code, dump_report, dump_stages
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.lastcall import LastCall
@@ -44,6 +47,8 @@ _OPTIONS: dict[str, str] = {
     "disabled_passes": "names of pipeline passes to skip",
     "check_invariants": "run the graph invariant checker after every pass (env SPMD_DEBUG=1)",
     "backend": "'eager' (default: the final graph runs op by op) or 'inductor' (compiled; see spmd.lowering)",
+    "cross_step_prefetch": "issue the first all-gather of the next step at the end of this one and carry "
+    "it between calls (fully_shard, eager backend; env SPMD_CROSS_STEP_PREFETCH=1; see spmd.carry)",
     "inductor_config": "dict of torch._inductor.config settings for backend='inductor' (applied over spmd's)",
 }
 
@@ -163,6 +168,17 @@ class CompiledStep:
         )
         self.backend: str = check_backend(options.get("backend", "eager"))
         self.inductor_config: dict[str, Any] = dict(options.get("inductor_config") or {})
+        self.cross_step_prefetch: bool = bool(
+            options.get(
+                "cross_step_prefetch", os.environ.get("SPMD_CROSS_STEP_PREFETCH", "") not in ("", "0")
+            )
+        )
+        # The gathers the last call issued for the next (cross_step_prefetch); drained when this
+        # step is garbage collected or the interpreter exits, so none is left unwaited.
+        self._carry = CarriedGathers(verify=self.check_invariants)
+        if self.cross_step_prefetch:
+            carry_install()
+        weakref.finalize(self, self._carry.drain_quietly)
         # signature -> the graphs traced for it, each valid while its attribute guards hold
         self._cache: dict[Hashable, list[_Entry]] = {}
         self._last: _Entry | None = None
@@ -207,14 +223,25 @@ class CompiledStep:
             flat = fast.inputs(args, kwargs)
             if flat is not None:
                 self._last = fast.entry
-                return fast.run(flat)
+                out = fast.run(flat)
+                if last_train_step:
+                    self._carry.drain()  # no next step to use it
+                return out
         self._last_call = None
         step_args = tracing.split_args(args, kwargs)
         entry = self._entry(step_args)
         grad_key = [p.grad is None for p in step_args.module.parameters()]
         out = entry.exe.run(step_args)
         self._last_call = LastCall.build(entry, step_args, args, kwargs, grad_key)
+        if last_train_step:
+            self._carry.drain()
         return out
+
+    def invalidate_prefetch(self) -> None:
+        """Drop the all-gather carried to the next call (``cross_step_prefetch``): the next call
+        gathers again. Call it on every rank after writing parameters in a way spmd cannot see
+        (through ``p.to_local()`` or ``.data``); see :mod:`spmd.carry`."""
+        self._carry.drain()
 
     def lower(self, *args: Any, **kwargs: Any) -> Stages:
         """Compile for these arguments without running the step; returns the graph stages.
@@ -313,7 +340,11 @@ class CompiledStep:
                 res = fx.GraphModule(gm, res)
             gm = res
         graphs.record("partitioned", gm)
-        pipeline = build_pipeline(self.parallel_mode)
+        # Eager only: a backend compiles the graph as a whole, and inductor does not take an
+        # unwaited collective as an input or output.
+        pipeline = build_pipeline(
+            self.parallel_mode, cross_step_prefetch=self.cross_step_prefetch and self.backend == "eager"
+        )
         gm = pipeline.run(
             gm,
             disabled=self.disabled_passes,
@@ -326,6 +357,7 @@ class CompiledStep:
         graphs["final"] = gm
         check_rank_agreement(gm, step_name=self.__name__)
         exe = make_executable(gm, traced, state)
+        exe.carry = self._carry
         lowered = None
         if self.backend != "eager":
             flat = [local(t) for t in exe.inputs(step_args)]

@@ -64,3 +64,9 @@ class ShardingPropagationError(SpmdError):
 
 class LoweringError(SpmdError):
     """A backend (inductor) could not compile the final graph, or changed its collective order."""
+
+
+class StalePrefetchError(SpmdError):
+    """With ``cross_step_prefetch`` and invariant checks on: parameter shards the carried
+    all-gather read were changed between calls in a way spmd cannot see (no version counter
+    bumped); names the fix (``train_step.invalidate_prefetch()`` on every rank)."""

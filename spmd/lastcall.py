@@ -83,6 +83,7 @@ class LastCall:
     arg_slots: list[tuple[int, int]]  # (input index, argument index)
     grad_params: list[torch.Tensor]
     cleared: list[torch.Tensor]
+    carry_params: list[torch.Tensor]  # parameters whose shards carried gathers read (cross_step_prefetch)
     # Attribute guards on non-module objects (a config) as (namespaces, names, values):
     # checked by identity, so a rewrite with an equal value takes the slow path once.
     object_guards: tuple[list[dict[str, Any]], list[str], list[Any]]
@@ -161,6 +162,7 @@ class LastCall:
             arg_slots=arg_slots,
             grad_params=[params[n] for n in exe.grad_outs],
             cleared=[params[n] for n in exe.grad_cleared],
+            carry_params=[params[n] for n in exe.carry_param_names()],
             object_guards=(
                 [g.namespace for g in object_guards],
                 [g.attr for g in object_guards],
@@ -226,4 +228,4 @@ class LastCall:
         return flat  # type: ignore[return-value]
 
     def run(self, flat: list[torch.Tensor]) -> Any:
-        return self.entry.exe.call(flat, self.grad_params, self.cleared)
+        return self.entry.exe.call(flat, self.grad_params, self.cleared, self.carry_params)

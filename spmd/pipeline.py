@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from passes.bucketing import bucket_collectives
 from passes.cleanup import strip_grad_tags
+from passes.cross_step import carry_first_gathers
 from passes.dedup import dedup_collectives
 from passes.driver import NamedPass, run_passes
 from passes.invariants import check_invariants
@@ -56,8 +57,11 @@ def _checker() -> Callable[[fx.GraphModule, str], None]:
     return check
 
 
-def build_pipeline(parallel_mode: ParallelMode) -> Pipeline:
-    """The built-in passes, in order, configured from the parallel mode's knobs."""
+def build_pipeline(parallel_mode: ParallelMode, *, cross_step_prefetch: bool = False) -> Pipeline:
+    """The built-in passes, in order, configured from the parallel mode's knobs.
+
+    ``cross_step_prefetch`` appends ``carry_first_gathers`` (the caller decides where it
+    applies: the eager backend only, see ``spmd.api``)."""
     options = parallel_mode.pass_options()
     # The parallel mode's knobs, by the names each pass takes them under (absent: the pass's default).
     names = {"bucket_cap_mb": "bucket_cap_mb", "bucket_mode": "mode", "bucket_unit_of": "unit_of"}
@@ -111,4 +115,13 @@ def build_pipeline(parallel_mode: ParallelMode) -> Pipeline:
             reason="last: the partitioner and the passes before it find gradients by their tags",
         ),
     ]
+    if cross_step_prefetch:
+        passes.append(
+            NamedPass(
+                name="carry_first_gathers",
+                fn=carry_first_gathers,
+                reason="after every other pass: they expect each collective's wait in the same graph, "
+                "and the carried gather must follow the step's last collective and parameter write",
+            )
+        )
     return Pipeline(passes)

@@ -26,9 +26,11 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from passes import collectives as C
+from passes import cross_step
 from passes.layouts import FAILING_NODE, fix_layouts
 from passes.meta import Role
 from spmd import tracing
+from spmd.carry import CarriedGathers
 from spmd.errors import CollectiveError, KernelError, ModelChangedError, SpmdError
 from spmd.parallel.sharding import local
 
@@ -75,6 +77,14 @@ class Executable:
     # What runs instead of ``gm`` when a backend compiled it (spmd.lowering); None: run ``gm``.
     # inductor retraced the graph on the real inputs, so the first-run layout check is not needed.
     compiled: Any = None
+    # cross_step_prefetch (passes.cross_step): the graph's last ``n_carried`` inputs are the
+    # gathers the previous call issued, its last ``n_carried`` outputs those for the next;
+    # ``carry`` (shared by the compiled step's graphs) keeps them, ``issue`` gathers them when
+    # none can be used, from the inputs at ``carry_sources``.
+    n_carried: int = 0
+    carry: CarriedGathers | None = None
+    issue: fx.GraphModule | None = None
+    carry_sources: list[int] = dataclasses.field(default_factory=list)
 
     def inputs(self, step_args: tracing.StepArgs) -> list[torch.Tensor]:
         module, optimizer = step_args.module, step_args.optimizer
@@ -125,17 +135,31 @@ class Executable:
         flat = [local(t) for t in self.inputs(step_args)]
         grad_params: list[torch.Tensor] = []
         cleared: list[torch.Tensor] = []
-        if self.grad_outs or self.grad_cleared:
+        carry_params: list[torch.Tensor] = []
+        if self.grad_outs or self.grad_cleared or self.n_carried:
             params = dict(step_args.module.named_parameters())
             grad_params = [params[n] for n in self.grad_outs]
             cleared = [params[n] for n in self.grad_cleared]
-        return self.call(flat, grad_params, cleared)
+            carry_params = [params[n] for n in self.carry_param_names()]
+        return self.call(flat, grad_params, cleared, carry_params)
+
+    def carry_param_names(self) -> list[str]:
+        """The parameters whose shards the carried gathers read (``carry_sources``' slots)."""
+        return [self.slots[i].name for i in self.carry_sources]
 
     def call(
-        self, flat: list[torch.Tensor], grad_params: list[torch.Tensor], cleared: list[torch.Tensor]
+        self,
+        flat: list[torch.Tensor],
+        grad_params: list[torch.Tensor],
+        cleared: list[torch.Tensor],
+        carry_params: list[torch.Tensor] | None = None,
     ) -> Any:
         """Run the graph on its local inputs; set ``.grad`` of ``grad_params`` (``grad_outs``
-        order) from its gradient outputs and clear that of ``cleared``."""
+        order) from its gradient outputs and clear that of ``cleared``. ``carry_params``: the
+        parameters of :meth:`carry_param_names` (with ``cross_step_prefetch``)."""
+        if self.n_carried:
+            assert self.carry is not None and self.issue is not None and carry_params is not None
+            flat = [*flat, *self.carry.take(self, flat, carry_params, self.carry_sources, self.issue)]
         try:
             with torch.no_grad():
                 if self.compiled is not None:
@@ -150,6 +174,12 @@ class Executable:
                     raise
                 raise KernelError(_kernel_message(exc, node)) from exc
             raise CollectiveError(_collective_message(exc, self.gm, node if is_comm else None)) from exc
+        if self.n_carried:
+            assert self.carry is not None
+            outs = list(outs)
+            assert carry_params is not None
+            self.carry.keep(self, flat, carry_params, self.carry_sources, outs[-self.n_carried :])
+            del outs[-self.n_carried :]
         it = iter(outs)
         leaves = [next(it) if c is tracing.TENSOR_OUT else c for c in self.out_constants]
         for p, g in zip(grad_params, it, strict=True):
@@ -245,7 +275,9 @@ def _collective_message(exc: BaseException, gm: fx.GraphModule, node: fx.Node | 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     what = "a collective"
     if node is not None:
-        coll = C.collective_of(node) if C.is_wait(node) else node
+        src = node.args[0] if C.is_wait(node) else None
+        carried = isinstance(src, fx.Node) and src.op == "placeholder"  # waits on a carried gather
+        coll = C.collective_of(node) if C.is_wait(node) and not carried else node
         order = C.collectives(gm.graph)
         num = f" (collective #{order.index(coll)} of {len(order)})" if coll in order else ""
         what = f"the collective {describe(coll)}{num}"
@@ -275,7 +307,16 @@ def _pg_timeout_s() -> float | None:
 
 
 def make_executable(gm: fx.GraphModule, traced: tracing.TracedStep, state: tracing.LiftedState) -> Executable:
+    carried = cross_step.carried_placeholders(gm)
+    issue = cross_step.issue_module(gm) if carried else None
+    sources: list[int] = []
+    if issue is not None:
+        index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+        sources = [index[n.name] for n in issue.graph.nodes if n.op == "placeholder" and n.users]
     return Executable(
+        n_carried=len(carried),
+        issue=issue,
+        carry_sources=sources,
         gm=gm,
         slots=list(traced.slots),
         out_spec=traced.out_spec,
