@@ -107,12 +107,12 @@ class DTensorExpandMode(ParallelMode):
             Optimizer state shaped like a parameter follows it.
         custom_passes: extra ``gm -> gm`` functions run on the expanded graph, in order,
             before the built-in pass pipeline.
-        batch_semantics: ``"local"`` (default, DDP's): on a mesh dimension where the inputs
+        batch_semantics: ``"local"`` (DDP's; to become the default): on a mesh dimension where the inputs
             are sharded and every parameter is replicated (data parallelism), each rank runs
             the step on its own batch, as DDP does: BatchNorm takes this rank's statistics,
             a mean loss is this rank's mean, and every gradient is multiplied by
             ``1 / degree`` and all-reduced (sum) at its tag, after accumulation onto an old
-            ``p.grad``: bit for bit DDP's for any degree. ``"global"``: the step means the
+            ``p.grad``: bit for bit DDP's for any degree. ``"global"`` (default for now): the step means the
             global batch there too (DTensor's propagation: BatchNorm takes the statistics
             of the global batch, as ``SyncBatchNorm``; a mean loss divides by the global
             count; an old ``p.grad`` is added after the new gradient's reduction); equal to
@@ -124,7 +124,7 @@ class DTensorExpandMode(ParallelMode):
     input_placements: Any = None
     param_placements: Mapping[str, PlacementSpec] | None = None
     custom_passes: Sequence[Any] = ()
-    batch_semantics: str = "local"
+    batch_semantics: str = "global"
 
     def __post_init__(self) -> None:
         m = self.mesh
@@ -232,9 +232,7 @@ class DTensorExpandMode(ParallelMode):
         if self.batch_semantics != "local" or n_inputs == 0:
             return ()
         ins = [self._input_placements(i, n_inputs, mesh) for i in range(n_inputs)]
-        params = [
-            _placements_of(p) or (Replicate(),) * mesh.ndim for p in module.parameters()
-        ]
+        params = [_placements_of(p) or (Replicate(),) * mesh.ndim for p in module.parameters()]
         return tuple(
             k
             for k in range(mesh.ndim)
@@ -327,7 +325,9 @@ class DTensorExpandMode(ParallelMode):
             if (pl := getattr(m, OVERRIDE_PLACEMENTS, None)) is not None
         }
         if local_dims:
-            log.info("spmd: DTensorExpandMode: local batch semantics (DDP's) on mesh dimensions %s", local_dims)
+            log.info(
+                "spmd: DTensorExpandMode: local batch semantics (DDP's) on mesh dimensions %s", local_dims
+            )
         out = expand_graph(gm, mesh, reals, in_specs, param_pl, regions, local_dims)
         for f in self.custom_passes:
             res = f(out)

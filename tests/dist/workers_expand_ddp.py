@@ -56,7 +56,7 @@ def vs_ddp(
         ddp = DDP(copy.deepcopy(model), broadcast_buffers=broadcast_buffers)
         opt = shared.make_optimizer(opt_name, model)
         ref_opt = shared.make_optimizer(opt_name, ddp.module)
-        mode = spmd.DTensorExpandMode(batch_semantics=batch_semantics)
+        mode = spmd.DTensorExpandMode(batch_semantics=batch_semantics)  # "local": DDP
         step = spmd.compile(parallel_mode=mode, check_invariants=True)(fn)
         for i in range(steps):
             b = _batch(model_name, i, rank)
@@ -95,7 +95,11 @@ def batchnorm_global(rank: int, world: int, steps: int = 3) -> dict[str, float]:
         step_zero(ddp, ddp_opt, *batches[rank])
         step_zero(ref, ref_opt, *[torch.cat(t) for t in zip(*batches)])
     stats = ("bn.running_mean", "bn.running_var")
-    bufs, refs, ddps = dict(model.named_buffers()), dict(ref.named_buffers()), dict(ddp.module.named_buffers())
+    bufs, refs, ddps = (
+        dict(model.named_buffers()),
+        dict(ref.named_buffers()),
+        dict(ddp.module.named_buffers()),
+    )
     return {
         "vs_global": max(_diff(_full(bufs[n]), refs[n]) for n in stats),
         "vs_ddp": max(_diff(_full(bufs[n]), ddps[n]) for n in stats),
