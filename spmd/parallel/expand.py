@@ -107,6 +107,16 @@ class DTensorExpandMode(ParallelMode):
             Optimizer state shaped like a parameter follows it.
         custom_passes: extra ``gm -> gm`` functions run on the expanded graph, in order,
             before the built-in pass pipeline.
+        batch_semantics: ``"local"`` (DDP's; to become the default): on a mesh dimension where the inputs
+            are sharded and every parameter is replicated (data parallelism), each rank runs
+            the step on its own batch, as DDP does: BatchNorm takes this rank's statistics,
+            a mean loss is this rank's mean, and every gradient is multiplied by
+            ``1 / degree`` and all-reduced (sum) at its tag, after accumulation onto an old
+            ``p.grad``: bit for bit DDP's for any degree. ``"global"`` (default for now): the step means the
+            global batch there too (DTensor's propagation: BatchNorm takes the statistics
+            of the global batch, as ``SyncBatchNorm``; a mean loss divides by the global
+            count; an old ``p.grad`` is added after the new gradient's reduction); equal to
+            DDP only up to rounding, bit for bit for power-of-two degrees without BatchNorm.
     """
 
     mesh: Any = None
@@ -114,6 +124,7 @@ class DTensorExpandMode(ParallelMode):
     input_placements: Any = None
     param_placements: Mapping[str, PlacementSpec] | None = None
     custom_passes: Sequence[Any] = ()
+    batch_semantics: str = "global"
 
     def __post_init__(self) -> None:
         m = self.mesh
@@ -139,6 +150,11 @@ class DTensorExpandMode(ParallelMode):
             raise ConfigError(
                 "spmd.DTensorExpandMode: input_placements must be a tuple of Placements (one per mesh "
                 f"dimension) or a list of such tuples, got {ip!r}."
+            )
+        if self.batch_semantics not in ("local", "global"):
+            raise ConfigError(
+                "spmd.DTensorExpandMode: batch_semantics must be 'local' (each rank's own batch, as "
+                f"DDP) or 'global' (the global batch, as SyncBatchNorm), got {self.batch_semantics!r}."
             )
         for f in self.custom_passes:
             if not callable(f):
@@ -210,6 +226,21 @@ class DTensorExpandMode(ParallelMode):
             )
         return _check_ndim(_as_placements(ip[i], f"input_placements[{i}]"), mesh, f"input_placements[{i}]")
 
+    def _local_dims(self, module: nn.Module, n_inputs: int, mesh: DeviceMesh) -> tuple[int, ...]:
+        """The mesh dimensions of local batch semantics: some input is sharded there, none is
+        partial, and every parameter is replicated (pure data parallelism on that dimension)."""
+        if self.batch_semantics != "local" or n_inputs == 0:
+            return ()
+        ins = [self._input_placements(i, n_inputs, mesh) for i in range(n_inputs)]
+        params = [_placements_of(p) or (Replicate(),) * mesh.ndim for p in module.parameters()]
+        return tuple(
+            k
+            for k in range(mesh.ndim)
+            if any(isinstance(pl[k], Shard) for pl in ins)
+            and not any(isinstance(pl[k], Partial) for pl in ins)
+            and all(isinstance(pl[k], Replicate) for pl in params)
+        )
+
     def _single(self) -> bool:
         """Whether the step runs on one device: world size 1 without an explicit DeviceMesh
         (a shape must then have one rank; the same script runs under plain ``python``)."""
@@ -269,10 +300,12 @@ class DTensorExpandMode(ParallelMode):
         mesh = self.device_mesh(args.module)
         leaves = list(args.leaves)
         n = len(args.tensor_positions)
+        local_dims = self._local_dims(args.module, n, mesh)
         for i, pos in enumerate(args.tensor_positions):
             t = leaves[pos]
             pl = self._input_placements(i, n, mesh)
             _check_dims(f"argument #{i} (a tensor argument of the step)", t.shape, pl)
+            pl = _replicate_on(pl, local_dims)
             leaves[pos] = DTensor.from_local(t, mesh, pl, run_check=False)
         return dataclasses.replace(args, leaves=leaves)
 
@@ -281,16 +314,21 @@ class DTensorExpandMode(ParallelMode):
             return gm
         mesh = self.device_mesh(args.module)
         n = len(args.tensor_positions)
+        local_dims = self._local_dims(args.module, n, mesh)
         in_specs = [_placements_of(t) for t in state.tensors(args.optimizer)]
-        in_specs += [self._input_placements(i, n, mesh) for i in range(n)]
+        in_specs += [_replicate_on(self._input_placements(i, n, mesh), local_dims) for i in range(n)]
         reals = [sharding.local(t) for t in state.tensors(args.optimizer)] + args.tensors
         param_pl = {name: _placements_of(p) for name, p in state.params}
         regions = {
-            fqn: _override_placements(fqn, pl, mesh)
+            fqn: tuple(_replicate_on(x, local_dims) for x in _override_placements(fqn, pl, mesh))
             for fqn, m in args.module.named_modules()
             if (pl := getattr(m, OVERRIDE_PLACEMENTS, None)) is not None
         }
-        out = expand_graph(gm, mesh, reals, in_specs, param_pl, regions)
+        if local_dims:
+            log.info(
+                "spmd: DTensorExpandMode: local batch semantics (DDP's) on mesh dimensions %s", local_dims
+            )
+        out = expand_graph(gm, mesh, reals, in_specs, param_pl, regions, local_dims)
         for f in self.custom_passes:
             res = f(out)
             out = res if isinstance(res, fx.GraphModule) else out
@@ -360,6 +398,12 @@ def _check_dims(what: str, shape: torch.Size, pl: tuple[Placement, ...]) -> None
                     f"spmd.DTensorExpandMode: {what} of shape {tuple(shape)} cannot take "
                     f"{list(pl)}: it has no dimension {p.dim}. Shard one of its {len(shape)} dimensions."
                 )
+
+
+def _replicate_on(pl: tuple[Placement, ...], dims: Sequence[int]) -> tuple[Placement, ...]:
+    """``pl`` with ``Replicate()`` on ``dims``: there each rank's piece is its whole batch (DDP's
+    local semantics), so DTensor computes on it without communication."""
+    return tuple(Replicate() if k in dims else p for k, p in enumerate(pl))
 
 
 def _placements_of(t: torch.Tensor) -> tuple[Placement, ...] | None:

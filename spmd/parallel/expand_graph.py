@@ -81,10 +81,16 @@ class _Expander(fx.Interpreter):
     """
 
     def __init__(
-        self, gm: fx.GraphModule, mesh: DeviceMesh, param_pl: dict[str, Any], regions: dict[str, Any]
+        self,
+        gm: fx.GraphModule,
+        mesh: DeviceMesh,
+        param_pl: dict[str, Any],
+        regions: dict[str, Any],
+        local_dims: Sequence[int] = (),
     ):
         super().__init__(gm)
         self.mesh = mesh
+        self.local_dims = tuple(local_dims)
         self.param_pl = param_pl
         self.regions = regions
         self.placements: dict[str, Any] = {}
@@ -173,12 +179,32 @@ class _Expander(fx.Interpreter):
             if isinstance(g, DTensor):
                 if want is not None and tuple(g.placements) != tuple(want):
                     g = g.redistribute(self.mesh, want)
-                return _wrap(TAG_GRAD(g._local_tensor, name), self.mesh, g.placements, g)
-            return TAG_GRAD(g, name)
+                local = self._average_local_dims(g._local_tensor)
+                return _wrap(TAG_GRAD(local, name), self.mesh, g.placements, g)
+            return TAG_GRAD(self._average_local_dims(g), name)
         q_at = expand_rules.ATTENTION_Q.get(target)
         if q_at is not None and kwargs.get("attn_mask") is not None:
             kwargs = {**kwargs, "attn_mask": self._place_mask(args[q_at], kwargs["attn_mask"])}
         return super().call_function(target, args, kwargs)
+
+    def _average_local_dims(self, g: torch.Tensor) -> torch.Tensor:
+        """Average a gradient over the mesh dimensions of local batch semantics, as DDP does.
+
+        On those dimensions each rank computed the step on its own batch (DTensor saw the
+        value as replicated); DDP's reducer multiplies the accumulated gradient by
+        ``1 / world`` (a wrapped double scalar) and all-reduces the products (sum). The
+        same order here keeps the result bit for bit DDP's for any degree, not only for
+        powers of two (where dividing before or after the sum is the same).
+        """
+        for k in self.local_dims:
+            group = self.mesh.get_group(k)
+            size = self.mesh.size(k)
+            if size == 1:
+                continue
+            g = torch.ops.aten.mul.Tensor(g, 1.0 / size)
+            g = C._c10d.all_reduce.default(g, "sum", group.group_name)
+            g = C.WAIT(g)
+        return g
 
     def _place_mask(self, q: Any, mask: torch.Tensor) -> torch.Tensor:
         """An attention mask redistributed to follow q (DTensor never redistributes a keyword
@@ -250,12 +276,16 @@ def expand_graph(
     in_specs: list[tuple[Placement, ...] | None],
     param_pl: dict[str, Any],
     regions: dict[str, Any] | None = None,
+    local_dims: Sequence[int] = (),
 ) -> fx.GraphModule:
     """The graph one rank runs: ``gm`` (global semantics) expanded on ``mesh``.
 
     ``reals`` are the local tensors fed to the placeholders (their shapes and dtypes are
     used, not their values); ``in_specs`` their placements (None: a plain, replicated tensor).
     ``regions``: Override stand-ins that run on local tensors (see :class:`_Expander`).
+    ``local_dims``: mesh dimensions of local batch semantics (DDP's): the inputs' placements
+    there are ``Replicate()`` (each rank's own batch) and every gradient is averaged over them
+    at its tag.
     """
     expand_rules.register()
     old_nodes = {n.name: n for n in gm.graph.nodes}
@@ -265,7 +295,7 @@ def expand_graph(
     for n in gm.graph.nodes:
         saved_custom[n] = n.meta.get(_CUSTOM)
         n.meta[_CUSTOM] = {**(n.meta.get(_CUSTOM) or {}), _SRC: n.name}
-    expander = _Expander(gm, mesh, param_pl, regions or {})
+    expander = _Expander(gm, mesh, param_pl, regions or {}, local_dims)
 
     def run(*locals_: torch.Tensor) -> list[Any]:
         ins: list[Any] = []
@@ -350,8 +380,23 @@ def _finish(
             n.meta.pop(_CUSTOM, None)
         last = n
     _strip_reduced_tags(graph)
+    _drop_none_getitems(graph)
     graph.lint()
     gm.recompile()
+
+
+def _drop_none_getitems(graph: fx.Graph) -> None:
+    """Erase unused ``getitem``s of an output that is None (``convolution_backward``'s input
+    gradient of a first layer): DTensor's unwrapping records them, and they carry no value."""
+    import operator
+
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not operator.getitem or n.users:
+            continue
+        src, i = n.args
+        vals = src.meta.get("val") if isinstance(src, fx.Node) else None
+        if isinstance(vals, list | tuple) and isinstance(i, int) and i < len(vals) and vals[i] is None:
+            graph.erase_node(n)
 
 
 def _strip_reduced_tags(graph: fx.Graph) -> None:
