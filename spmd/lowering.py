@@ -50,6 +50,9 @@ from spmd.errors import ConfigError, LoweringError
 log = logging.getLogger("spmd")
 
 BACKENDS = ("eager", "inductor")
+# How inductor gets the fused optimizers: "opaque" calls ATen's fused kernel in place;
+# "inline" writes out its math so inductor fuses it into one kernel per tensor.
+OPTIMIZER_LOWERINGS = ("opaque", "inline")
 
 # inductor settings for the whole-step graph. Our passes already placed collectives,
 # prefetches and waits; inductor must not move or bucket them (a reorder that differs
@@ -90,6 +93,7 @@ def compile_graph(
     backend: str,
     *,
     inductor_config: dict[str, Any] | None = None,
+    optimizer: str = "opaque",
 ) -> Lowered:
     """Compile ``gm`` (a final spmd graph) for ``backend``.
 
@@ -98,6 +102,7 @@ def compile_graph(
         example_inputs: the real (local) tensors its placeholders take; not modified.
         backend: ``"eager"`` (returns ``gm`` itself) or ``"inductor"``.
         inductor_config: extra ``torch._inductor.config`` settings, applied over ours.
+        optimizer: ``"opaque"`` or ``"inline"`` (see :func:`_for_inductor`).
 
     Raises:
         LoweringError: inductor failed, or its code issues collectives in another order.
@@ -110,7 +115,7 @@ def compile_graph(
     from torch._inductor.graph import GraphLowering
 
     t0 = time.perf_counter()
-    lowered_gm = _for_inductor(gm)
+    lowered_gm = _for_inductor(gm, inline_optimizer=check_optimizer_lowering(optimizer) == "inline")
     codes: list[str] = []
     settings = {**_INDUCTOR_CONFIG, **(inductor_config or {})}
     try:
@@ -142,6 +147,16 @@ def compile_graph(
     order = check_collective_order(gm, code, example_inputs)
     log.info("spmd: inductor compiled the final graph in %.2f s (%d collectives)", lower_s, len(order))
     return Lowered(fn, "inductor", code, lower_s, order)
+
+
+def check_optimizer_lowering(optimizer: Any) -> str:
+    if optimizer not in OPTIMIZER_LOWERINGS:
+        raise ConfigError(
+            f"spmd.compile: inductor_optimizer={optimizer!r} is not supported; use one of "
+            f"{list(OPTIMIZER_LOWERINGS)} ('opaque' calls ATen's fused optimizer kernel, 'inline' lets "
+            "inductor fuse the update itself)."
+        )
+    return str(optimizer)
 
 
 def _fake(example_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
@@ -309,9 +324,10 @@ def _opaque(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     return getattr(torch.ops.spmd_lowering, name).default
 
 
-def _for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
+def _for_inductor(gm: fx.GraphModule, *, inline_optimizer: bool = False) -> fx.GraphModule:
     """``gm`` as inductor gets it: a copy with every ATen fused optimizer op swapped for its
-    opaque twin and legacy empty operands dropped from ``cat`` (:func:`_drop_empty_cat_inputs`);
+    opaque twin (or, with ``inline_optimizer``, for its math where :func:`_inline_adam` covers
+    it) and legacy empty operands dropped from ``cat`` (:func:`_drop_empty_cat_inputs`);
     ``gm`` itself when neither applies."""
     from passes.stages import copy_graph
 
@@ -320,9 +336,81 @@ def _for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
     graph = copy_graph(gm.graph)  # rewritten before it becomes a GraphModule: one recompile
     for n in graph.nodes:
         if n.op == "call_function" and _is_fused_optimizer(n.target):
-            n.target = _opaque(n.target)
+            inline = _inline_adam(n) if inline_optimizer else None
+            n.target = inline or _opaque(n.target)
     _drop_empty_cat_inputs(graph)
     return fx.GraphModule(gm, graph)
+
+
+# ----------------------------------------------------------------------------- inline optimizers
+
+
+def _inline_adam(n: fx.Node) -> Callable[..., None] | None:
+    """:func:`_adam_math` for a ``_fused_adam_``/``_fused_adamw_`` node it covers, else None.
+
+    Covered: no amsgrad, no grad scaler. The node keeps its arguments; AOTAutograd traces
+    through the Python function (inductor sees its ATen ops), and the in-place updates of
+    parameters and state become input mutations that inductor stores straight into them.
+    """
+    name = n.target._schema.name  # type: ignore[union-attr]
+    if name not in ("aten::_fused_adam_", "aten::_fused_adamw_"):
+        return None
+    kw = n.kwargs
+    if kw.get("amsgrad") or kw.get("grad_scale") is not None or kw.get("found_inf") is not None:
+        return None
+    return _adamw_inline if name == "aten::_fused_adamw_" else _adam_inline
+
+
+def _adam_inline(*args: Any, **kwargs: Any) -> None:
+    _adam_math(*args, **kwargs, adamw=False)
+
+
+def _adamw_inline(*args: Any, **kwargs: Any) -> None:
+    _adam_math(*args, **kwargs, adamw=True)
+
+
+def _adam_math(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    amsgrad: bool,
+    maximize: bool,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    adamw: bool,
+) -> None:
+    """ATen's CPU fused Adam/AdamW step (``FusedAdamKernel.cpp``), written with ATen ops, in place.
+
+    The same formula in the same order; the bias corrections are computed in float64 from the
+    step counter as the fused kernel does. Results differ only by rounding inside inductor's
+    fused kernel (vectorised, reassociated), within the inductor backend's tolerance.
+    """
+    del max_exp_avg_sqs, amsgrad, grad_scale, found_inf  # not covered (see _inline_adam)
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps):
+        if maximize:
+            g = -g
+        if weight_decay != 0:
+            if adamw:
+                p.mul_(1 - lr * weight_decay)
+            else:
+                g = g + p * weight_decay
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        s = step.to(torch.float64)
+        bias_correction1 = 1 - torch.pow(beta1, s)
+        bias_correction2_sqrt = (1 - torch.pow(beta2, s)).sqrt()
+        step_size = (lr / bias_correction1).to(p.dtype)
+        denom = v.sqrt() / bias_correction2_sqrt.to(p.dtype) + eps
+        p.sub_(step_size * m / denom)
 
 
 # ----------------------------------------------------------------------------- cat of legacy empties
