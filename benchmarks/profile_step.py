@@ -36,14 +36,45 @@ from worker import Variant, make_variant  # noqa: E402
 
 log = logging.getLogger("spmd.bench")
 
-# Variants that differ from spmd_*_inductor only in inductor settings (``inductor_config=``).
-INDUCTOR_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
-    "spmd_replicate_inductor_opt": ("spmd_replicate", {"inductor_optimizer": "inline"}),
-    "spmd_fully_shard_inductor_opt": ("spmd_fully_shard", {"inductor_optimizer": "inline"}),
+# Variants that differ from spmd_*_inductor only in options: (style, DataParallel kwargs, compile kwargs).
+INDUCTOR_OPTIONS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "spmd_replicate_inductor_opt": ("replicate", {}, {"inductor_optimizer": "inline"}),
+    "spmd_fully_shard_inductor_opt": ("fully_shard", {}, {"inductor_optimizer": "inline"}),
+    "spmd_replicate_inductor_dnn": ("replicate", {}, {"inductor_gemm": "onednn"}),
+    "spmd_fully_shard_inductor_dnn": ("fully_shard", {}, {"inductor_gemm": "onednn"}),
+    "spmd_replicate_inductor_all": (
+        "replicate",
+        {"bucket_cap_mb": 4},
+        {"inductor_gemm": "onednn", "inductor_optimizer": "inline"},
+    ),
+    "spmd_fully_shard_inductor_all": (
+        "fully_shard",
+        {},
+        {"inductor_gemm": "onednn", "inductor_optimizer": "inline"},
+    ),
+    "spmd_replicate_inductor_b4": ("replicate", {"bucket_cap_mb": 4}, {}),
+    "spmd_replicate_inductor_mod": ("replicate", {"bucket_mode": "module"}, {}),
+    "spmd_replicate_inductor_mod_opt": (
+        "replicate",
+        {"bucket_mode": "module"},
+        {"inductor_optimizer": "inline"},
+    ),
 }
 
 CATEGORIES = (
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn", "aten::_mkl", "mkl_linear", "aten::linear")),
+    (
+        "matmul",
+        (
+            "onednn_mm",
+            "aten::mm",
+            "aten::addmm",
+            "aten::bmm",
+            "mkldnn",
+            "aten::_mkl",
+            "mkl_linear",
+            "aten::linear",
+        ),
+    ),
     ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention")),
     ("optimizer", ("_fused_adam", "spmd_lowering::", "cpp_fused_adam", "_foreach")),
     ("collective", ("c10d", "gloo", "wait_tensor", "all_reduce", "all_gather", "reduce_scatter")),
@@ -65,12 +96,9 @@ def build(name: str, spec: models.Spec, world: int) -> Variant:
         return make_variant(name, spec, world)
     import spmd
 
-    base, options = INDUCTOR_OPTIONS[name]
+    style, mode_kwargs, options = INDUCTOR_OPTIONS[name]
     v = make_variant("no_comm", spec, world)  # same weights and optimizer, plain step
-    mode = {
-        "spmd_replicate": spmd.DataParallel("replicate"),
-        "spmd_fully_shard": spmd.DataParallel("fully_shard", reshard_after_forward=True),
-    }[base]
+    mode = spmd.DataParallel(style, **mode_kwargs)
     v.step = spmd.compile(parallel_mode=mode, backend="inductor", **options)(v.step)
     v.name = name
     return v
@@ -134,7 +162,11 @@ def main() -> None:
         cats["host_unaccounted"] = wall - accounted
         summary[v.name] = {"wall": wall, **cats}
         if rank == 0 and args.table:
-            log.info("== %s: top ops by self CPU\n%s", v.name, events.table(sort_by="self_cpu_time_total", row_limit=args.table))
+            log.info(
+                "== %s: top ops by self CPU\n%s",
+                v.name,
+                events.table(sort_by="self_cpu_time_total", row_limit=args.table),
+            )
 
     times: dict[str, list[float]] = defaultdict(list)
     per_round = max(args.timed // args.rounds, 1)

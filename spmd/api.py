@@ -30,7 +30,7 @@ from spmd.carry import install as carry_install
 from spmd.dump import dump_code, dump_report, dump_stages
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.lastcall import LastCall
-from spmd.lowering import check_backend, check_optimizer_lowering, compile_graph
+from spmd.lowering import check_backend, check_gemm, check_optimizer_lowering, compile_graph
 from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
@@ -51,6 +51,8 @@ _OPTIONS: dict[str, str] = {
     "it between calls (fully_shard, eager backend; env SPMD_CROSS_STEP_PREFETCH=1; see spmd.carry)",
     "inductor_optimizer": "'opaque' (default: ATen's fused optimizer kernel, called in place) or 'inline' "
     "(its math, fused by inductor); backend='inductor' only",
+    "inductor_gemm": "'aten' (default: inductor calls torch's mm/addmm) or 'onednn' (oneDNN's matmul for "
+    "float32 CPU matmuls); backend='inductor' only",
     "inductor_config": "dict of torch._inductor.config settings for backend='inductor' (applied over spmd's)",
 }
 
@@ -116,6 +118,7 @@ def compile(
                 raise ConfigError(f"spmd.compile: module_override items must be spmd.Override, got {o!r}.")
     check_backend(options.get("backend", "eager"))
     check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
+    check_gemm(options.get("inductor_gemm", "aten"))
 
     def decorate(fn: Callable[..., Any]) -> CompiledStep:
         return CompiledStep(
@@ -172,6 +175,7 @@ class CompiledStep:
         self.backend: str = check_backend(options.get("backend", "eager"))
         self.inductor_config: dict[str, Any] = dict(options.get("inductor_config") or {})
         self.inductor_optimizer: str = check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
+        self.inductor_gemm: str = check_gemm(options.get("inductor_gemm", "aten"))
         self.cross_step_prefetch: bool = bool(
             options.get(
                 "cross_step_prefetch", os.environ.get("SPMD_CROSS_STEP_PREFETCH", "") not in ("", "0")
@@ -366,7 +370,12 @@ class CompiledStep:
         if self.backend != "eager":
             flat = [local(t) for t in exe.inputs(step_args)]
             lowered = compile_graph(
-                gm, flat, self.backend, inductor_config=self.inductor_config, optimizer=self.inductor_optimizer
+                gm,
+                flat,
+                self.backend,
+                inductor_config=self.inductor_config,
+                optimizer=self.inductor_optimizer,
+                gemm=self.inductor_gemm,
             )
             exe.compiled = lowered.fn
         style, world = describe_mode(self.parallel_mode)

@@ -53,6 +53,9 @@ BACKENDS = ("eager", "inductor")
 # How inductor gets the fused optimizers: "opaque" calls ATen's fused kernel in place;
 # "inline" writes out its math so inductor fuses it into one kernel per tensor.
 OPTIMIZER_LOWERINGS = ("opaque", "inline")
+# Which library the float32 CPU matmuls of the lowered graph call: "aten" (``mm``/``addmm``,
+# MKL's sgemm where torch is built with MKL) or "onednn" (oneDNN's matmul, see _onednn_mm).
+GEMMS = ("aten", "onednn")
 
 # inductor settings for the whole-step graph. Our passes already placed collectives,
 # prefetches and waits; inductor must not move or bucket them (a reorder that differs
@@ -94,6 +97,7 @@ def compile_graph(
     *,
     inductor_config: dict[str, Any] | None = None,
     optimizer: str = "opaque",
+    gemm: str = "aten",
 ) -> Lowered:
     """Compile ``gm`` (a final spmd graph) for ``backend``.
 
@@ -103,6 +107,7 @@ def compile_graph(
         backend: ``"eager"`` (returns ``gm`` itself) or ``"inductor"``.
         inductor_config: extra ``torch._inductor.config`` settings, applied over ours.
         optimizer: ``"opaque"`` or ``"inline"`` (see :func:`_for_inductor`).
+        gemm: ``"aten"`` or ``"onednn"`` (see :func:`_onednn_gemms`).
 
     Raises:
         LoweringError: inductor failed, or its code issues collectives in another order.
@@ -115,7 +120,11 @@ def compile_graph(
     from torch._inductor.graph import GraphLowering
 
     t0 = time.perf_counter()
-    lowered_gm = _for_inductor(gm, inline_optimizer=check_optimizer_lowering(optimizer) == "inline")
+    lowered_gm = _for_inductor(
+        gm,
+        inline_optimizer=check_optimizer_lowering(optimizer) == "inline",
+        onednn=check_gemm(gemm) == "onednn",
+    )
     codes: list[str] = []
     settings = {**_INDUCTOR_CONFIG, **(inductor_config or {})}
     try:
@@ -157,6 +166,15 @@ def check_optimizer_lowering(optimizer: Any) -> str:
             "inductor fuse the update itself)."
         )
     return str(optimizer)
+
+
+def check_gemm(gemm: Any) -> str:
+    if gemm not in GEMMS:
+        raise ConfigError(
+            f"spmd.compile: inductor_gemm={gemm!r} is not supported; use one of {list(GEMMS)} "
+            "('aten' calls torch's mm/addmm, 'onednn' calls oneDNN's matmul for float32 CPU matmuls)."
+        )
+    return str(gemm)
 
 
 def _fake(example_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
@@ -324,14 +342,20 @@ def _opaque(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     return getattr(torch.ops.spmd_lowering, name).default
 
 
-def _for_inductor(gm: fx.GraphModule, *, inline_optimizer: bool = False) -> fx.GraphModule:
+def _for_inductor(
+    gm: fx.GraphModule, *, inline_optimizer: bool = False, onednn: bool = False
+) -> fx.GraphModule:
     """``gm`` as inductor gets it: a copy with every ATen fused optimizer op swapped for its
     opaque twin (or, with ``inline_optimizer``, for its math where :func:`_inline_adam` covers
     it) and legacy empty operands dropped from ``cat`` (:func:`_drop_empty_cat_inputs`);
-    ``gm`` itself when neither applies."""
+    with ``onednn``, float32 CPU ``mm``/``addmm`` become oneDNN calls (:func:`_onednn_gemms`);
+    ``gm`` itself when nothing applies."""
     from passes.stages import copy_graph
 
-    if not any(_is_fused_optimizer(n.target) or _has_empty_cat_input(n) for n in gm.graph.nodes):
+    if not any(
+        _is_fused_optimizer(n.target) or _has_empty_cat_input(n) or (onednn and _onednn_target(n))
+        for n in gm.graph.nodes
+    ):
         return gm
     graph = copy_graph(gm.graph)  # rewritten before it becomes a GraphModule: one recompile
     for n in graph.nodes:
@@ -339,7 +363,71 @@ def _for_inductor(gm: fx.GraphModule, *, inline_optimizer: bool = False) -> fx.G
             inline = _inline_adam(n) if inline_optimizer else None
             n.target = inline or _opaque(n.target)
     _drop_empty_cat_inputs(graph)
+    if onednn:
+        _onednn_gemms(graph)
     return fx.GraphModule(gm, graph)
+
+
+# ----------------------------------------------------------------------------- oneDNN matmuls
+
+
+@torch.library.custom_op("spmd_lowering::onednn_mm", mutates_args=())
+def _onednn_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b (+ bias)`` by oneDNN's matmul (``mkldnn._linear_pointwise`` takes ``b`` as a
+    transposed weight, any strides)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b.t(), bias, "none", [], "")
+
+
+@_onednn_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def _cpu_f32_2d(a: Any) -> bool:
+    v = a.meta.get("val") if isinstance(a, fx.Node) else None
+    return (
+        isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype == torch.float32 and v.dim() == 2
+    )
+
+
+def _onednn_target(n: fx.Node) -> bool:
+    """``n`` is a float32 CPU ``mm(a, b)`` or ``addmm(bias, a, b)`` (1-D bias, beta = alpha = 1)."""
+    if n.op != "call_function" or not torch.backends.mkldnn.is_available():
+        return False
+    if n.target is torch.ops.aten.mm.default:
+        return all(_cpu_f32_2d(a) for a in n.args)
+    if n.target is torch.ops.aten.addmm.default:
+        bias = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+        return (
+            n.kwargs.get("beta", 1) == 1
+            and n.kwargs.get("alpha", 1) == 1
+            and all(_cpu_f32_2d(a) for a in n.args[1:])
+            and isinstance(bias, torch.Tensor)
+            and bias.dim() == 1
+            and bias.dtype == torch.float32
+        )
+    return False
+
+
+def _onednn_gemms(graph: fx.Graph) -> None:
+    """Swap every float32 CPU ``mm``/``addmm`` in ``graph`` for :func:`_onednn_mm` (in place).
+
+    Why: inductor calls ATen's ``mm`` for these, which in torch's x86 builds is MKL's sgemm;
+    on AMD EPYC (this project's machines) oneDNN's matmul measured 1.5-3x faster for every
+    shape and layout of the bench GPT's matmuls, single-threaded (``benchmarks/profile_step.py``).
+    Legal: the same product in float32 with float32 accumulation; only the summation order
+    differs (rounding, like inductor's own fusion). The output is a new contiguous tensor, as
+    ``mm``'s is; the graph's later ``view``s only need that.
+    """
+    for n in list(graph.nodes):
+        if not _onednn_target(n):
+            continue
+        args = tuple(n.args) if n.target is torch.ops.aten.mm.default else (n.args[1], n.args[2], n.args[0])
+        with graph.inserting_before(n):
+            mm = graph.call_function(torch.ops.spmd_lowering.onednn_mm.default, args)
+        mm.meta = dict(n.meta)
+        n.replace_all_uses_with(mm)
+        graph.erase_node(n)
 
 
 # ----------------------------------------------------------------------------- inline optimizers
