@@ -51,8 +51,8 @@ _OPTIONS: dict[str, str] = {
     "it between calls (fully_shard, eager backend; env SPMD_CROSS_STEP_PREFETCH=1; see spmd.carry)",
     "inductor_optimizer": "'opaque' (default: ATen's fused optimizer kernel, called in place) or 'inline' "
     "(its math, fused by inductor); backend='inductor' only",
-    "inductor_gemm": "'aten' (default: inductor calls torch's mm/addmm) or 'onednn' (oneDNN's matmul for "
-    "float32 CPU matmuls); backend='inductor' only",
+    "inductor_gemm": "'onednn' (default: float32 CPU matmuls call oneDNN's matmul) or 'aten' (inductor "
+    "calls torch's mm/addmm: MKL's sgemm in x86 builds); backend='inductor' only",
     "inductor_config": "dict of torch._inductor.config settings for backend='inductor' (applied over spmd's)",
 }
 
@@ -118,7 +118,7 @@ def compile(
                 raise ConfigError(f"spmd.compile: module_override items must be spmd.Override, got {o!r}.")
     check_backend(options.get("backend", "eager"))
     check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
-    check_gemm(options.get("inductor_gemm", "aten"))
+    check_gemm(options.get("inductor_gemm", "onednn"))
 
     def decorate(fn: Callable[..., Any]) -> CompiledStep:
         return CompiledStep(
@@ -175,7 +175,7 @@ class CompiledStep:
         self.backend: str = check_backend(options.get("backend", "eager"))
         self.inductor_config: dict[str, Any] = dict(options.get("inductor_config") or {})
         self.inductor_optimizer: str = check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
-        self.inductor_gemm: str = check_gemm(options.get("inductor_gemm", "aten"))
+        self.inductor_gemm: str = check_gemm(options.get("inductor_gemm", "onednn"))
         self.cross_step_prefetch: bool = bool(
             options.get(
                 "cross_step_prefetch", os.environ.get("SPMD_CROSS_STEP_PREFETCH", "") not in ("", "0")
