@@ -40,6 +40,8 @@ log = logging.getLogger("spmd.bench")
 INDUCTOR_OPTIONS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "spmd_replicate_inductor_opt": ("replicate", {}, {"inductor_optimizer": "inline"}),
     "spmd_fully_shard_inductor_opt": ("fully_shard", {}, {"inductor_optimizer": "inline"}),
+    "spmd_replicate_inductor_aten": ("replicate", {}, {"inductor_gemm": "aten"}),
+    "spmd_fully_shard_inductor_aten": ("fully_shard", {}, {"inductor_gemm": "aten"}),
     "spmd_replicate_inductor_dnn": ("replicate", {}, {"inductor_gemm": "onednn"}),
     "spmd_fully_shard_inductor_dnn": ("fully_shard", {}, {"inductor_gemm": "onednn"}),
     "spmd_replicate_inductor_all": (

@@ -62,6 +62,10 @@ OPTIMIZER_LOWERINGS = ("opaque", "inline")
 # Which library the float32 CPU matmuls of the lowered graph call: "onednn" (the default,
 # oneDNN's matmul, see _onednn_gemms) or "aten" (``mm``/``addmm``: MKL's sgemm in x86 builds).
 GEMMS = ("onednn", "aten")
+# Smallest matmul (m * k * n) sent to oneDNN: its per-call setup made the ResMLP's 32x64x256
+# matmuls slower than MKL's (benchmarks/profile_step.py --model overhead), while the GPT's
+# (>= 1024x256x256) are 1.5-3x faster.
+_ONEDNN_MIN_MACS = 1 << 22
 
 # inductor settings for the whole-step graph. Our passes already placed collectives,
 # prefetches and waits; inductor must not move or bucket them (a reorder that differs
@@ -396,12 +400,18 @@ def _cpu_f32_2d(a: Any) -> bool:
     )
 
 
+def _big(a: fx.Node, b: fx.Node) -> bool:
+    (m, k), n = a.meta["val"].shape, b.meta["val"].shape[1]
+    return m * k * n >= _ONEDNN_MIN_MACS
+
+
 def _onednn_target(n: fx.Node) -> bool:
-    """``n`` is a float32 CPU ``mm(a, b)`` or ``addmm(bias, a, b)`` (1-D bias, beta = alpha = 1)."""
+    """``n`` is a float32 CPU ``mm(a, b)`` or ``addmm(bias, a, b)`` (1-D bias, beta = alpha = 1)
+    of at least ``_ONEDNN_MIN_MACS`` multiply-adds."""
     if n.op != "call_function" or not torch.backends.mkldnn.is_available():
         return False
     if n.target is torch.ops.aten.mm.default:
-        return all(_cpu_f32_2d(a) for a in n.args)
+        return all(_cpu_f32_2d(a) for a in n.args) and _big(*n.args)
     if n.target is torch.ops.aten.addmm.default:
         bias = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
         return (
@@ -411,6 +421,7 @@ def _onednn_target(n: fx.Node) -> bool:
             and isinstance(bias, torch.Tensor)
             and bias.dim() == 1
             and bias.dtype == torch.float32
+            and _big(n.args[1], n.args[2])
         )
     return False
 
