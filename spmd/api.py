@@ -30,7 +30,7 @@ from spmd.carry import install as carry_install
 from spmd.dump import dump_code, dump_report, dump_stages
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.lastcall import LastCall
-from spmd.lowering import check_backend, compile_graph
+from spmd.lowering import check_backend, check_gemm, check_optimizer_lowering, compile_graph
 from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
@@ -49,6 +49,10 @@ _OPTIONS: dict[str, str] = {
     "backend": "'eager' (default: the final graph runs op by op) or 'inductor' (compiled; see spmd.lowering)",
     "cross_step_prefetch": "issue the first all-gather of the next step at the end of this one and carry "
     "it between calls (fully_shard, eager backend; env SPMD_CROSS_STEP_PREFETCH=1; see spmd.carry)",
+    "inductor_optimizer": "'opaque' (default: ATen's fused optimizer kernel, called in place) or 'inline' "
+    "(its math, fused by inductor); backend='inductor' only",
+    "inductor_gemm": "'onednn' (default: float32 CPU matmuls call oneDNN's matmul) or 'aten' (inductor "
+    "calls torch's mm/addmm: MKL's sgemm in x86 builds); backend='inductor' only",
     "inductor_config": "dict of torch._inductor.config settings for backend='inductor' (applied over spmd's)",
 }
 
@@ -113,6 +117,8 @@ def compile(
             if not isinstance(o, Override):
                 raise ConfigError(f"spmd.compile: module_override items must be spmd.Override, got {o!r}.")
     check_backend(options.get("backend", "eager"))
+    check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
+    check_gemm(options.get("inductor_gemm", "onednn"))
 
     def decorate(fn: Callable[..., Any]) -> CompiledStep:
         return CompiledStep(
@@ -168,6 +174,8 @@ class CompiledStep:
         )
         self.backend: str = check_backend(options.get("backend", "eager"))
         self.inductor_config: dict[str, Any] = dict(options.get("inductor_config") or {})
+        self.inductor_optimizer: str = check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
+        self.inductor_gemm: str = check_gemm(options.get("inductor_gemm", "onednn"))
         self.cross_step_prefetch: bool = bool(
             options.get(
                 "cross_step_prefetch", os.environ.get("SPMD_CROSS_STEP_PREFETCH", "") not in ("", "0")
@@ -361,7 +369,14 @@ class CompiledStep:
         lowered = None
         if self.backend != "eager":
             flat = [local(t) for t in exe.inputs(step_args)]
-            lowered = compile_graph(gm, flat, self.backend, inductor_config=self.inductor_config)
+            lowered = compile_graph(
+                gm,
+                flat,
+                self.backend,
+                inductor_config=self.inductor_config,
+                optimizer=self.inductor_optimizer,
+                gemm=self.inductor_gemm,
+            )
             exe.compiled = lowered.fn
         style, world = describe_mode(self.parallel_mode)
         entry = _Entry(

@@ -24,6 +24,12 @@ result equal to the eager graph in what matters:
 * **Random ops draw from the eager generator** (``fallback_random``), so dropout
   masks match the eager backend.
 
+Speed: float32 CPU matmuls are routed to oneDNN (``inductor_gemm="onednn"``, the default;
+:func:`_onednn_gemms`), which beats the MKL sgemm that ATen's ``mm`` calls by 1.5-3x on the
+AMD EPYC machines here; matmuls are ~75% of the bench GPT's step. ``inductor_optimizer="inline"``
+lets inductor fuse the Adam/AdamW update itself instead of calling ATen's fused kernel (no
+measurable gain on the bench GPT: the optimizer is ~1% of its step).
+
 Numerics: inductor fuses and reorders floating-point math, so results differ from the
 eager backend by rounding (about 1e-6 relative per step on the test models), not bit
 for bit. Use ``backend="eager"`` (the default) for DDP bit-for-bit parity.
@@ -50,6 +56,16 @@ from spmd.errors import ConfigError, LoweringError
 log = logging.getLogger("spmd")
 
 BACKENDS = ("eager", "inductor")
+# How inductor gets the fused optimizers: "opaque" calls ATen's fused kernel in place;
+# "inline" writes out its math so inductor fuses it into one kernel per tensor.
+OPTIMIZER_LOWERINGS = ("opaque", "inline")
+# Which library the float32 CPU matmuls of the lowered graph call: "onednn" (the default,
+# oneDNN's matmul, see _onednn_gemms) or "aten" (``mm``/``addmm``: MKL's sgemm in x86 builds).
+GEMMS = ("onednn", "aten")
+# Smallest matmul (m * k * n) sent to oneDNN: its per-call setup made the ResMLP's 32x64x256
+# matmuls slower than MKL's (benchmarks/profile_step.py --model overhead), while the GPT's
+# (>= 1024x256x256) are 1.5-3x faster.
+_ONEDNN_MIN_MACS = 1 << 22
 
 # inductor settings for the whole-step graph. Our passes already placed collectives,
 # prefetches and waits; inductor must not move or bucket them (a reorder that differs
@@ -90,6 +106,8 @@ def compile_graph(
     backend: str,
     *,
     inductor_config: dict[str, Any] | None = None,
+    optimizer: str = "opaque",
+    gemm: str = "onednn",
 ) -> Lowered:
     """Compile ``gm`` (a final spmd graph) for ``backend``.
 
@@ -98,6 +116,8 @@ def compile_graph(
         example_inputs: the real (local) tensors its placeholders take; not modified.
         backend: ``"eager"`` (returns ``gm`` itself) or ``"inductor"``.
         inductor_config: extra ``torch._inductor.config`` settings, applied over ours.
+        optimizer: ``"opaque"`` or ``"inline"`` (see :func:`_for_inductor`).
+        gemm: ``"aten"`` or ``"onednn"`` (see :func:`_onednn_gemms`).
 
     Raises:
         LoweringError: inductor failed, or its code issues collectives in another order.
@@ -110,7 +130,11 @@ def compile_graph(
     from torch._inductor.graph import GraphLowering
 
     t0 = time.perf_counter()
-    lowered_gm = _for_inductor(gm)
+    lowered_gm = _for_inductor(
+        gm,
+        inline_optimizer=check_optimizer_lowering(optimizer) == "inline",
+        onednn=check_gemm(gemm) == "onednn",
+    )
     codes: list[str] = []
     settings = {**_INDUCTOR_CONFIG, **(inductor_config or {})}
     try:
@@ -142,6 +166,25 @@ def compile_graph(
     order = check_collective_order(gm, code, example_inputs)
     log.info("spmd: inductor compiled the final graph in %.2f s (%d collectives)", lower_s, len(order))
     return Lowered(fn, "inductor", code, lower_s, order)
+
+
+def check_optimizer_lowering(optimizer: Any) -> str:
+    if optimizer not in OPTIMIZER_LOWERINGS:
+        raise ConfigError(
+            f"spmd.compile: inductor_optimizer={optimizer!r} is not supported; use one of "
+            f"{list(OPTIMIZER_LOWERINGS)} ('opaque' calls ATen's fused optimizer kernel, 'inline' lets "
+            "inductor fuse the update itself)."
+        )
+    return str(optimizer)
+
+
+def check_gemm(gemm: Any) -> str:
+    if gemm not in GEMMS:
+        raise ConfigError(
+            f"spmd.compile: inductor_gemm={gemm!r} is not supported; use one of {list(GEMMS)} "
+            "('aten' calls torch's mm/addmm, 'onednn' calls oneDNN's matmul for float32 CPU matmuls)."
+        )
+    return str(gemm)
 
 
 def _fake(example_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
@@ -309,20 +352,170 @@ def _opaque(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     return getattr(torch.ops.spmd_lowering, name).default
 
 
-def _for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
+def _for_inductor(
+    gm: fx.GraphModule, *, inline_optimizer: bool = False, onednn: bool = False
+) -> fx.GraphModule:
     """``gm`` as inductor gets it: a copy with every ATen fused optimizer op swapped for its
-    opaque twin and legacy empty operands dropped from ``cat`` (:func:`_drop_empty_cat_inputs`);
-    ``gm`` itself when neither applies."""
+    opaque twin (or, with ``inline_optimizer``, for its math where :func:`_inline_adam` covers
+    it) and legacy empty operands dropped from ``cat`` (:func:`_drop_empty_cat_inputs`);
+    with ``onednn``, float32 CPU ``mm``/``addmm`` become oneDNN calls (:func:`_onednn_gemms`);
+    ``gm`` itself when nothing applies."""
     from passes.stages import copy_graph
 
-    if not any(_is_fused_optimizer(n.target) or _has_empty_cat_input(n) for n in gm.graph.nodes):
+    if not any(
+        _is_fused_optimizer(n.target) or _has_empty_cat_input(n) or (onednn and _onednn_target(n))
+        for n in gm.graph.nodes
+    ):
         return gm
     graph = copy_graph(gm.graph)  # rewritten before it becomes a GraphModule: one recompile
     for n in graph.nodes:
         if n.op == "call_function" and _is_fused_optimizer(n.target):
-            n.target = _opaque(n.target)
+            inline = _inline_adam(n) if inline_optimizer else None
+            n.target = inline or _opaque(n.target)
     _drop_empty_cat_inputs(graph)
+    if onednn:
+        _onednn_gemms(graph)
     return fx.GraphModule(gm, graph)
+
+
+# ----------------------------------------------------------------------------- oneDNN matmuls
+
+
+@torch.library.custom_op("spmd_lowering::onednn_mm", mutates_args=())
+def _onednn_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b (+ bias)`` by oneDNN's matmul (``mkldnn._linear_pointwise`` takes ``b`` as a
+    transposed weight, any strides)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b.t(), bias, "none", [], "")
+
+
+@_onednn_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def _cpu_f32_2d(a: Any) -> bool:
+    v = a.meta.get("val") if isinstance(a, fx.Node) else None
+    return (
+        isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype == torch.float32 and v.dim() == 2
+    )
+
+
+def _big(a: fx.Node, b: fx.Node) -> bool:
+    (m, k), n = a.meta["val"].shape, b.meta["val"].shape[1]
+    return m * k * n >= _ONEDNN_MIN_MACS
+
+
+def _onednn_target(n: fx.Node) -> bool:
+    """``n`` is a float32 CPU ``mm(a, b)`` or ``addmm(bias, a, b)`` (1-D bias, beta = alpha = 1)
+    of at least ``_ONEDNN_MIN_MACS`` multiply-adds."""
+    if n.op != "call_function" or not torch.backends.mkldnn.is_available():
+        return False
+    if n.target is torch.ops.aten.mm.default:
+        return all(_cpu_f32_2d(a) for a in n.args) and _big(*n.args)
+    if n.target is torch.ops.aten.addmm.default:
+        bias = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+        return (
+            n.kwargs.get("beta", 1) == 1
+            and n.kwargs.get("alpha", 1) == 1
+            and all(_cpu_f32_2d(a) for a in n.args[1:])
+            and isinstance(bias, torch.Tensor)
+            and bias.dim() == 1
+            and bias.dtype == torch.float32
+            and _big(n.args[1], n.args[2])
+        )
+    return False
+
+
+def _onednn_gemms(graph: fx.Graph) -> None:
+    """Swap every float32 CPU ``mm``/``addmm`` in ``graph`` for :func:`_onednn_mm` (in place).
+
+    Why: inductor calls ATen's ``mm`` for these, which in torch's x86 builds is MKL's sgemm;
+    on AMD EPYC (this project's machines) oneDNN's matmul measured 1.5-3x faster for every
+    shape and layout of the bench GPT's matmuls, single-threaded (``benchmarks/profile_step.py``).
+    Legal: the same product in float32 with float32 accumulation; only the summation order
+    differs (rounding, like inductor's own fusion). The output is a new contiguous tensor, as
+    ``mm``'s is; the graph's later ``view``s only need that.
+    """
+    for n in list(graph.nodes):
+        if not _onednn_target(n):
+            continue
+        args = tuple(n.args) if n.target is torch.ops.aten.mm.default else (n.args[1], n.args[2], n.args[0])
+        with graph.inserting_before(n):
+            mm = graph.call_function(torch.ops.spmd_lowering.onednn_mm.default, args)
+        mm.meta = dict(n.meta)
+        n.replace_all_uses_with(mm)
+        graph.erase_node(n)
+
+
+# ----------------------------------------------------------------------------- inline optimizers
+
+
+def _inline_adam(n: fx.Node) -> Callable[..., None] | None:
+    """:func:`_adam_math` for a ``_fused_adam_``/``_fused_adamw_`` node it covers, else None.
+
+    Covered: no amsgrad, no grad scaler. The node keeps its arguments; AOTAutograd traces
+    through the Python function (inductor sees its ATen ops), and the in-place updates of
+    parameters and state become input mutations that inductor stores straight into them.
+    """
+    name = n.target._schema.name  # type: ignore[union-attr]
+    if name not in ("aten::_fused_adam_", "aten::_fused_adamw_"):
+        return None
+    kw = n.kwargs
+    if kw.get("amsgrad") or kw.get("grad_scale") is not None or kw.get("found_inf") is not None:
+        return None
+    return _adamw_inline if name == "aten::_fused_adamw_" else _adam_inline
+
+
+def _adam_inline(*args: Any, **kwargs: Any) -> None:
+    _adam_math(*args, **kwargs, adamw=False)
+
+
+def _adamw_inline(*args: Any, **kwargs: Any) -> None:
+    _adam_math(*args, **kwargs, adamw=True)
+
+
+def _adam_math(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    amsgrad: bool,
+    maximize: bool,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    adamw: bool,
+) -> None:
+    """ATen's CPU fused Adam/AdamW step (``FusedAdamKernel.cpp``), written with ATen ops, in place.
+
+    The same formula in the same order; the bias corrections are computed in float64 from the
+    step counter as the fused kernel does. Results differ only by rounding inside inductor's
+    fused kernel (vectorised, reassociated), within the inductor backend's tolerance.
+    """
+    del max_exp_avg_sqs, amsgrad, grad_scale, found_inf  # not covered (see _inline_adam)
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps):
+        if maximize:
+            g = -g
+        if weight_decay != 0:
+            if adamw:
+                p.mul_(1 - lr * weight_decay)
+            else:
+                g = g + p * weight_decay
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        s = step.to(torch.float64)
+        bias_correction1 = 1 - torch.pow(beta1, s)
+        bias_correction2_sqrt = (1 - torch.pow(beta2, s)).sqrt()
+        step_size = (lr / bias_correction1).to(p.dtype)
+        denom = v.sqrt() / bias_correction2_sqrt.to(p.dtype) + eps
+        p.sub_(step_size * m / denom)
 
 
 # ----------------------------------------------------------------------------- cat of legacy empties
