@@ -124,7 +124,7 @@ class DTensorExpandMode(ParallelMode):
     input_placements: Any = None
     param_placements: Mapping[str, PlacementSpec] | None = None
     custom_passes: Sequence[Any] = ()
-    batch_semantics: str = "global"
+    batch_semantics: str = "local"
 
     def __post_init__(self) -> None:
         m = self.mesh
@@ -233,11 +233,13 @@ class DTensorExpandMode(ParallelMode):
             return ()
         ins = [self._input_placements(i, n_inputs, mesh) for i in range(n_inputs)]
         params = [_placements_of(p) or (Replicate(),) * mesh.ndim for p in module.parameters()]
+        # Exactly data parallelism: the batch dimension (0) of some input is split there, no input
+        # is split on another dimension (sequence parallelism) or partial, no parameter is split.
         return tuple(
             k
             for k in range(mesh.ndim)
             if any(isinstance(pl[k], Shard) for pl in ins)
-            and not any(isinstance(pl[k], Partial) for pl in ins)
+            and all(isinstance(pl[k], Replicate) or _is_batch_shard(pl[k]) for pl in ins)
             and all(isinstance(pl[k], Replicate) for pl in params)
         )
 
@@ -316,11 +318,12 @@ class DTensorExpandMode(ParallelMode):
         n = len(args.tensor_positions)
         local_dims = self._local_dims(args.module, n, mesh)
         in_specs = [_placements_of(t) for t in state.tensors(args.optimizer)]
-        in_specs += [_replicate_on(self._input_placements(i, n, mesh), local_dims) for i in range(n)]
+        # Declared placements, on the full mesh: expand_graph drops (or replicates) the local dimensions.
+        in_specs += [self._input_placements(i, n, mesh) for i in range(n)]
         reals = [sharding.local(t) for t in state.tensors(args.optimizer)] + args.tensors
         param_pl = {name: _placements_of(p) for name, p in state.params}
         regions = {
-            fqn: tuple(_replicate_on(x, local_dims) for x in _override_placements(fqn, pl, mesh))
+            fqn: _override_placements(fqn, pl, mesh)
             for fqn, m in args.module.named_modules()
             if (pl := getattr(m, OVERRIDE_PLACEMENTS, None)) is not None
         }
@@ -404,6 +407,10 @@ def _replicate_on(pl: tuple[Placement, ...], dims: Sequence[int]) -> tuple[Place
     """``pl`` with ``Replicate()`` on ``dims``: there each rank's piece is its whole batch (DDP's
     local semantics), so DTensor computes on it without communication."""
     return tuple(Replicate() if k in dims else p for k, p in enumerate(pl))
+
+
+def _is_batch_shard(p: Placement) -> bool:
+    return type(p) is Shard and p.dim == 0
 
 
 def _placements_of(t: torch.Tensor) -> tuple[Placement, ...] | None:
