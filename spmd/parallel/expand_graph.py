@@ -267,7 +267,12 @@ def _sub_mesh(mesh: DeviceMesh, local: Sequence[int], keep: Sequence[int]) -> De
     assert coord is not None
     ranks = mesh.mesh[tuple(coord[k] if k in local else slice(None) for k in range(mesh.ndim))]
     groups = [mesh.get_group(k) for k in keep]
-    return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], mesh.device_type, ranks)
+    # Named, so that it never equals (DeviceMesh compares ranks and names, not groups) another
+    # unnamed mesh over the same ranks whose cached DTensor decisions would then be reused.
+    names = tuple(f"spmd_expand_dim{k}" for k in keep)
+    return DeviceMesh.from_group(
+        groups if len(groups) > 1 else groups[0], mesh.device_type, ranks, mesh_dim_names=names
+    )
 
 
 def _wrap(

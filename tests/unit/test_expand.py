@@ -125,6 +125,29 @@ def test_simulate_2d_mesh_bytes_per_rank() -> None:
     assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
 
 
+@pytest.mark.parametrize("mesh", [(2, 2), {"data": 2, "tp": 2}], ids=["unnamed", "named"])
+def test_local_dp_dimension_carries_only_gradient_averaging(mesh) -> None:
+    """DP x TP under the default (DDP's) batch semantics: on the data-parallel dimension each rank's
+    batch is its own, so DTensor must never redistribute over it (chunking a "replicated" activation
+    there and all-gathering it later would mix ranks' batches). Its only collectives are the
+    gradients' averaging all-reduces, one per parameter, each of a gradient times 1/2; tp carries the
+    rest. An unnamed mesh takes its sub-mesh from the process groups."""
+    with fake_process_group(4):
+        model, opt = _gpt()
+        mode = spmd.DTensorExpandMode(mesh, param_placements=TP)
+        gm = _lower(mode, model, opt, *_tokens())[1]["partitioned"]
+        m = mode.device_mesh(model)
+        dp, tp = m.get_group(0).group_name, m.get_group(1).group_name
+        colls = [n for n in gm.graph.nodes if C.is_collective(n)]
+    on_dp = [n for n in colls if C.group_of(n) == dp]
+    assert len(on_dp) == len(list(model.parameters()))
+    assert all(
+        C.kind_of(n) is C.Kind.ALL_REDUCE and n.args[0].target is torch.ops.aten.mul.Tensor for n in on_dp
+    )
+    assert all(n.args[0].args[1] == 0.5 for n in on_dp)
+    assert {C.group_of(n) for n in colls} == {dp, tp}
+
+
 # ----------------------------------------------------------------------------- errors
 
 
