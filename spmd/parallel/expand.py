@@ -2,7 +2,8 @@
 
 The traced graph has single-device semantics on the *global* batch (``trace_args``
 turns each rank's local batch into a DTensor of the global shape, so every shape the
-trace bakes in, e.g. a ``view(b, t, h, d)``, is the global one). ``partition`` then
+trace bakes in, e.g. a ``view(b, t, h, d)``, is the global one; on mesh dimensions of
+local batch semantics, the default, it is each rank's own batch there, as DDP). ``partition`` then
 runs that graph once more, under ``make_fx``, on DTensors that carry the declared
 placements: every aten op goes through DTensor's own dispatcher, which asks the op's
 registered sharding strategy for the output placement, redistributes inputs the
@@ -16,10 +17,11 @@ Where the expansion decides itself, rather than DTensor:
 
 * a gradient (``spmd::tag_grad``) is redistributed to its parameter's placements at
   the tag, when autograd produces it, as DDP reduces in backward; a ``Partial``
-  gradient becomes an all-reduce (sum) or a reduce-scatter. The traced loss is the
-  mean over the *global* batch, so the summed gradient is already the average DDP
-  computes (bit for bit when the data-parallel degree is a power of two: dividing
-  by it is exact). The collective's wait then becomes the gradient (its tag goes), so
+  gradient becomes an all-reduce (sum) or a reduce-scatter. On the mesh dimensions of
+  local batch semantics (the default, DDP's: see ``batch_semantics``) the inputs are
+  each rank's own batch, DTensor expands on the sub-mesh of the other dimensions, and
+  each gradient is multiplied by ``1 / degree`` and all-reduced (sum) there, as DDP's
+  reducer. The collective's wait then becomes the gradient (its tag goes), so
   the gradients' collectives are adjacent and the bucketing pass merges them.
 * a mesh made from a named shape is flattened too, so DTensor reduces a value partial
   over every dimension with one all-reduce instead of one per dimension.
@@ -107,16 +109,19 @@ class DTensorExpandMode(ParallelMode):
             Optimizer state shaped like a parameter follows it.
         custom_passes: extra ``gm -> gm`` functions run on the expanded graph, in order,
             before the built-in pass pipeline.
-        batch_semantics: ``"local"`` (DDP's; to become the default): on a mesh dimension where the inputs
-            are sharded and every parameter is replicated (data parallelism), each rank runs
-            the step on its own batch, as DDP does: BatchNorm takes this rank's statistics,
-            a mean loss is this rank's mean, and every gradient is multiplied by
-            ``1 / degree`` and all-reduced (sum) at its tag, after accumulation onto an old
-            ``p.grad``: bit for bit DDP's for any degree. ``"global"`` (default for now): the step means the
-            global batch there too (DTensor's propagation: BatchNorm takes the statistics
-            of the global batch, as ``SyncBatchNorm``; a mean loss divides by the global
-            count; an old ``p.grad`` is added after the new gradient's reduction); equal to
-            DDP only up to rounding, bit for bit for power-of-two degrees without BatchNorm.
+        batch_semantics: ``"local"`` (default; DDP's): on a mesh dimension that is exactly data
+            parallelism (some input is ``Shard(0)`` there, no input is split on another dimension
+            or partial, every parameter is ``Replicate()``), each rank runs the step on its own
+            batch, as DDP does: BatchNorm takes this rank's statistics, a mean loss is this
+            rank's mean, and every gradient is multiplied by ``1 / degree`` and all-reduced
+            (sum) at its tag, after accumulation onto an old ``p.grad``: DDP's order. DTensor
+            expands on the sub-mesh of the other dimensions, so it never communicates over a
+            local one; elsewhere (``tp``, sequence sharding) the expansion is DTensor's.
+            ``"global"``: the step means the global batch there too (DTensor's propagation:
+            BatchNorm takes the statistics of the global batch, as ``SyncBatchNorm``; a mean
+            loss divides by the global count; an old ``p.grad`` is added after the new
+            gradient's reduction); equal to DDP only up to rounding, bit for bit for
+            power-of-two degrees without BatchNorm.
     """
 
     mesh: Any = None
@@ -124,7 +129,7 @@ class DTensorExpandMode(ParallelMode):
     input_placements: Any = None
     param_placements: Mapping[str, PlacementSpec] | None = None
     custom_passes: Sequence[Any] = ()
-    batch_semantics: str = "global"
+    batch_semantics: str = "local"
 
     def __post_init__(self) -> None:
         m = self.mesh
@@ -233,11 +238,13 @@ class DTensorExpandMode(ParallelMode):
             return ()
         ins = [self._input_placements(i, n_inputs, mesh) for i in range(n_inputs)]
         params = [_placements_of(p) or (Replicate(),) * mesh.ndim for p in module.parameters()]
+        # Exactly data parallelism: the batch dimension (0) of some input is split there, no input
+        # is split on another dimension (sequence parallelism) or partial, no parameter is split.
         return tuple(
             k
             for k in range(mesh.ndim)
             if any(isinstance(pl[k], Shard) for pl in ins)
-            and not any(isinstance(pl[k], Partial) for pl in ins)
+            and all(isinstance(pl[k], Replicate) or _is_batch_shard(pl[k]) for pl in ins)
             and all(isinstance(pl[k], Replicate) for pl in params)
         )
 
@@ -316,11 +323,12 @@ class DTensorExpandMode(ParallelMode):
         n = len(args.tensor_positions)
         local_dims = self._local_dims(args.module, n, mesh)
         in_specs = [_placements_of(t) for t in state.tensors(args.optimizer)]
-        in_specs += [_replicate_on(self._input_placements(i, n, mesh), local_dims) for i in range(n)]
+        # Declared placements, on the full mesh: expand_graph drops (or replicates) the local dimensions.
+        in_specs += [self._input_placements(i, n, mesh) for i in range(n)]
         reals = [sharding.local(t) for t in state.tensors(args.optimizer)] + args.tensors
         param_pl = {name: _placements_of(p) for name, p in state.params}
         regions = {
-            fqn: tuple(_replicate_on(x, local_dims) for x in _override_placements(fqn, pl, mesh))
+            fqn: _override_placements(fqn, pl, mesh)
             for fqn, m in args.module.named_modules()
             if (pl := getattr(m, OVERRIDE_PLACEMENTS, None)) is not None
         }
@@ -404,6 +412,10 @@ def _replicate_on(pl: tuple[Placement, ...], dims: Sequence[int]) -> tuple[Place
     """``pl`` with ``Replicate()`` on ``dims``: there each rank's piece is its whole batch (DDP's
     local semantics), so DTensor computes on it without communication."""
     return tuple(Replicate() if k in dims else p for k, p in enumerate(pl))
+
+
+def _is_batch_shard(p: Placement) -> bool:
+    return type(p) is Shard and p.dim == 0
 
 
 def _placements_of(t: torch.Tensor) -> tuple[Placement, ...] | None:

@@ -86,11 +86,11 @@ class _Expander(fx.Interpreter):
         mesh: DeviceMesh,
         param_pl: dict[str, Any],
         regions: dict[str, Any],
-        local_dims: Sequence[int] = (),
+        view: _LocalView,
     ):
         super().__init__(gm)
         self.mesh = mesh
-        self.local_dims = tuple(local_dims)
+        self.view = view
         self.param_pl = param_pl
         self.regions = regions
         self.placements: dict[str, Any] = {}
@@ -120,7 +120,7 @@ class _Expander(fx.Interpreter):
             self.region_of[n] = region
             self.placements[n.name] = f"local ({region})"
         else:
-            self.placements[n.name] = _placement_tree(out)
+            self.placements[n.name] = self.view.outer(_placement_tree(out))
         return out
 
     def _fetch(self, a: fx.Node, consumer: fx.Node, region: str | None) -> Any:
@@ -196,9 +196,8 @@ class _Expander(fx.Interpreter):
         same order here keeps the result bit for bit DDP's for any degree, not only for
         powers of two (where dividing before or after the sum is the same).
         """
-        for k in self.local_dims:
-            group = self.mesh.get_group(k)
-            size = self.mesh.size(k)
+        for group in self.view.groups:
+            size = group.size()
             if size == 1:
                 continue
             g = torch.ops.aten.mul.Tensor(g, 1.0 / size)
@@ -217,6 +216,63 @@ class _Expander(fx.Interpreter):
         if tuple(mask.placements) != want:
             mask = mask.redistribute(self.mesh, want)
         return mask
+
+
+class _LocalView:
+    """The mesh DTensor expands on, given the mesh dimensions of local batch semantics.
+
+    On a local dimension each rank's value is its own (its batch, as DDP), not a copy of the
+    others': DTensor must never communicate over it. Were it told ``Replicate()`` there, it
+    could pick a strategy that chunks the "replicated" value for free and all-gathers it later
+    (a reduce-scatter over "tp" next to a chunk over "dp"), mixing ranks' batches. So where
+    other dimensions remain, DTensor expands on the sub-mesh of those alone and the local
+    dimensions are dropped from every placement (parameters and state are ``Replicate()``
+    there by definition). Where every dimension is local (pure data parallelism) the full mesh
+    stays, with ``Replicate()`` on it: every value is replicated, so no strategy redistributes.
+    Recorded placements are given back on the full mesh, with ``Replicate()`` on local dimensions.
+    """
+
+    def __init__(self, mesh: DeviceMesh, local_dims: Sequence[int]):
+        self.ndim = mesh.ndim
+        self.local = tuple(sorted(local_dims))
+        self.groups = [mesh.get_group(k) for k in self.local]
+        self.keep = tuple(k for k in range(mesh.ndim) if k not in self.local)
+        self.sub = bool(self.local) and bool(self.keep)
+        self.mesh = _sub_mesh(mesh, self.local, self.keep) if self.sub else mesh
+
+    def inner(self, pl: tuple[Placement, ...] | None) -> tuple[Placement, ...] | None:
+        """Placements on the full mesh -> placements for the expansion."""
+        if pl is None or not self.local:
+            return pl
+        if self.sub:
+            return tuple(pl[k] for k in self.keep)
+        return tuple(Replicate() if k in self.local else p for k, p in enumerate(pl))
+
+    def outer(self, pl: Any) -> Any:
+        """Placements recorded by the expansion -> placements on the full mesh."""
+        if not self.sub or pl is None or isinstance(pl, str):
+            return pl
+        if isinstance(pl, list):
+            return [self.outer(p) for p in pl]
+        it = iter(pl)
+        return tuple(Replicate() if k in self.local else next(it) for k in range(self.ndim))
+
+
+def _sub_mesh(mesh: DeviceMesh, local: Sequence[int], keep: Sequence[int]) -> DeviceMesh:
+    """The mesh of this rank's ``keep`` dimensions (its coordinate fixed on ``local``)."""
+    names = mesh.mesh_dim_names
+    if names is not None:
+        return mesh[tuple(names[k] for k in keep)] if len(keep) > 1 else mesh[names[keep[0]]]
+    coord = mesh.get_coordinate()
+    assert coord is not None
+    ranks = mesh.mesh[tuple(coord[k] if k in local else slice(None) for k in range(mesh.ndim))]
+    groups = [mesh.get_group(k) for k in keep]
+    # Named, so that it never equals (DeviceMesh compares ranks and names, not groups) another
+    # unnamed mesh over the same ranks whose cached DTensor decisions would then be reused.
+    names = tuple(f"spmd_expand_dim{k}" for k in keep)
+    return DeviceMesh.from_group(
+        groups if len(groups) > 1 else groups[0], mesh.device_type, ranks, mesh_dim_names=names
+    )
 
 
 def _wrap(
@@ -283,9 +339,10 @@ def expand_graph(
     ``reals`` are the local tensors fed to the placeholders (their shapes and dtypes are
     used, not their values); ``in_specs`` their placements (None: a plain, replicated tensor).
     ``regions``: Override stand-ins that run on local tensors (see :class:`_Expander`).
-    ``local_dims``: mesh dimensions of local batch semantics (DDP's): the inputs' placements
-    there are ``Replicate()`` (each rank's own batch) and every gradient is averaged over them
-    at its tag.
+    ``local_dims``: mesh dimensions of local batch semantics (DDP's): each rank's input there
+    is its own batch, DTensor never communicates over them (see :class:`_LocalView`), and
+    every gradient is averaged over them at its tag. ``in_specs``, ``param_pl`` and
+    ``regions`` are given on the full mesh.
     """
     expand_rules.register()
     old_nodes = {n.name: n for n in gm.graph.nodes}
@@ -295,15 +352,20 @@ def expand_graph(
     for n in gm.graph.nodes:
         saved_custom[n] = n.meta.get(_CUSTOM)
         n.meta[_CUSTOM] = {**(n.meta.get(_CUSTOM) or {}), _SRC: n.name}
-    expander = _Expander(gm, mesh, param_pl, regions or {}, local_dims)
+    view = _LocalView(mesh, local_dims)
+    _check_replicated_on_local(view, param_pl)
+    inner_specs = [view.inner(pl) for pl in in_specs]
+    inner_regions = {fqn: tuple(view.inner(x) for x in pls) for fqn, pls in (regions or {}).items()}
+    inner_params = {name: view.inner(pl) for name, pl in param_pl.items()}
+    expander = _Expander(gm, view.mesh, inner_params, inner_regions, view)
 
     def run(*locals_: torch.Tensor) -> list[Any]:
         ins: list[Any] = []
-        for t, pl, ph in zip(locals_, in_specs, placeholders):
+        for t, pl, ph in zip(locals_, inner_specs, placeholders):
             if pl is None:
                 ins.append(t)
                 continue
-            ins.append(_wrap(t, mesh, pl, ph.meta["val"]))
+            ins.append(_wrap(t, view.mesh, pl, ph.meta["val"]))
         with implicit_replication():
             outs = expander.run(*ins)
         return [o._local_tensor if isinstance(o, DTensor) else o for o in pytree.tree_leaves(outs)]
@@ -329,6 +391,16 @@ def expand_graph(
 
 
 _COPIED = (ROLE, PHASE, MODULE, MICROBATCH, GRAD_OF, CAST_OF)
+
+
+def _check_replicated_on_local(view: _LocalView, param_pl: dict[str, Any]) -> None:
+    for name, pl in param_pl.items():
+        if pl is not None and any(not isinstance(pl[k], Replicate) for k in view.local):
+            raise ShardingPropagationError(
+                f"spmd.DTensorExpandMode: parameter {name!r} has placements {describe_placements(pl)} "
+                f"but mesh dimensions {view.local} take local batch semantics, where every parameter "
+                "is Replicate(). Use batch_semantics='global' or replicate it there."
+            )
 
 
 def _finish(

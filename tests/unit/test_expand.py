@@ -37,8 +37,10 @@ def _lower(mode: spmd.DTensorExpandMode, model: nn.Module, opt: torch.optim.Opti
 
 
 def test_defaults_reduce_every_gradient_once() -> None:
-    """Default placements at W=2: one all_reduce(sum) per gradient (plus the loss's token count),
-    bucketed by the pass pipeline."""
+    """Default placements at W=2: one all_reduce(sum) per gradient, bucketed by the pass pipeline.
+
+    The default batch semantics is DDP's ("local"): the loss is this rank's mean, so no token
+    count is reduced (under "global" the mean's global count took one more all-reduce)."""
     with fake_process_group(2):
         model, opt = _gpt()
         seen = []
@@ -50,11 +52,14 @@ def test_defaults_reduce_every_gradient_once() -> None:
         grads = [n for n in gm.graph.nodes if n.meta.get(ROLE) is Role.GRAD]
         n_params = len(list(model.parameters()))
         assert len(grads) == n_params
-        assert len(reduces) == n_params + 1
+        assert len(reduces) == n_params
         assert all(n.args[1] == "sum" for n in reduces)
+        # Each gradient's all-reduce reads it scaled by 1/W first, as DDP's reducer.
+        assert all(r.args[0].target is torch.ops.aten.mul.Tensor for r in reduces)
+        assert all(r.args[0].args[1] == 0.5 for r in reduces)
         # The pass pipeline applies: the gradients' all-reduces share one bucket in the final graph.
         final = [n for n in graphs["final"].graph.nodes if C.is_collective(n)]
-        assert len(final) == 2, [str(n.target) for n in final]
+        assert len(final) == 1, [str(n.target) for n in final]
         # Every rank holds a full (replicated) copy; the local batch traced as the global one.
         assert all(p.placements == (Replicate(),) for p in model.parameters())
 
@@ -68,15 +73,32 @@ def test_placements_visible_in_graph_and_dump() -> None:
         by_name = {n.name: n for n in gm.graph.nodes}
         assert by_name["p_blocks_0_fc_weight"].meta[PLACEMENT] == "(Replicate(), Shard(0))"
         assert by_name["p_blocks_0_out_weight"].meta[PLACEMENT] == "(Replicate(), Shard(1))"
+        # The input keeps its declared placements: batch-sharded on "dp".
         assert by_name["x_input_0"].meta[NODE_PLACEMENTS] == (Shard(0), Replicate())
-        # The row-parallel matmul's output is a partial sum over "tp".
-        assert any(
-            isinstance(pl, tuple) and pl == (Shard(0), Partial())
-            for pl in (n.meta.get(NODE_PLACEMENTS) for n in gm.graph.nodes)
-        )
+        # The row-parallel matmul's output is a partial sum over "tp". Under the default (DDP's)
+        # batch semantics "dp" is local: each rank computes on its own batch and DTensor expands
+        # on the "tp" sub-mesh alone, so values derived from the batch read Replicate() on "dp"
+        # (under "global" they read Shard(0) there).
+        placements = [n.meta.get(NODE_PLACEMENTS) for n in gm.graph.nodes if n.op != "placeholder"]
+        assert (Replicate(), Partial()) in placements
+        assert not any(isinstance(pl, tuple) and not isinstance(pl[0], Replicate) for pl in placements)
         code = annotated_code(gm)
         assert "# blocks.0.fc.weight: (Replicate(), Shard(0))" in code
-        assert "(Shard(0), Partial(sum))" in code
+        assert "(Replicate(), Partial(sum))" in code
+        # DTensor never communicates over "dp" (each rank's batch is its own there): the only
+        # collectives on it are the gradients' averaging all-reduces, one per parameter.
+        mesh = mode.device_mesh(model)
+        on_dp = [
+            n
+            for n in gm.graph.nodes
+            if C.is_collective(n) and C.group_of(n) == mesh.get_group("dp").group_name
+        ]
+        assert len(on_dp) == len(list(model.parameters()))
+        assert all(
+            C.kind_of(n) is C.Kind.ALL_REDUCE and n.args[0].target is torch.ops.aten.mul.Tensor for n in on_dp
+        )
+        dp_tp = mesh["dp_tp"].get_group().group_name
+        assert not any(C.is_collective(n) and C.group_of(n) == dp_tp for n in gm.graph.nodes)
         # Local shapes: each rank holds its slice.
         assert tuple(by_name["p_blocks_0_fc_weight"].meta["val"].shape) == (64, 32)
         assert model.blocks[0].fc.weight.to_local().shape == (64, 32)
@@ -101,6 +123,29 @@ def test_simulate_2d_mesh_bytes_per_rank() -> None:
     assert r.optim_state_bytes == 2 * want + 4 * len(list(model.parameters()))  # exp_avg(_sq), step
     assert r.input_bytes == 2 * 2 * 16 * 8  # this rank's local batch: 2 sequences of 16 int64, x and y
     assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+
+
+@pytest.mark.parametrize("mesh", [(2, 2), {"data": 2, "tp": 2}], ids=["unnamed", "named"])
+def test_local_dp_dimension_carries_only_gradient_averaging(mesh) -> None:
+    """DP x TP under the default (DDP's) batch semantics: on the data-parallel dimension each rank's
+    batch is its own, so DTensor must never redistribute over it (chunking a "replicated" activation
+    there and all-gathering it later would mix ranks' batches). Its only collectives are the
+    gradients' averaging all-reduces, one per parameter, each of a gradient times 1/2; tp carries the
+    rest. An unnamed mesh takes its sub-mesh from the process groups."""
+    with fake_process_group(4):
+        model, opt = _gpt()
+        mode = spmd.DTensorExpandMode(mesh, param_placements=TP)
+        gm = _lower(mode, model, opt, *_tokens())[1]["partitioned"]
+        m = mode.device_mesh(model)
+        dp, tp = m.get_group(0).group_name, m.get_group(1).group_name
+        colls = [n for n in gm.graph.nodes if C.is_collective(n)]
+    on_dp = [n for n in colls if C.group_of(n) == dp]
+    assert len(on_dp) == len(list(model.parameters()))
+    assert all(
+        C.kind_of(n) is C.Kind.ALL_REDUCE and n.args[0].target is torch.ops.aten.mul.Tensor for n in on_dp
+    )
+    assert all(n.args[0].args[1] == 0.5 for n in on_dp)
+    assert {C.group_of(n) for n in colls} == {dp, tp}
 
 
 # ----------------------------------------------------------------------------- errors
@@ -129,7 +174,9 @@ def test_error_op_without_strategy_names_op_module_line_and_placements() -> None
     msg = str(info.value)
     assert "spmd_test.scaled_tanh" in msg or "spmd_test::scaled_tanh" in msg
     assert "test_expand.py" in msg and "wx.scaled_tanh(self.fc1(x), 2.0)" in msg
-    assert "(Shard(0))" in msg
+    # The default (DDP's) batch semantics makes each rank's batch its whole on the 1-D mesh, so the
+    # op's input reads Replicate() (under batch_semantics="global" it read Shard(0)).
+    assert "(Replicate())" in msg
     assert "register_sharding" in msg
 
 
