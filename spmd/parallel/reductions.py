@@ -36,9 +36,9 @@ def reduce_grads(ps: PartitionState) -> None:
     Sharded: reduce-scatter (avg) over the shard group at the tag, as FSDP2 (fp32/bf16 reduce
     dtype: ``ReduceOp.AVG``, which sums then divides). Then, for a replicate dimension, an
     all-reduce over the replicate group: for a replicated parameter at the tag, scaled by
-    ``1 / W`` then summed, as DDP; after a reduce-scatter (hybrid_shard), right after its wait, which goes to the
-    first node that computes with the gradient (past the detaches and views that only pass
-    it on), so that the reduce-scatters stay adjacent in the collective order, and so do
+    ``1 / W`` then summed, as DDP; after a reduce-scatter (hybrid_shard), right after its
+    wait, which goes to the first node that computes with the gradient (past the detaches and
+    views that only pass it on), so that the reduce-scatters stay adjacent in the collective order, and so do
     the all-reduces: bucketing merges each run. A rank-local gradient's tag stays, an
     identity that ``strip_grad_tags`` removes.
     """

@@ -78,7 +78,9 @@ def parity(
     return {"problems": problems, "worst": worst}
 
 
-def ddp_vs_ddp(rank: int, world: int, combos: list[tuple[str, str]], steps: int, bucket_cap_mb: float) -> dict[str, float]:
+def ddp_vs_ddp(
+    rank: int, world: int, combos: list[tuple[str, str]], steps: int, bucket_cap_mb: float
+) -> dict[str, float]:
     """DDP against itself with another bucket layout: the largest difference per combo.
 
     Nonzero shows that gloo's sum order depends on where a gradient sits in its bucket."""
