@@ -1,6 +1,7 @@
 """Gradient reductions: each gradient tag becomes the collective its parameter's plan says.
 
-* replicated: ``all_reduce(avg)`` (in memory order for a channels_last parameter);
+* replicated: ``g * (1 / W)`` then ``all_reduce(sum)``, DDP's order (in memory order for a
+  channels_last parameter);
 * sharded (fully_shard): ``reduce_scatter(avg)`` over the shard group of the gradient padded
   to equal shards, then the padding sliced off (in memory order, as the parameter was gathered);
 * hybrid_shard: that reduce-scatter, then ``all_reduce(avg)`` over the replicate group;
@@ -32,11 +33,12 @@ aten = torch.ops.aten
 def reduce_grads(ps: PartitionState) -> None:
     """Reduce every gradient as its parameter's plan says; ignored ones keep their tag.
 
-    Sharded: reduce-scatter (avg) over the shard group at the tag. Then, for a replicate
-    dimension, all-reduce (avg) over the replicate group: for a replicated parameter at the
-    tag; after a reduce-scatter (hybrid_shard), right after its wait, which goes to the
-    first node that computes with the gradient (past the detaches and views that only pass
-    it on), so that the reduce-scatters stay adjacent in the collective order, and so do
+    Sharded: reduce-scatter (avg) over the shard group at the tag, as FSDP2 (fp32/bf16 reduce
+    dtype: ``ReduceOp.AVG``, which sums then divides). Then, for a replicate dimension, an
+    all-reduce over the replicate group: for a replicated parameter at the tag, scaled by
+    ``1 / W`` then summed, as DDP; after a reduce-scatter (hybrid_shard), right after its
+    wait, which goes to the first node that computes with the gradient (past the detaches and
+    views that only pass it on), so that the reduce-scatters stay adjacent in the collective order, and so do
     the all-reduces: bucketing merges each run. A rank-local gradient's tag stays, an
     identity that ``strip_grad_tags`` removes.
     """
@@ -62,7 +64,7 @@ def reduce_grads(ps: PartitionState) -> None:
                 # memory; the functional all-reduce returns a contiguous tensor).
                 if perm is not None:
                     send = ps.call(aten.permute.default, (send, perm), tag)
-                coll = ps.call(C._c10d.all_reduce.default, (send, "avg", comm.reduce.name), tag)
+                coll = _emit_ddp_all_reduce(ps, send, comm.reduce.name, comm.reduce.size, tag)
         # The wait (and the un-padding slice) sits just before the gradient's first use.
         anchor = ps.first(users) if users else tag.next
         if sharded and comm.reduce is not None and users:
@@ -146,6 +148,18 @@ def _sink_pass_through_users(ps: PartitionState, tag: fx.Node) -> fx.Node:
     for n in moved:
         first.prepend(n)
     return ps.first(list(tag.users))
+
+
+def _emit_ddp_all_reduce(ps: PartitionState, g: fx.Node, group: str, size: int, like: fx.Node) -> fx.Node:
+    """``g * (1 / size)`` then ``all_reduce(sum)``: DDP's order, not ``all_reduce(avg)``.
+
+    DDP's reducer (no comm hook) copies each gradient into its bucket as ``grad * (1 / W)``
+    (a float32 multiply) and all-reduces the bucket with SUM; gloo's AVG sums first and divides
+    after. At a power-of-two world size the scaling is exact and the two agree; at W=3 they
+    differ in the last bit of about half the elements, so this follows DDP.
+    """
+    scaled = ps.call(aten.mul.Tensor, (g, 1.0 / size), like)
+    return ps.call(C._c10d.all_reduce.default, (scaled, "sum", group), like)
 
 
 def _emit_reduce_scatter(ps: PartitionState, g: fx.Node, name: str, like: fx.Node) -> fx.Node:
