@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -416,9 +416,9 @@ def _zero_row_pad(node: fx.Node) -> bool:
         return False
     pad = node.args[1]
     value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
-    return (
-        isinstance(pad, list | tuple) and len(pad) >= 2 and not any(pad[:-1]) and pad[-1] >= 0 and value == 0
-    )
+    if not (isinstance(pad, list | tuple) and len(pad) >= 2 and all(isinstance(x, int) for x in pad)):
+        return False
+    return bool(not any(pad[:-1]) and cast(int, pad[-1]) >= 0 and value == 0)
 
 
 def _unpadded(x: fx.Node, until: fx.Node) -> fx.Node:

@@ -44,7 +44,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 from unittest import mock
 
 import torch
@@ -400,9 +400,10 @@ def _cpu_f32_2d(a: Any) -> bool:
     )
 
 
-def _big(a: fx.Node, b: fx.Node) -> bool:
+def _big(a: Any, b: Any) -> bool:
+    """``a @ b`` (2-D nodes) has at least ``_ONEDNN_MIN_MACS`` multiply-adds."""
     (m, k), n = a.meta["val"].shape, b.meta["val"].shape[1]
-    return m * k * n >= _ONEDNN_MIN_MACS
+    return bool(m * k * n >= _ONEDNN_MIN_MACS)
 
 
 def _onednn_target(n: fx.Node) -> bool:
@@ -414,7 +415,7 @@ def _onednn_target(n: fx.Node) -> bool:
         return all(_cpu_f32_2d(a) for a in n.args) and _big(*n.args)
     if n.target is torch.ops.aten.addmm.default:
         bias = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
-        return (
+        return bool(
             n.kwargs.get("beta", 1) == 1
             and n.kwargs.get("alpha", 1) == 1
             and all(_cpu_f32_2d(a) for a in n.args[1:])
@@ -531,7 +532,7 @@ def _has_empty_cat_input(n: fx.Node) -> bool:
     return (
         n.op == "call_function"
         and n.target is torch.ops.aten.cat.default
-        and any(_legacy_empty(a) for a in n.args[0])
+        and any(_legacy_empty(a) for a in cast(Sequence[Any], n.args[0]))
     )
 
 
