@@ -43,7 +43,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from passes import collectives as C
 from passes.meta import PHASE
 
-__all__ = ["Liveness", "MemoryEstimate", "PhaseMemory", "buffer_liveness", "estimate_peak_memory", "tensor_bytes"]
+__all__ = [
+    "Liveness",
+    "MemoryEstimate",
+    "PhaseMemory",
+    "buffer_liveness",
+    "estimate_peak_memory",
+    "tensor_bytes",
+]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Write an op's result into an input that dies at that op: ATen's ``out=`` variants, as inductor reuses buffers.
+"""Write an op's result into an input that dies at that op (ATen ``out=``), as inductor reuses buffers.
 
 The eager backend runs the graph op by op and frees each value after its last use, so
 an op such as ``_log_softmax_backward_data(grad, out)`` holds its two inputs and its
@@ -59,7 +59,9 @@ REUSABLE: dict[torch._ops.OpOverload, tuple[torch._ops.OpOverload, tuple[int, ..
 
 def _out_name(op: torch._ops.OpOverload) -> str:
     """The keyword-only argument an ``out=`` overload writes (``out``, ``grad_input``)."""
-    return next(a.name for a in op._schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write)
+    return next(
+        a.name for a in op._schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write
+    )
 
 
 def _full(t: object, like: torch.Tensor) -> bool:
@@ -168,13 +170,17 @@ def check_reuse(gm: fx.GraphModule) -> list[tuple[str, str]]:
         out_name = _out_name(node.target) if isinstance(node.target, torch._ops.OpOverload) else ""
         arg = node.kwargs.get(out_name)
         if not isinstance(arg, fx.Node):
-            found.append((node.name, f"{node.name} is marked as writing a dead input but has no out= argument"))
+            found.append(
+                (node.name, f"{node.name} is marked as writing a dead input but has no out= argument")
+            )
             continue
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or not _full(arg.meta.get("val"), val):
             found.append((node.name, f"{node.name} writes into {arg.name}, whose shape/dtype/layout differ"))
         bufs = [b for b in lv.bufs_of.get(arg, []) if b is not None]
-        if len(bufs) != 1 or bufs[0] in {b for n in lv.nodes if n.op == "placeholder" for b in lv.fresh_of[n]}:
+        if len(bufs) != 1 or bufs[0] in {
+            b for n in lv.nodes if n.op == "placeholder" for b in lv.fresh_of[n]
+        }:
             found.append((node.name, f"{node.name} writes into {arg.name}, which is not one fresh buffer"))
             continue
         old = _alias_closure(lv, bufs[0], index[node], index)
@@ -184,8 +190,8 @@ def check_reuse(gm: fx.GraphModule) -> list[tuple[str, str]]:
             found.append(
                 (
                     node.name,
-                    f"{node.name} writes into {arg.name}, but {sorted(u.name for u in late)} read that buffer "
-                    "after it (reuse_dead_buffers must run after every pass that moves nodes)",
+                    f"{node.name} writes into {arg.name}, but {sorted(u.name for u in late)} read that "
+                    "buffer after it (reuse_dead_buffers must run after every pass that moves nodes)",
                 )
             )
     return found

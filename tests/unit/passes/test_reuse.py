@@ -114,7 +114,10 @@ def test_loss_writes_into_dead_logits_and_grad() -> None:
     out = reuse_dead_buffers(gm)
     after = estimate_peak_memory(out)
     reused = {n.target: n.meta[REUSED] for n in out.graph.nodes if REUSED in n.meta}
-    assert reused == {aten._log_softmax.out: n["logits"].name, aten._log_softmax_backward_data.out: n["g"].name}
+    assert reused == {
+        aten._log_softmax.out: n["logits"].name,
+        aten._log_softmax_backward_data.out: n["g"].name,
+    }
     assert before.peak_bytes - after.peak_bytes == LOGITS
     check_invariants(out)
     got = _run(out, inputs)
