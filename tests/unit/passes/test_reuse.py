@@ -13,6 +13,8 @@ Three logits-sized buffers live at once before the pass (ls, g, gin), two after.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,9 +32,19 @@ LOGITS = ROWS * VOCAB * 4  # bytes of one logits-sized buffer
 # ----------------------------------------------------------------------------- the kernels
 
 
-def _args(op: torch._ops.OpOverload, shape: tuple[int, ...], g: torch.Generator, strided: bool) -> list:
+_SOFTMAX = (
+    aten._log_softmax.default,
+    aten._softmax.default,
+    aten._log_softmax_backward_data.default,
+    aten._softmax_backward_data.default,
+)
+
+
+def _args(
+    op: torch._ops.OpOverload, shape: tuple[int, ...], g: torch.Generator, strided: bool, dim: int
+) -> list:
     """Random arguments of ``op`` with tensors of ``shape`` (the non-reused ones transposed copies
-    when ``strided``: same values, non-contiguous)."""
+    when ``strided``: same values, non-contiguous); ``dim`` is the softmax dimension."""
 
     def t() -> torch.Tensor:
         x = torch.randn(shape, generator=g) * 4
@@ -40,7 +52,6 @@ def _args(op: torch._ops.OpOverload, shape: tuple[int, ...], g: torch.Generator,
             x = x.transpose(-1, -2).contiguous().transpose(-1, -2)  # same shape, column-major
         return x
 
-    dim = len(shape) - 1
     if op in (aten._log_softmax.default, aten._softmax.default):
         return [t(), dim, False]
     if op is aten._log_softmax_backward_data.default:
@@ -59,7 +70,8 @@ SHAPES = [(8, 128, 513), (3, 7, 13), (5, 1), (1, 257), (17,), (2, 3, 1000)]
 @pytest.mark.parametrize("threads", [1, 2])
 def test_out_variant_into_an_input_is_bit_identical(op: torch._ops.OpOverload, threads: int) -> None:
     """For every table entry and every argument it may take: ``op.out(..., out=that argument)`` gives
-    the functional op's bits, on odd sizes, with the other tensor arguments non-contiguous."""
+    the functional op's bits, on odd sizes, along every softmax dimension, with the other tensor
+    arguments non-contiguous."""
     out_op, positions = REUSABLE[op]
     out_name = next(a.name for a in out_op._schema.arguments if a.kwarg_only and a.alias_info)
     g = torch.Generator().manual_seed(0)
@@ -67,8 +79,8 @@ def test_out_variant_into_an_input_is_bit_identical(op: torch._ops.OpOverload, t
     torch.set_num_threads(threads)
     try:
         for shape in SHAPES:
-            for strided in (False, True):
-                args = _args(op, shape, g, strided)
+            for strided, dim in itertools.product((False, True), range(len(shape) if op in _SOFTMAX else 1)):
+                args = _args(op, shape, g, strided, dim)
                 for pos in positions:
                     call = [a.contiguous() if i == pos else a for i, a in enumerate(args)]
                     ref = op(*call)
@@ -76,7 +88,7 @@ def test_out_variant_into_an_input_is_bit_identical(op: torch._ops.OpOverload, t
                     call[pos] = buf
                     got = out_op(*call, **{out_name: buf})
                     assert got.data_ptr() == buf.data_ptr()
-                    assert torch.equal(ref, got), (op, shape, strided, pos)
+                    assert torch.equal(ref, got), (op, shape, strided, dim, pos)
     finally:
         torch.set_num_threads(before)
 
