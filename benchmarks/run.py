@@ -21,6 +21,8 @@ data and times them in interleaved rounds (``worker.py``; how each number is mea
 
 Ablations (only when named in --variants): ``spmd_replicate_no_optoverlap`` and
 ``spmd_fully_shard_no_optoverlap`` run with the ``overlap_optimizer`` pass disabled;
+``spmd_replicate_no_reuse``, ``spmd_fully_shard_no_reuse`` and ``spmd_fully_shard_noreshard_no_reuse``
+with ``reuse_dead_buffers`` disabled (peak memory before/after in one run);
 ``spmd_fully_shard_xstep`` runs with ``cross_step_prefetch=True``.
 
 Prints one table per model with ratios to fsdp2 and to no_comm, the issue's targets, and (for

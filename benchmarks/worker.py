@@ -56,6 +56,9 @@ VARIANTS = (
 ABLATIONS = {
     "spmd_replicate_no_optoverlap": ("spmd_replicate", "overlap_optimizer"),
     "spmd_fully_shard_no_optoverlap": ("spmd_fully_shard", "overlap_optimizer"),
+    "spmd_replicate_no_reuse": ("spmd_replicate", "reuse_dead_buffers"),
+    "spmd_fully_shard_no_reuse": ("spmd_fully_shard", "reuse_dead_buffers"),
+    "spmd_fully_shard_noreshard_no_reuse": ("spmd_fully_shard_noreshard", "reuse_dead_buffers"),
 }
 # Not run by default either: a variant with one compile option switched on
 # (``--variants spmd_fully_shard,spmd_fully_shard_xstep``).

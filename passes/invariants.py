@@ -25,6 +25,9 @@ matters):
 - ``optimizer-split``: the calls :func:`passes.optimizer_overlap.overlap_optimizer` split from one
   fused optimizer call update every parameter exactly once, with the same per-parameter and
   shared arguments as before, each after all of its inputs.
+- ``reused-buffer``: an op :func:`passes.reuse.reuse_dead_buffers` made write into an input
+  (``out=``) writes into one fresh buffer of its own shape, dtype and layout that nothing
+  reads after it (see :func:`passes.reuse.check_reuse`).
 
 ``fingerprint(gm)`` is the sequence of collectives as every rank will issue them;
 ranks compare theirs to catch a divergent graph before it hangs in a collective.
@@ -44,6 +47,7 @@ from passes.cross_step import CARRIED, check_carried
 from passes.flat_ops import COPY_IN, COPY_OUT
 from passes.meta import MICROBATCH, PHASE, ROLE, Phase, Role, module_of
 from passes.optimizer_overlap import check_optimizer_split
+from passes.reuse import check_reuse
 
 # How many violations one error message lists before it summarises the rest.
 _MAX_LISTED = 20
@@ -122,6 +126,7 @@ def check_invariants(gm: fx.GraphModule) -> None:
             found.extend(_check_flat(node))
     found.extend(Violation("carried", name, msg) for name, msg in check_carried(gm))
     found.extend(Violation("optimizer-split", name, msg) for name, msg in check_optimizer_split(gm))
+    found.extend(Violation("reused-buffer", name, msg) for name, msg in check_reuse(gm))
     if found:
         raise InvariantViolation(found)
 

@@ -43,7 +43,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from passes import collectives as C
 from passes.meta import PHASE
 
-__all__ = ["MemoryEstimate", "PhaseMemory", "estimate_peak_memory", "tensor_bytes"]
+__all__ = [
+    "Liveness",
+    "MemoryEstimate",
+    "PhaseMemory",
+    "buffer_liveness",
+    "estimate_peak_memory",
+    "tensor_bytes",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +134,26 @@ def _alias_sources(node: fx.Node, n_leaves: int, bufs_of: dict[fx.Node, list[int
     return [b for a in _schema_aliased_args(node) for b in bufs_of.get(a, []) if b is not None]
 
 
-def estimate_peak_memory(gm: fx.GraphModule) -> MemoryEstimate:
-    """Peak live bytes of one run of ``gm`` (see the module docstring for the rules)."""
+@dataclasses.dataclass
+class Liveness:
+    """The buffers of one run of a graph (see the module docstring for the rules).
+
+    A buffer is one allocation; ``bufs_of[node]`` names the buffer behind each tensor
+    leaf of the node's value (views share their base's), ``fresh_of[node]`` the buffers
+    the node allocates, ``last_use[b]`` the index in ``nodes`` of the last node that
+    reads ``b`` through any alias (it is freed just after). ``pinned`` buffers
+    (placeholders, what the graph returns) live for the whole step."""
+
+    nodes: list[fx.Node]  # every node but the output, in execution order
+    size: list[int]  # buffer -> bytes
+    pinned: set[int]
+    bufs_of: dict[fx.Node, list[int | None]]
+    fresh_of: dict[fx.Node, list[int]]
+    last_use: dict[int, int]
+
+
+def buffer_liveness(gm: fx.GraphModule) -> Liveness:
+    """Which buffer each node's value lives in, and when each buffer dies."""
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
     output = next((n for n in gm.graph.nodes if n.op == "output"), None)
     size: list[int] = []  # buffer id -> bytes
@@ -175,9 +200,16 @@ def estimate_peak_memory(gm: fx.GraphModule) -> MemoryEstimate:
             last_use.update((b, at) for b in bufs_of[i] if b is not None)
     if output is not None:
         pinned.update(b for i in output.all_input_nodes for b in bufs_of[i] if b is not None)
+    return Liveness(nodes, size, pinned, bufs_of, fresh_of, last_use)
+
+
+def estimate_peak_memory(gm: fx.GraphModule) -> MemoryEstimate:
+    """Peak live bytes of one run of ``gm`` (see the module docstring for the rules)."""
+    lv = buffer_liveness(gm)
+    nodes, size, fresh_of = lv.nodes, lv.size, lv.fresh_of
     frees_at: dict[int, int] = {}
-    for b, at in last_use.items():
-        if b not in pinned:
+    for b, at in lv.last_use.items():
+        if b not in lv.pinned:
             frees_at[at] = frees_at.get(at, 0) + size[b]
 
     baseline = sum(size[b] for n in nodes if n.op in ("placeholder", "get_attr") for b in fresh_of[n])

@@ -351,7 +351,9 @@ class CompiledStep:
         # Eager only: a backend compiles the graph as a whole, and inductor does not take an
         # unwaited collective as an input or output.
         pipeline = build_pipeline(
-            self.parallel_mode, cross_step_prefetch=self.cross_step_prefetch and self.backend == "eager"
+            self.parallel_mode,
+            cross_step_prefetch=self.cross_step_prefetch and self.backend == "eager",
+            reuse_buffers=self.backend == "eager",  # inductor reuses buffers itself
         )
         gm = pipeline.run(
             gm,

@@ -16,6 +16,7 @@ from passes.driver import NamedPass, run_passes
 from passes.invariants import check_invariants
 from passes.optimizer_overlap import overlap_optimizer
 from passes.prefetch import default_unit_of, prefetch_all_gathers
+from passes.reuse import reuse_dead_buffers
 from passes.scheduling import limit_inflight, sink_waits
 from passes.units import assign_units
 from spmd.errors import PassError
@@ -57,11 +58,14 @@ def _checker() -> Callable[[fx.GraphModule, str], None]:
     return check
 
 
-def build_pipeline(parallel_mode: ParallelMode, *, cross_step_prefetch: bool = False) -> Pipeline:
+def build_pipeline(
+    parallel_mode: ParallelMode, *, cross_step_prefetch: bool = False, reuse_buffers: bool = False
+) -> Pipeline:
     """The built-in passes, in order, configured from the parallel mode's knobs.
 
-    ``cross_step_prefetch`` appends ``carry_first_gathers`` (the caller decides where it
-    applies: the eager backend only, see ``spmd.api``)."""
+    ``cross_step_prefetch`` appends ``carry_first_gathers`` and ``reuse_buffers`` appends
+    ``reuse_dead_buffers`` (the caller decides where they apply: the eager backend only,
+    see ``spmd.api``)."""
     options = parallel_mode.pass_options()
     # The parallel mode's knobs, by the names each pass takes them under (absent: the pass's default).
     names = {"bucket_cap_mb": "bucket_cap_mb", "bucket_mode": "mode", "bucket_unit_of": "unit_of"}
@@ -115,6 +119,15 @@ def build_pipeline(parallel_mode: ParallelMode, *, cross_step_prefetch: bool = F
             reason="last: the partitioner and the passes before it find gradients by their tags",
         ),
     ]
+    if reuse_buffers:
+        passes.append(
+            NamedPass(
+                name="reuse_dead_buffers",
+                fn=reuse_dead_buffers,
+                reason="after every pass that moves nodes: a later move could put a reader of a taken "
+                "buffer after the op that now writes it",
+            )
+        )
     if cross_step_prefetch:
         passes.append(
             NamedPass(
