@@ -79,7 +79,10 @@ def aligned_fused_optimizer_(
             parts = [n for k, src in zip(ks, srcs) for n in (pre[k], src.numel(), post[k])]
             flat = srcs[0].new_zeros(sum(parts))
             segments = torch.split(flat, [sum(parts[i : i + 3]) for i in range(0, len(parts), 3)])
-            inner = [d if src.dim() == 1 else d.view(src.shape) for d, src in zip(torch.split(flat, parts)[1::3], srcs)]
+            inner = [
+                d if src.dim() == 1 else d.view(src.shape)
+                for d, src in zip(torch.split(flat, parts)[1::3], srcs)
+            ]
             torch._foreach_copy_(inner, srcs)
             for k, seg in zip(ks, segments):
                 bufs[j][k] = seg
