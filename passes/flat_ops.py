@@ -42,15 +42,28 @@ def _shapes(shapes: list[int], ranks: list[int]) -> list[list[int]]:
 def all_gather_copy_in(
     shards: list[torch.Tensor], chunk_numels: list[int], dtype: torch.dtype
 ) -> torch.Tensor:
-    out = shards[0].new_empty(sum(chunk_numels), dtype=dtype)
-    off = 0
+    if any(x.dtype != dtype for x in shards):  # a cast (mixed precision): copy_ casts per shard
+        out = shards[0].new_empty(sum(chunk_numels), dtype=dtype)
+        off = 0
+        for x, c in zip(shards, chunk_numels):
+            n = x.numel()
+            out[off : off + n].view(x.shape).copy_(x)
+            if n < c:
+                out[off + n : off + c].zero_()
+            off += c
+        return out
+    # One cat instead of a slice, view and copy per shard: this op runs once per unit and
+    # phase, and on a stack of tiny blocks its per-shard Python ops were most of its cost.
+    pieces: list[torch.Tensor] = []
     for x, c in zip(shards, chunk_numels):
         n = x.numel()
-        out[off : off + n].view(x.shape).copy_(x)
+        if n:
+            pieces.append(x.reshape(-1))  # logical order (a copy only for a non-viewable shard)
         if n < c:
-            out[off + n : off + c].zero_()
-        off += c
-    return out
+            pieces.append(x.new_zeros(c - n))
+    if not pieces:
+        return shards[0].new_empty(0, dtype=dtype)
+    return torch.cat(pieces)
 
 
 @all_gather_copy_in.register_fake
@@ -62,17 +75,22 @@ def _(shards: list[torch.Tensor], chunk_numels: list[int], dtype: torch.dtype) -
 def all_gather_copy_out(
     gathered: torch.Tensor, world: int, chunk_numels: list[int], shapes: list[int], ranks: list[int]
 ) -> list[torch.Tensor]:
-    grid = gathered.view(world, sum(chunk_numels))
-    outs = []
-    for piece, shape in zip(torch.split(grid, chunk_numels, dim=1), _shapes(shapes, ranks)):
-        n, c = math.prod(shape), piece.shape[1]
-        out = gathered.new_empty(shape)
-        flat = out.view(-1)
-        q = n // c if c else 0  # whole chunks; then the leading part of the next one
-        flat[: q * c].view(q, c).copy_(piece[:q])
-        if n > q * c:
-            flat[q * c :].copy_(piece[q, : n - q * c])
+    # Every piece lands in its output with one split_with_sizes_copy (FSDP2's copy-out): per
+    # parameter only an allocation and views. Output k holds piece k of every block in block
+    # order, i.e. the full parameter followed by the padding of the last blocks, which a
+    # leading-``n`` view drops (the output is then a view of a slightly larger buffer).
+    outs, dests = [], []
+    for c, shape in zip(chunk_numels, _shapes(shapes, ranks)):
+        n = math.prod(shape)
+        if n == world * c:
+            out = gathered.new_empty(shape)
+            dests.append(out.view(world, c))
+        else:
+            buf = gathered.new_empty(world * c)
+            dests.append(buf.view(world, c))
+            out = buf[:n].view(shape)
         outs.append(out)
+    torch.split_with_sizes_copy(gathered.view(world, sum(chunk_numels)), chunk_numels, dim=1, out=dests)
     return outs
 
 

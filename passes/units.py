@@ -6,7 +6,8 @@ together. Every collective costs a fixed latency, though, and a model of many ti
 blocks pays it dozens of times a step (FSDP2's weak spot). This pass records in
 ``node.meta[UNIT]`` the unit of every all-gather and reduce-scatter, merging
 neighbouring blocks, in the order the step needs them, until a merged unit holds at
-least ``min_unit_bytes``. Blocks at least that large stay units of their own, so a
+least ``min_unit_bytes``; a last group still smaller than that (the head after a stack
+of blocks) joins the group before it. Blocks at least that large stay units of their own, so a
 large model keeps FSDP's memory profile, while a stack of tiny blocks becomes a few
 well-sized buckets. An all-reduce of a reduce-scatter's result (hybrid_shard: reduce within
 the shard group, then across replicas) belongs to the reduce-scatter's unit.
@@ -62,15 +63,21 @@ def assign_units(
         blocks: dict[str, list[fx.Node]] = {}
         for c in sorted(members, key=needed_at):
             blocks.setdefault(unit_of(c), []).append(c)
-        group: list[str] = []
-        size = 0
+        groups: list[list[str]] = []
+        sizes: list[int] = []
         for name, nodes in blocks.items():
-            if group and size >= min_unit_bytes:
-                _label(blocks, group)
-                group, size = [], 0
-            group.append(name)
-            size += sum(C.bytes_of(c) for c in nodes)
-        if group:
+            if not groups or sizes[-1] >= min_unit_bytes:
+                groups.append([])
+                sizes.append(0)
+            groups[-1].append(name)
+            sizes[-1] += sum(C.bytes_of(c) for c in nodes)
+        # A short remainder (the head after a stack of blocks) joins the group before it rather
+        # than paying a collective's latency and a synchronisation of the ranks on its own; that
+        # group grows by less than the threshold.
+        if len(groups) > 1 and sizes[-1] < min_unit_bytes:
+            last = groups.pop()
+            groups[-1] += last
+        for group in groups:
             _label(blocks, group)
     _label_follow_up_all_reduces(colls)
     return gm

@@ -132,7 +132,9 @@ class DataParallel(ParallelMode):
             model is first distributed (FSDP's ``sync_module_states``; DDP always does it).
         min_unit_mb: neighbouring units smaller than this are merged into one communication
             unit (one gather, one reduce-scatter), so stacks of tiny blocks do not pay a
-            collective's latency per block; larger blocks stay units of their own.
+            collective's latency per block; a last group still below it (the head after the
+            blocks) joins the group before it; larger blocks stay units of their own; 0 keeps
+            every block its own unit.
         mixed_precision: a :class:`~spmd.MixedPrecision`: compute in ``param_dtype`` over fp32
             master weights (sharded under fully_shard; gathered in ``param_dtype``), reduce
             gradients in ``reduce_dtype``, optimizer in fp32 (FSDP2 ``mp_policy``).

@@ -136,3 +136,42 @@ def test_invariants_check_the_flat_buffer() -> None:
     flat.args = ([x], [6], torch.float32)
     flat.meta["val"] = torch.empty(6)
     check_invariants(fx.GraphModule({}, g))
+
+
+def test_aligned_fused_optimizer_many_shards_in_one_call() -> None:
+    """Several shards in one call -- ragged at both ends, ragged at the end only (a LayerNorm
+    half), aligned (used as is), 2-d -- each equals the same elements of its full tensor updated
+    by the plain kernel, bit for bit: sharing one padded buffer per list does not change how any
+    shard rounds, and every result lands back in its own shard."""
+    torch.manual_seed(1)
+    align = 64
+    cases = [((1000,), 37, 500), ((64,), 0, 32), ((128,), 64, 64), ((10, 8), 3, 4), ((64,), 32, 32)]
+    op = torch.ops.aten._fused_adamw_.default
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+    fulls, shards, pre, post = [], [], [], []
+    for shape, row0, rows in cases:
+        full = [torch.randn(shape) for _ in range(3)] + [torch.rand(shape)]  # exp_avg_sq >= 0
+        fulls.append(full)
+        shards.append([t[row0 : row0 + rows].clone() for t in full])
+        row = math.prod(shape[1:])
+        off, n_loc, total = row0 * row, rows * row, math.prod(shape)
+        pre.append(off % align)
+        end = -(-(off + n_loc) // align) * align if off + n_loc <= total - total % align else total
+        post.append(end - off - n_loc)
+    assert pre[2] == post[2] == 0 and pre[1] == 0 < post[1] and pre[0] > 0 < post[0]
+
+    def values(group):
+        p, g, a, b = (list(x) for x in zip(*group))
+        steps = [torch.tensor(1.0) for _ in group]
+        return {"self": p, "grads": g, "exp_avgs": a, "exp_avg_sqs": b, "max_exp_avg_sqs": [],
+                "state_steps": steps, **kw}  # fmt: skip
+
+    refs = [[t.clone() for t in full] for full in fulls]
+    vals = values(refs)
+    pos = [a.name for a in op._schema.arguments if not a.kwarg_only]
+    op(*[vals[k] for k in pos], **{k: v for k, v in vals.items() if k not in pos})
+    args, kwargs = wrap_args(op, values(shards), pre, post, [0] * len(cases))
+    ALIGNED_FUSED(*args, **kwargs)
+    for (shape, row0, rows), ref, shard in zip(cases, refs, shards):
+        for j in (0, 2, 3):  # param, exp_avg, exp_avg_sq (grads are scratch)
+            assert torch.equal(shard[j], ref[j][row0 : row0 + rows]), (shape, j)
