@@ -317,13 +317,14 @@ def overlap_table(rec: dict[str, Any]) -> str:
 
 
 def targets(model: str, records: list[dict[str, Any]]) -> list[str]:
-    """The "Measurement" issue's targets for this model, each with the measured value."""
+    """Issues 13's and 14's targets for this model, each with the measured value."""
     by = {r["variant"]: r for r in records if not r.get("error")}
     step = lambda v: by.get(v, {}).get("step_ms")  # noqa: E731
     checks: list[tuple[str, float | None, float]] = []
     if model == "overhead":
-        checks += [("spmd_fully_shard / fsdp2 step", _div(step("spmd_fully_shard"), step("fsdp2")), 0.25)]
-        checks += [("spmd_fully_shard / no_comm step", _div(step("spmd_fully_shard"), step("no_comm")), 1.5)]
+        checks += [("spmd_fully_shard / fsdp2 step", _div(step("spmd_fully_shard"), step("fsdp2")), 0.2)]
+        checks += [("spmd_fully_shard / no_comm step", _div(step("spmd_fully_shard"), step("no_comm")), 1.3)]
+        checks += [("spmd_replicate / no_comm step", _div(step("spmd_replicate"), step("no_comm")), 1.2)]
         checks += [
             (
                 "spmd_fully_shard_inductor / no_comm step",
@@ -332,8 +333,8 @@ def targets(model: str, records: list[dict[str, Any]]) -> list[str]:
             )
         ]
     if model == "gpt":
-        checks += [("spmd_fully_shard / no_comm step", _div(step("spmd_fully_shard"), step("no_comm")), 1.05)]
-        checks += [("spmd_replicate / no_comm step", _div(step("spmd_replicate"), step("no_comm")), 1.03)]
+        checks += [("spmd_fully_shard / no_comm step", _div(step("spmd_fully_shard"), step("no_comm")), 1.03)]
+        checks += [("spmd_replicate / no_comm step", _div(step("spmd_replicate"), step("no_comm")), 1.02)]
         for v in ("spmd_fully_shard_inductor", "spmd_replicate_inductor"):
             checks += [(f"{v} / no_comm step", _div(step(v), step("no_comm")), 0.95)]
     mem = lambda v: by.get(v, {}).get("peak_mem_bytes")  # noqa: E731
