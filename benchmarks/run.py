@@ -317,7 +317,7 @@ def overlap_table(rec: dict[str, Any]) -> str:
 
 
 def targets(model: str, records: list[dict[str, Any]]) -> list[str]:
-    """Issues 13's and 14's targets for this model, each with the measured value."""
+    """The targets of issues 13 and 14 for this model, each with the measured value."""
     by = {r["variant"]: r for r in records if not r.get("error")}
     step = lambda v: by.get(v, {}).get("step_ms")  # noqa: E731
     checks: list[tuple[str, float | None, float]] = []
