@@ -12,6 +12,7 @@ from passes.bucketing import bucket_collectives
 from passes.cleanup import strip_grad_tags
 from passes.cross_step import carry_first_gathers
 from passes.dedup import dedup_collectives
+from passes.inplace import inplace_all_reduce
 from passes.driver import NamedPass, run_passes
 from passes.invariants import check_invariants
 from passes.optimizer_overlap import overlap_optimizer
@@ -92,6 +93,12 @@ def build_pipeline(parallel_mode: ParallelMode, *, cross_step_prefetch: bool = F
             name="bucket_collectives",
             fn=functools.partial(bucket_collectives, **bucketing),
             reason="after dedup and prefetch; before the passes that place waits, which should see buckets",
+        ),
+        NamedPass(
+            name="inplace_all_reduce",
+            fn=inplace_all_reduce,
+            reason="after bucketing (a bucket's packed buffer dies at its all-reduce); before the passes "
+            "that read storages: an all-reduce of a dead buffer reduces it in place, one allocation less",
         ),
         NamedPass(
             name="sink_waits",
