@@ -69,7 +69,7 @@ ALL_FORMS = [
 def test_every_optimizer_form_split_bitwise(style: str) -> None:
     """SGD(momentum, foreach), Adam(foreach), AdamW(for-loop) and fused AdamW with the split on:
     bit for bit with the split off, and with DDP where the traced math is eager's (SGD, fused);
-    the first parameter update runs before the last bucket's wait; replicate reduces in place."""
+    the first bucket's update starts before the last bucket's wait; replicate reduces in place."""
     from tests.dist import workers_overlap
 
     knobs = SMALL_BUCKETS if style == "replicate" else {"min_unit_mb": 0}
