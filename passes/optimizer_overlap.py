@@ -131,12 +131,14 @@ def overlap_optimizer(gm: fx.GraphModule, *, chains: bool = True) -> fx.GraphMod
     ready together, each placed right after its inputs are ready (see module doc).
 
     Args:
-        chains: also reorder foreach and for-loop updates (:mod:`passes.update_schedule`).
+        chains: reorder foreach and for-loop updates (:mod:`passes.update_schedule`) when the
+            graph has no fused optimizer call (a fused update is placed by its split alone).
     """
     changed = False
-    for node in [n for n in gm.graph.nodes if is_fused_optimizer(n)]:
+    fused = [n for n in gm.graph.nodes if is_fused_optimizer(n)]
+    for node in fused:
         changed |= _split(gm.graph, node)
-    if chains:
+    if chains and not fused:
         changed |= schedule_updates(gm.graph)
     if not changed:
         return gm

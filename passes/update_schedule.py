@@ -13,10 +13,13 @@ op runs as early as its inputs allow:
    argument and the shared arguments only: ``lr``, ``alpha``, a clip coefficient).
 2. The ops of the phase, foreach elements included, are put in the earliest order their
    dependencies allow: data inputs, and storage conflicts in the original order (a write
-   after a read or a write of the same storage, a read after a write). Collectives and
-   waits are barriers: they keep their order and no op moves past one downward. Among ops
-   ready together, the one earliest in the original graph goes first (foreach elements by
-   list index), so the elements of one foreach op that become ready together stay adjacent.
+   after a read or a write of the same storage, a read after a write). Waits (and the ops
+   whose effects are not known: Python functions, writes to storage-less values) are
+   barriers: no op moves past one downward. Waits are taken in the order their collectives
+   were issued (the order they complete in), unless the phase issues collectives itself
+   (then every barrier keeps its place). Among ops ready together, the one earliest in the
+   original graph goes first (foreach elements by list index), so the elements of one
+   foreach op that become ready together stay adjacent.
 3. Adjacent elements of one foreach op become one ``_foreach_*`` call on the sub-lists of
    those elements: one call per bucket, each right after its bucket's wait.
 
@@ -25,7 +28,8 @@ every storage conflict, so every op reads what it read before; a global quantity
 ``clip_grad_norm_`` that reads every gradient and the ``_foreach_mul_`` that scales them, a
 step counter shared by all parameters) is a dependency of every update and holds them all
 back. Elementwise math per tensor is unchanged, so the result is bit for bit the same.
-Collectives and waits keep their order, so the collective order is unchanged.
+Collectives keep their order, so the collective order is unchanged; a wait only moves up,
+never before its collective.
 
 Each split foreach call records what it was split from (``SPLIT_OF``); the ``optimizer-split``
 invariant (:func:`check_foreach_split`) checks that the calls split from one op cover each
@@ -191,17 +195,27 @@ def schedule_updates(graph: fx.Graph) -> bool:
         it.deps.discard(it)
         for d in it.deps:
             d.users.append(it)
-    order = _topo(items)
+    if not any(C.is_collective(n) for n in region):
+        # Waits in issue order: the collectives complete in that order, so a wait on an
+        # earlier one may come first (a wait only depends on its collective, issued before).
+        pos = {n: i for i, n in enumerate(nodes)}
+        waits = sorted((it for it in items if it.barrier), key=lambda it: _issued(it.node, pos))
+    else:
+        waits = [it for it in items if it.barrier]
+    order = _topo(items, waits)
     if not _moves_past_a_wait(items, order):
         return False
     _materialize(graph, nodes[start - 1], region, order, sizes)
     return True
 
 
-def _topo(items: list[_Item]) -> list[_Item]:
+def _issued(node: fx.Node, pos: dict[fx.Node, int]) -> tuple[int, int]:
+    return (pos[C.collective_of(node)], pos[node]) if C.is_wait(node) else (pos[node], pos[node])
+
+
+def _topo(items: list[_Item], barriers: list[_Item]) -> list[_Item]:
     """Earliest order: drain every ready op (earliest original first) before the next barrier."""
     missing = {it: len(it.deps) for it in items}
-    barriers = [it for it in items if it.barrier]
     ready = [it for it in items if not it.barrier and not it.deps]
     heapq.heapify(ready)
     out: list[_Item] = []
@@ -302,7 +316,7 @@ def check_foreach_split(gm: fx.GraphModule) -> list[tuple[str, str]]:
                 if k in seen:
                     out.append((c.name, f"element {k} of {source} also computed by {seen[k]}"))
                 seen[k] = c.name
-                if element_signature(c, j) != info["elements"][k]:
+                if element_signature(c, j) != info["elements"].get(k):
                     out.append((c.name, f"per-element arguments of element {k} of {source} changed"))
         if sorted(seen) != list(range(total)):
             out.append((calls[0].name, f"{len(seen)} of the {total} elements of {source} computed"))
