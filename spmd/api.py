@@ -350,8 +350,11 @@ class CompiledStep:
         graphs.record("partitioned", gm)
         # Eager only: a backend compiles the graph as a whole, and inductor does not take an
         # unwaited collective as an input or output.
+        # Eager only as well: inductor functionalizes the graph and rejects the in-place all_reduce_.
         pipeline = build_pipeline(
-            self.parallel_mode, cross_step_prefetch=self.cross_step_prefetch and self.backend == "eager"
+            self.parallel_mode,
+            cross_step_prefetch=self.cross_step_prefetch and self.backend == "eager",
+            inplace_collectives=self.backend == "eager",
         )
         gm = pipeline.run(
             gm,

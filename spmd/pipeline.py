@@ -58,11 +58,15 @@ def _checker() -> Callable[[fx.GraphModule, str], None]:
     return check
 
 
-def build_pipeline(parallel_mode: ParallelMode, *, cross_step_prefetch: bool = False) -> Pipeline:
+def build_pipeline(
+    parallel_mode: ParallelMode, *, cross_step_prefetch: bool = False, inplace_collectives: bool = True
+) -> Pipeline:
     """The built-in passes, in order, configured from the parallel mode's knobs.
 
     ``cross_step_prefetch`` appends ``carry_first_gathers`` (the caller decides where it
-    applies: the eager backend only, see ``spmd.api``)."""
+    applies: the eager backend only, see ``spmd.api``). ``inplace_collectives`` includes
+    ``inplace_all_reduce``: eager only, as inductor's functionalization rejects the in-place
+    ``all_reduce_`` (and inductor reinplaces the functional all-reduce itself)."""
     options = parallel_mode.pass_options()
     # The parallel mode's knobs, by the names each pass takes them under (absent: the pass's default).
     names = {"bucket_cap_mb": "bucket_cap_mb", "bucket_mode": "mode", "bucket_unit_of": "unit_of"}
@@ -95,12 +99,6 @@ def build_pipeline(parallel_mode: ParallelMode, *, cross_step_prefetch: bool = F
             reason="after dedup and prefetch; before the passes that place waits, which should see buckets",
         ),
         NamedPass(
-            name="inplace_all_reduce",
-            fn=inplace_all_reduce,
-            reason="after bucketing (a bucket's packed buffer dies at its all-reduce); before the passes "
-            "that read storages: an all-reduce of a dead buffer reduces it in place, one allocation less",
-        ),
-        NamedPass(
             name="sink_waits",
             fn=sink_waits,
             reason="after bucketing (new waits); widens every collective's overlap window",
@@ -122,6 +120,17 @@ def build_pipeline(parallel_mode: ParallelMode, *, cross_step_prefetch: bool = F
             reason="last: the partitioner and the passes before it find gradients by their tags",
         ),
     ]
+    if inplace_collectives:
+        at = next(i for i, p in enumerate(passes) if p.name == "bucket_collectives") + 1
+        passes.insert(
+            at,
+            NamedPass(
+                name="inplace_all_reduce",
+                fn=inplace_all_reduce,
+                reason="after bucketing (a bucket's packed buffer dies at its all-reduce); before the passes "
+                "that read storages: an all-reduce of a dead buffer reduces it in place, one allocation less",
+            ),
+        )
     if cross_step_prefetch:
         passes.append(
             NamedPass(

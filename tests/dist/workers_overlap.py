@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
 from passes import collectives as C
-from passes.graph_utils import mutated_nodes
+from passes.graph_utils import mutated_nodes, storage_of
 from passes.meta import PHASE, ROLE, Phase, Role
 from tests import models as shared
 from tests.dist import parity_models as pm
@@ -30,12 +30,15 @@ def first_bucket_updated_before_last_wait(gm: fx.GraphModule) -> bool:
         and n.meta.get(PHASE) is Phase.BACKWARD
     ]
     last_wait = nodes.index(C.wait_of(reductions[-1]))
+    params = {storage_of(n) for n in nodes if n.op == "placeholder" and n.meta.get(ROLE) is Role.PARAM}
     reached = {C.wait_of(reductions[0])}
     for i, n in enumerate(nodes):
         if n not in reached and not any(x in reached for x in n.all_input_nodes):
             continue
         reached.add(n)
-        if any(m.meta.get(ROLE) is Role.PARAM for m in mutated_nodes(n)):
+        written = mutated_nodes(n)
+        reached.update(written)  # state written from the gradient carries it on (exp_avg, momentum)
+        if any(storage_of(m) in params for m in written):  # through the alias ``mul_`` returns, too
             return i < last_wait
     return False
 
