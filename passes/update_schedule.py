@@ -161,7 +161,7 @@ def schedule_updates(graph: fx.Graph) -> bool:
     if not start:  # no optimizer phase (or nothing before it: no placeholders, nothing to wait for)
         return False
     region = [n for n in nodes[start:] if n.op != "output"]
-    sizes = {n: s for n in region if (s := _splittable(n)) is not None}
+    sizes = {n: size for n in region if (size := _splittable(n)) is not None}
     items: list[_Item] = []
     of: dict[tuple[fx.Node, int | None], _Item] = {}
     for pos, n in enumerate(region):
@@ -174,6 +174,7 @@ def schedule_updates(graph: fx.Graph) -> bool:
     for it in items:
         ins, outs = _io(it.node, it.k, sizes.get(it.node, 0))
         for x in ins:
+            src: _Item | None
             if it.node.target is operator.getitem and x in sizes:
                 src = of[(x, cast(int, it.node.args[1]))]
             else:
@@ -198,8 +199,8 @@ def schedule_updates(graph: fx.Graph) -> bool:
     if not any(C.is_collective(n) for n in region):
         # Waits in issue order: the collectives complete in that order, so a wait on an
         # earlier one may come first (a wait only depends on its collective, issued before).
-        pos = {n: i for i, n in enumerate(nodes)}
-        waits = sorted((it for it in items if it.barrier), key=lambda it: _issued(it.node, pos))
+        index = {n: i for i, n in enumerate(nodes)}
+        waits = sorted((it for it in items if it.barrier), key=lambda it: _issued(it.node, index))
     else:
         waits = [it for it in items if it.barrier]
     order = _topo(items, waits)

@@ -12,8 +12,8 @@ from passes.bucketing import bucket_collectives
 from passes.cleanup import strip_grad_tags
 from passes.cross_step import carry_first_gathers
 from passes.dedup import dedup_collectives
-from passes.inplace import inplace_all_reduce
 from passes.driver import NamedPass, run_passes
+from passes.inplace import inplace_all_reduce
 from passes.invariants import check_invariants
 from passes.optimizer_overlap import overlap_optimizer
 from passes.prefetch import default_unit_of, prefetch_all_gathers

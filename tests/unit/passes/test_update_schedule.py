@@ -8,10 +8,10 @@ import torch.fx as fx
 
 from passes import collectives as C
 from passes.invariants import InvariantViolation, check_invariants, fingerprint
+from passes.meta import Phase, Role
 from passes.optimizer_overlap import overlap_optimizer
 from passes.scheduling import sink_waits
 from passes.update_schedule import SPLIT_OF, is_foreach
-from passes.meta import Phase, Role
 from tests.unit.passes.graphs import Builder, assert_untouched, aten, check_same_results, clone_gm
 
 
