@@ -24,7 +24,9 @@ matters):
   a collective.
 - ``optimizer-split``: the calls :func:`passes.optimizer_overlap.overlap_optimizer` split from one
   fused optimizer call update every parameter exactly once, with the same per-parameter and
-  shared arguments as before, each after all of its inputs.
+  shared arguments as before, each after all of its inputs; the ``_foreach_*`` calls split from
+  one foreach op (:mod:`passes.update_schedule`) compute each of its list elements exactly once,
+  with the same per-element and shared arguments.
 
 ``fingerprint(gm)`` is the sequence of collectives as every rank will issue them;
 ranks compare theirs to catch a divergent graph before it hangs in a collective.
