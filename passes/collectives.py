@@ -34,6 +34,9 @@ class Kind(str, enum.Enum):
 _OPS: dict[Any, tuple[Kind, bool]] = {
     _c10d.all_reduce.default: (Kind.ALL_REDUCE, False),
     _c10d.all_reduce_coalesced.default: (Kind.ALL_REDUCE, True),
+    # In place (passes.inplace): the same collective, reducing its input's own storage.
+    _c10d.all_reduce_.default: (Kind.ALL_REDUCE, False),
+    _c10d.all_reduce_coalesced_.default: (Kind.ALL_REDUCE, True),
     _c10d.all_gather_into_tensor.default: (Kind.ALL_GATHER, False),
     _c10d.all_gather_into_tensor_coalesced.default: (Kind.ALL_GATHER, True),
     _c10d.reduce_scatter_tensor.default: (Kind.REDUCE_SCATTER, False),
@@ -49,6 +52,11 @@ def is_collective(node: fx.Node) -> bool:
 
 def is_wait(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is WAIT
+
+
+def is_inplace(node: fx.Node) -> bool:
+    """Whether the collective writes its result into its input (``all_reduce_``)."""
+    return node.target in (_c10d.all_reduce_.default, _c10d.all_reduce_coalesced_.default)
 
 
 def is_coalesced(node: fx.Node) -> bool:

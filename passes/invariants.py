@@ -24,7 +24,9 @@ matters):
   a collective.
 - ``optimizer-split``: the calls :func:`passes.optimizer_overlap.overlap_optimizer` split from one
   fused optimizer call update every parameter exactly once, with the same per-parameter and
-  shared arguments as before, each after all of its inputs.
+  shared arguments as before, each after all of its inputs; the ``_foreach_*`` calls split from
+  one foreach op (:mod:`passes.update_schedule`) compute each of its list elements exactly once,
+  with the same per-element and shared arguments.
 - ``reused-buffer``: an op :func:`passes.reuse.reuse_dead_buffers` made write into an input
   (``out=``) writes into one fresh buffer of its own shape, dtype and layout that nothing
   reads after it (see :func:`passes.reuse.check_reuse`).

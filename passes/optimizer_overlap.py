@@ -32,7 +32,11 @@ per-parameter arguments and the same shared arguments as before.
 Where: after the passes that place collectives and waits (bucketing, ``sink_waits``,
 ``limit_inflight``), which it reads and does not move. No-op (the same ``gm``) when the
 graph has no fused optimizer call, or when every parameter becomes ready at the same
-point (one group). Foreach optimizers (``_foreach_*`` chains) are not split.
+point (one group).
+
+Foreach and for-loop optimizers (chains of ``_foreach_*`` or per-tensor ops) are then
+reordered by :func:`passes.update_schedule.schedule_updates`: each op runs as early as its
+dependencies allow, foreach ops split into one call per group of elements ready together.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from passes import collectives as C
 from passes.fused_align import ALIGNED_FUSED
 from passes.graph_utils import mutated_nodes, storage_of
+from passes.update_schedule import check_foreach_split, schedule_updates
 
 _aten = torch.ops.aten
 
@@ -121,12 +126,20 @@ def _storages(nodes: list[fx.Node]) -> set[StorageWeakRef]:
     return {s for s in map(storage_of, nodes) if s is not None}
 
 
-def overlap_optimizer(gm: fx.GraphModule) -> fx.GraphModule:
+def overlap_optimizer(gm: fx.GraphModule, *, chains: bool = True) -> fx.GraphModule:
     """Split every fused optimizer call into one call per group of parameters that become
-    ready together, each placed right after its inputs are ready (see module doc)."""
+    ready together, each placed right after its inputs are ready (see module doc).
+
+    Args:
+        chains: reorder foreach and for-loop updates (:mod:`passes.update_schedule`) when the
+            graph has no fused optimizer call (a fused update is placed by its split alone).
+    """
     changed = False
-    for node in [n for n in gm.graph.nodes if is_fused_optimizer(n)]:
+    fused = [n for n in gm.graph.nodes if is_fused_optimizer(n)]
+    for node in fused:
         changed |= _split(gm.graph, node)
+    if chains and not fused:
+        changed |= schedule_updates(gm.graph)
     if not changed:
         return gm
     gm.graph.lint()
@@ -276,4 +289,4 @@ def check_optimizer_split(gm: fx.GraphModule) -> list[tuple[str, str]]:
                     out.append((c.name, f"per-parameter arguments of {name} changed"))
         if totals != {len(seen)}:
             out.append((calls[0].name, f"{len(seen)} parameters updated, {source} updated {totals}"))
-    return out
+    return out + check_foreach_split(gm)

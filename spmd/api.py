@@ -350,10 +350,12 @@ class CompiledStep:
         graphs.record("partitioned", gm)
         # Eager only: a backend compiles the graph as a whole, and inductor does not take an
         # unwaited collective as an input or output.
+        # Eager only as well: inductor functionalizes the graph and rejects the in-place all_reduce_.
         pipeline = build_pipeline(
             self.parallel_mode,
             cross_step_prefetch=self.cross_step_prefetch and self.backend == "eager",
             reuse_buffers=self.backend == "eager",  # inductor reuses buffers itself
+            inplace_collectives=self.backend == "eager",
         )
         gm = pipeline.run(
             gm,

@@ -13,6 +13,7 @@ from passes.cleanup import strip_grad_tags
 from passes.cross_step import carry_first_gathers
 from passes.dedup import dedup_collectives
 from passes.driver import NamedPass, run_passes
+from passes.inplace import inplace_all_reduce
 from passes.invariants import check_invariants
 from passes.optimizer_overlap import overlap_optimizer
 from passes.prefetch import default_unit_of, prefetch_all_gathers
@@ -59,13 +60,19 @@ def _checker() -> Callable[[fx.GraphModule, str], None]:
 
 
 def build_pipeline(
-    parallel_mode: ParallelMode, *, cross_step_prefetch: bool = False, reuse_buffers: bool = False
+    parallel_mode: ParallelMode,
+    *,
+    cross_step_prefetch: bool = False,
+    reuse_buffers: bool = False,
+    inplace_collectives: bool = True,
 ) -> Pipeline:
     """The built-in passes, in order, configured from the parallel mode's knobs.
 
     ``cross_step_prefetch`` appends ``carry_first_gathers`` and ``reuse_buffers`` appends
     ``reuse_dead_buffers`` (the caller decides where they apply: the eager backend only,
-    see ``spmd.api``)."""
+    see ``spmd.api``). ``inplace_collectives`` includes ``inplace_all_reduce``: eager only, as
+    inductor's functionalization rejects the in-place ``all_reduce_`` (and inductor reinplaces
+    the functional all-reduce itself)."""
     options = parallel_mode.pass_options()
     # The parallel mode's knobs, by the names each pass takes them under (absent: the pass's default).
     names = {"bucket_cap_mb": "bucket_cap_mb", "bucket_mode": "mode", "bucket_unit_of": "unit_of"}
@@ -119,6 +126,17 @@ def build_pipeline(
             reason="last: the partitioner and the passes before it find gradients by their tags",
         ),
     ]
+    if inplace_collectives:
+        at = next(i for i, p in enumerate(passes) if p.name == "bucket_collectives") + 1
+        passes.insert(
+            at,
+            NamedPass(
+                name="inplace_all_reduce",
+                fn=inplace_all_reduce,
+                reason="after bucketing (a bucket's packed buffer dies at its all-reduce); before the passes "
+                "that read storages: an all-reduce of a dead buffer reduces it in place, one allocation less",
+            ),
+        )
     if reuse_buffers:
         passes.append(
             NamedPass(

@@ -292,6 +292,10 @@ def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
     if name == "adamw_foreach":
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
+    if name == "adam_foreach":
+        return torch.optim.Adam(params, lr=1e-2, foreach=True)
+    if name == "adamw_forloop":  # the single-tensor (for-loop) implementation
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
     if name == "adam_two_groups":
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]

@@ -54,3 +54,24 @@ def test_split_optimizer_with_clip_grad_norm_fully_shard() -> None:
         timeout=280,
     )
     assert not [p for r in results for p in r]
+
+
+ALL_FORMS = [
+    ("tinygpt", "sgd_momentum_foreach"),
+    ("tinygpt", "adam_foreach"),
+    ("tinygpt", "adamw_forloop"),
+    ("tinygpt", "adamw_fused"),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
+def test_every_optimizer_form_split_bitwise(style: str) -> None:
+    """SGD(momentum, foreach), Adam(foreach), AdamW(for-loop) and fused AdamW with the split on:
+    bit for bit with the split off, and with DDP where the traced math is eager's (SGD, fused);
+    the first bucket's update starts before the last bucket's wait; replicate reduces in place."""
+    from tests.dist import workers_overlap
+
+    knobs = SMALL_BUCKETS if style == "replicate" else {"min_unit_mb": 0}
+    results = run_ranks(workers_overlap.split_parity, 2, style, ALL_FORMS, 4, knobs, timeout=580)
+    assert not [p for r in results for p in r]
