@@ -34,7 +34,8 @@ V, T, B = 64, 8, 4  # vocabulary, sequence length, local batch
 class Case:
     model: nn.Module
     batch: Callable[[torch.Generator], tuple[torch.Tensor, ...]]
-    loss: Callable[..., torch.Tensor]
+    # A scalar, or (scalar, anything the step should return besides it).
+    loss: Callable[..., Any]
     uses_transformers: bool = False
     # DDP needs find_unused_parameters=True for a model with parameters its loss does not reach.
     unused_params: bool = False
@@ -342,7 +343,9 @@ def _multi_out(kind: str) -> Callable[[], Case]:
     def build() -> Case:
         torch.manual_seed(0)
 
-        def loss(m: nn.Module, x, y) -> torch.Tensor:
+        def loss(m: nn.Module, x, y) -> tuple[torch.Tensor, Any]:
+            # The step returns the loss and what the model returned (a dataclass that is not a
+            # pytree node cannot leave a compiled step: its fields do).
             out = m(x)
             if kind == "dict":
                 logits, aux = out["logits"], out["aux"] * out["n"]
@@ -351,7 +354,8 @@ def _multi_out(kind: str) -> Callable[[], Case]:
                 aux = aux * n
             else:
                 logits, aux = out.logits, out.aux
-            return F.cross_entropy(logits, y) + 0.1 * aux
+                out = {"logits": out.logits, "aux": out.aux}
+            return F.cross_entropy(logits, y) + 0.1 * aux, out
 
         return Case(
             _MultiOut(kind),
@@ -360,6 +364,76 @@ def _multi_out(kind: str) -> Callable[[], Case]:
         )
 
     return build
+
+
+class _Recurrent(nn.Module):
+    """GRU (batch_first) and LSTM (seq-first) over embeddings; MultiheadAttention with a key
+    padding mask on top; the first embedding frozen (requires_grad=False)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Embedding(V, 8)
+        self.frozen.weight.requires_grad_(False)
+        self.gru = nn.GRU(8, 12, batch_first=True)
+        self.lstm = nn.LSTM(12, 12, num_layers=2)
+        self.attn = nn.MultiheadAttention(12, 2, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(12, 4)
+
+    def forward(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        h, _ = self.gru(self.frozen(ids))
+        h, _ = self.lstm(h.transpose(0, 1))
+        h = h.transpose(0, 1)
+        a, _ = self.attn(h, h, h, key_padding_mask=pad)
+        return self.head(a.mean(1))
+
+
+def _recurrent() -> Case:
+    torch.manual_seed(0)
+
+    def batch(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+        pad = torch.zeros(B, T, dtype=torch.bool)
+        pad[1, T - 3 :] = True
+        return _ids(g, B, T), pad, torch.randint(0, 4, (B,), generator=g)
+
+    return Case(_Recurrent(), batch, lambda m, ids, pad, y: F.cross_entropy(m(ids, pad), y))
+
+
+class _Parametrized(nn.Module):
+    """weight_norm and spectral_norm parametrizations (spectral_norm updates its power-iteration
+    buffers ``_u``/``_v`` in every training forward) and activation checkpointing with dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        P = nn.utils.parametrizations
+        self.a = P.weight_norm(nn.Linear(8, 16))
+        self.b = P.spectral_norm(nn.Linear(16, 16))
+        self.c = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.2), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.tanh(self.a(x)))
+        h = torch.utils.checkpoint.checkpoint(self.c, h, use_reentrant=False) + h
+        return self.head(h)
+
+
+def _parametrized() -> Case:
+    torch.manual_seed(0)
+    return Case(
+        _Parametrized(),
+        lambda g: (torch.randn(B, 8, generator=g), torch.randint(0, 4, (B,), generator=g)),
+        lambda m, x, y: F.cross_entropy(m(x), y),
+        fsdp2=False,
+    )
+
+
+def _hf_checkpointed() -> Case:
+    """A Qwen2 (sdpa attention, dropout in attention) with HF gradient checkpointing on."""
+    case = _causal(
+        "Qwen2Config", "Qwen2ForCausalLM", **{**_LLAMA_LIKE, "attn_implementation": "sdpa"}, attention_dropout=0.1
+    )()
+    case.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    case.model.train()
+    return case
 
 
 MODELS: dict[str, Callable[[], Case]] = {
@@ -383,6 +457,9 @@ MODELS: dict[str, Callable[[], Case]] = {
     "out_dict": _multi_out("dict"),
     "out_tuple": _multi_out("tuple"),
     "out_dataclass": _multi_out("dataclass"),
+    "recurrent_mha_frozen": _recurrent,
+    "parametrized_checkpointed": _parametrized,
+    "hf_qwen2_grad_checkpointing": _hf_checkpointed,
 }
 
 

@@ -26,13 +26,29 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _step_of(loss_of: Any) -> Any:
     def train_step(model, optim, *batch):
-        loss = loss_of(model, *batch)
+        out = loss_of(model, *batch)
+        loss = out[0] if isinstance(out, tuple) else out
         loss.backward()
         optim.step()
         optim.zero_grad()
-        return loss
+        return out
 
     return train_step
+
+
+def _same_output(a: Any, b: Any) -> bool:
+    la, sa = torch.utils._pytree.tree_flatten(a)
+    lb, sb = torch.utils._pytree.tree_flatten(b)
+    if sa != sb:
+        return False
+    return all(
+        torch.equal(x, y) if isinstance(y, torch.Tensor) else (x == y and type(x) is type(y))
+        for x, y in zip(la, lb)
+    )
+
+
+def _loss(out: Any) -> float:
+    return (out[0] if isinstance(out, tuple) else out).item()
 
 
 def _compare(tag: str, model: torch.nn.Module, ref: torch.nn.Module, who: str) -> list[str]:
@@ -83,13 +99,13 @@ def sweep(rank: int, world: int, cases: list[tuple[str, str, str]], steps: int) 
             torch.manual_seed(100 + i)
             ref = fn(ddp, ref_opt, *b)
             # Keep stepping after a mismatch: a rank that stopped early would hang the other.
-            if not torch.equal(loss, ref):
-                problems.append(f"{tag}: step {i} loss {loss.item()!r} != ddp {ref.item()!r}")
+            if not _same_output(loss, ref):
+                problems.append(f"{tag}: step {i} output (loss {_loss(loss)!r}) != ddp's ({_loss(ref)!r})")
             if fsdp2 is not None:
                 torch.manual_seed(100 + i)
                 f2 = fn(fsdp2, f2_opt, *b)
-                if not torch.equal(loss, f2):
-                    problems.append(f"{tag}: step {i} loss {loss.item()!r} != fsdp2 {f2.item()!r}")
+                if not _same_output(loss, f2):
+                    problems.append(f"{tag}: step {i} output (loss {_loss(loss)!r}) != fsdp2's ({_loss(f2)!r})")
         else:
             problems += _compare(tag, model, ddp.module, "DDP")
             if fsdp2 is not None:
