@@ -26,3 +26,36 @@ def _(grad: torch.Tensor, param_name: str) -> torch.Tensor:
 
 
 TAG_GRAD = torch.ops.spmd.tag_grad.default
+
+
+# The CPU generator's state as graph ops. Activation checkpointing saves the generator's state
+# in forward and restores it around the recomputation in backward (`torch.utils.checkpoint`,
+# `torch.random.fork_rng`), so recomputed dropout draws the forward's mask and the stream goes
+# on as if nothing was recomputed. Those calls do not dispatch, so a trace would drop them and
+# the recomputation would draw fresh numbers; the tracer routes them through these ops instead.
+
+
+@torch.library.custom_op("spmd::get_rng_state", mutates_args=())
+def get_rng_state() -> torch.Tensor:
+    return torch.default_generator.get_state()
+
+
+@get_rng_state.register_fake
+def _() -> torch.Tensor:
+    return torch.empty(torch.default_generator.get_state().numel(), dtype=torch.uint8)
+
+
+@torch.library.custom_op("spmd::set_rng_state", mutates_args=())
+def set_rng_state(state: torch.Tensor) -> None:
+    torch.default_generator.set_state(state)
+
+
+@set_rng_state.register_fake
+def _(state: torch.Tensor) -> None:
+    return None
+
+
+GET_RNG_STATE = torch.ops.spmd.get_rng_state.default
+SET_RNG_STATE = torch.ops.spmd.set_rng_state.default
+# No output, all effect: keep it through dead-code elimination.
+torch.fx.node.has_side_effect(SET_RNG_STATE)

@@ -67,6 +67,7 @@ from spmd.trace_hooks import (
     grad_tags,
     module_paths,
     swapped_optimizer,
+    traced_rng_state,
 )
 
 log = logging.getLogger("spmd")
@@ -536,6 +537,7 @@ def trace_step(
                 stack.enter_context(swapped_optimizer(optimizer, by_id, st, lrs))
             stack.enter_context(grad_tags(params, got_grad, old_grads, accumulate_after_reduce))
             stack.enter_context(module_paths(module))
+            stack.enter_context(traced_rng_state())
             stack.enter_context(cast_forward_io(module, casts))
             calls = stack.enter_context(backward_phases())
             annotate(**{PHASE_KEY: Phase.FORWARD, MODULE_KEY: "", MICROBATCH_KEY: 0})
