@@ -43,7 +43,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from passes.cleanup import strip_grad_tag
 from passes.graph_utils import mutated_nodes
 from passes.meta import CAST_OF, GRAD_OF, MICROBATCH, MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
-from passes.ops import TAG_GRAD
+from passes.ops import TAG_GRAD, keep_rnn_workspaces
 from spmd import optim as optim_utils
 from spmd.errors import (
     DataDependentControlFlowError,
@@ -608,6 +608,7 @@ def _finish_metadata(gm: fx.GraphModule, slots: list[Slot]) -> None:
     for n in reversed(list(graph.nodes)):
         if n.op == "call_function" and str(n.target).rsplit(".default", 1)[0] in _PROFILER_OPS:
             graph.erase_node(n)
+    keep_rnn_workspaces(graph)  # the graph runs under no_grad (passes.ops)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(slots), (len(placeholders), len(slots))
     prefixes = {
