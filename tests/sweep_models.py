@@ -42,6 +42,9 @@ class Case:
     # Compare fully_shard with FSDP2 too (not for models whose buffers change: FSDP2 does not
     # broadcast buffers, DDP and spmd do).
     fsdp2: bool = True
+    # DataParallel(module_styles=...) the model needs under fully_shard; without them the first
+    # call must raise spmd.ConfigError (the sweep checks both).
+    module_styles: dict[str, str] | None = None
 
 
 def _ids(g: torch.Generator, *shape: int, lo: int = 1) -> torch.Tensor:
@@ -164,13 +167,16 @@ def _common_fsdp() -> Any:
     return c
 
 
+def _no_fsdp(cls: Any) -> nn.Module:
+    c = _common_fsdp()
+    world = torch.distributed.group.WORLD
+    return cls.init(world, c.FSDPInitMode.NO_FSDP, c.DEVICEInitMode.DEVICE_NEVER, deterministic=True)
+
+
 def _transformer_shared() -> Case:
     """nn.Transformer (seq-first, dropout) with the embedding tied to the output projection,
     a BatchNorm1d over the batch dimension of (T, B, D) and a long buffer added in forward."""
-    c = _common_fsdp()
-    model = c.TransformerWithSharedParams.init(
-        torch.distributed.group.WORLD, c.FSDPInitMode.NO_FSDP, c.DEVICEInitMode.DEVICE_NEVER, deterministic=True
-    ).train()
+    model = _no_fsdp(_common_fsdp().TransformerWithSharedParams).train()
 
     def batch(g: torch.Generator) -> tuple[torch.Tensor, ...]:
         return torch.randint(0, 23, (6, 2), generator=g), torch.randint(0, 23, (4, 2), generator=g)
@@ -183,10 +189,7 @@ def _transformer_shared() -> Case:
 
 
 def _nested_wrapped() -> Case:
-    c = _common_fsdp()
-    model = c.NestedWrappedModule.init(
-        torch.distributed.group.WORLD, c.FSDPInitMode.NO_FSDP, c.DEVICEInitMode.DEVICE_NEVER, deterministic=True
-    )
+    model = _no_fsdp(_common_fsdp().NestedWrappedModule)
     return Case(model, lambda g: (torch.rand(4, 8, generator=g),), lambda m, x: m(x).sum())
 
 
@@ -211,7 +214,8 @@ def _double_linear() -> Case:
 def _double_linear_unused() -> Case:
     torch.manual_seed(0)
     model = _common_fsdp().DoubleLinear(8, use_second_linear=False)
-    return Case(model, lambda g: (torch.randn(B, 8, generator=g),), lambda m, x: m(x).square().mean(), unused_params=True)
+    loss = lambda m, x: m(x).square().mean()
+    return Case(model, lambda g: (torch.randn(B, 8, generator=g),), loss, unused_params=True)
 
 
 # --- torch.nn and hand-written users' models ------------------------------------------------
@@ -428,12 +432,97 @@ def _parametrized() -> Case:
 
 def _hf_checkpointed() -> Case:
     """A Qwen2 (sdpa attention, dropout in attention) with HF gradient checkpointing on."""
-    case = _causal(
-        "Qwen2Config", "Qwen2ForCausalLM", **{**_LLAMA_LIKE, "attn_implementation": "sdpa"}, attention_dropout=0.1
-    )()
+    kw = {**_LLAMA_LIKE, "attn_implementation": "sdpa", "attention_dropout": 0.1}
+    case = _causal("Qwen2Config", "Qwen2ForCausalLM", **kw)()
     case.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     case.model.train()
     return case
+
+
+class _OddParams(nn.Module):
+    """A 0-dim parameter (a learned temperature), a 1-element one (fewer rows than ranks), a
+    module called twice, a forward pre-hook, an in-place ReLU, an EmbeddingBag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temp = nn.Parameter(torch.tensor(1.5))
+        self.shift = nn.Parameter(torch.zeros(1))
+        self.emb = nn.Embedding(V, 8)
+        self.bag = nn.EmbeddingBag(V, 8, mode="mean")
+        self.shared = nn.Linear(8, 8)
+        self.act = nn.ReLU(inplace=True)
+        self.head = nn.Linear(8, 4)
+        self.shared.register_forward_pre_hook(lambda mod, args: (args[0] * 0.5,))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids).mean(1) + self.bag(ids)
+        h = self.act(self.shared(self.act(self.shared(h))))
+        return self.head(h) / self.temp + self.shift
+
+
+class _MaxNorm(nn.Module):
+    """nn.Embedding(max_norm=...) renormalises the rows it looks up, in place, during forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, 8, max_norm=1.0)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids).mean(1))
+
+
+def _max_norm() -> Case:
+    torch.manual_seed(0)
+    return Case(
+        _MaxNorm(),
+        lambda g: (_ids(g, B, T), torch.randint(0, 4, (B,), generator=g)),
+        lambda m, ids, y: F.cross_entropy(m(ids), y),
+        fsdp2=False,  # FSDP2 loses the write too
+        module_styles={"emb": "replicate"},
+    )
+
+
+def _odd_params() -> Case:
+    torch.manual_seed(0)
+    return Case(
+        _OddParams(),
+        lambda g: (_ids(g, B, T), torch.randint(0, 4, (B,), generator=g)),
+        lambda m, ids, y: F.cross_entropy(m(ids), y),
+        fsdp2=False,  # FSDP2 refuses 0-dim parameters ("Change temp to a 1D tensor")
+    )
+
+
+class _VisionOps(nn.Module):
+    """MaxPool2d (its backward takes the indices), ConvTranspose2d, InstanceNorm2d with affine
+    weights, bilinear interpolate, PixelShuffle, AdaptiveAvgPool2d, a strided conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.pool = nn.MaxPool2d(2)
+        self.up = nn.ConvTranspose2d(8, 8, 2, stride=2)
+        self.inorm = nn.InstanceNorm2d(8, affine=True)
+        self.c2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.shuffle = nn.PixelShuffle(2)
+        self.gap = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pool(F.relu(self.c1(x)))  # (B, 8, 2, 2)
+        h = F.gelu(self.inorm(self.up(h)))  # (B, 8, 4, 4)
+        h = F.interpolate(h, scale_factor=1.5, mode="bilinear", align_corners=False)
+        h = self.shuffle(self.c2(h))  # (B, 4, 12, 12)
+        return self.head(self.gap(h).flatten(1))
+
+
+def _vision_ops() -> Case:
+    torch.manual_seed(0)
+    return Case(
+        _VisionOps(),
+        lambda g: (torch.randn(B, 3, 8, 8, generator=g), torch.randint(0, 4, (B,), generator=g)),
+        lambda m, x, y: F.cross_entropy(m(x), y),
+    )
 
 
 MODELS: dict[str, Callable[[], Case]] = {
@@ -443,8 +532,14 @@ MODELS: dict[str, Callable[[], Case]] = {
     "hf_qwen2": _causal("Qwen2Config", "Qwen2ForCausalLM", **_LLAMA_LIKE),
     "hf_mistral": _causal("MistralConfig", "MistralForCausalLM", sliding_window=4, **_LLAMA_LIKE),
     "hf_gpt_neox": _causal(
-        "GPTNeoXConfig", "GPTNeoXForCausalLM", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, rotary_pct=0.5, attn_implementation="eager",
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        rotary_pct=0.5,
+        attn_implementation="eager",
     ),  # fmt: skip
     "fsdp_transformer_shared": _transformer_shared,
     "fsdp_nested_wrapped": _nested_wrapped,
@@ -460,6 +555,9 @@ MODELS: dict[str, Callable[[], Case]] = {
     "recurrent_mha_frozen": _recurrent,
     "parametrized_checkpointed": _parametrized,
     "hf_qwen2_grad_checkpointing": _hf_checkpointed,
+    "odd_params": _odd_params,
+    "embedding_max_norm": _max_norm,
+    "vision_ops": _vision_ops,
 }
 
 

@@ -63,6 +63,20 @@ def _compare(tag: str, model: torch.nn.Module, ref: torch.nn.Module, who: str) -
     return out
 
 
+def _refused(tag: str, fn: Any, case: S.Case, style: str, model: torch.nn.Module) -> list[str]:
+    """Without its module_styles the model must be refused with a ConfigError naming the module."""
+    step = spmd.compile(parallel_mode=spmd.DataParallel(style))(fn)
+    opt = shared.make_optimizer("sgd_momentum_foreach", model)
+    try:
+        step(model, opt, *case.batch(torch.Generator().manual_seed(0)))
+    except spmd.ConfigError as e:
+        assert case.module_styles is not None
+        if not all(repr(m) in str(e) for m in case.module_styles):
+            return [f"{tag}: the ConfigError does not name the module: {e}"]
+        return []
+    return [f"{tag}: without module_styles={case.module_styles} the step was not refused"]
+
+
 def sweep(rank: int, world: int, cases: list[tuple[str, str, str]], steps: int) -> list[str]:
     """Every (model, style, optimizer) compiled against DDP (and, for fully_shard with SGD on
     models whose buffers stay put, FSDP2), different data per rank, dropout seeded alike.
@@ -85,8 +99,12 @@ def sweep(rank: int, world: int, cases: list[tuple[str, str, str]], steps: int) 
         ref_opt = shared.make_optimizer(opt_name, ddp.module)
         f2_opt = shared.make_optimizer(opt_name, fsdp2) if fsdp2 is not None else None
         fn = _step_of(case.loss)
-        step = spmd.compile(parallel_mode=spmd.DataParallel(style), check_invariants=True)(fn)
         g = torch.Generator().manual_seed(100 + rank)
+        styles = case.module_styles if style != "replicate" else None
+        if styles:
+            problems += _refused(tag, fn, case, style, copy.deepcopy(model))
+        dp = spmd.DataParallel(style, module_styles=styles)
+        step = spmd.compile(parallel_mode=dp, check_invariants=True)(fn)
         for i in range(steps):
             b = case.batch(g)
             torch.manual_seed(100 + i)
@@ -105,7 +123,9 @@ def sweep(rank: int, world: int, cases: list[tuple[str, str, str]], steps: int) 
                 torch.manual_seed(100 + i)
                 f2 = fn(fsdp2, f2_opt, *b)
                 if not _same_output(loss, f2):
-                    problems.append(f"{tag}: step {i} output (loss {_loss(loss)!r}) != fsdp2's ({_loss(f2)!r})")
+                    problems.append(
+                        f"{tag}: step {i} output (loss {_loss(loss)!r}) != fsdp2's ({_loss(f2)!r})"
+                    )
         else:
             problems += _compare(tag, model, ddp.module, "DDP")
             if fsdp2 is not None:
