@@ -29,6 +29,13 @@ import torch.nn.functional as F
 
 V, T, B = 64, 8, 4  # vocabulary, sequence length, local batch
 
+try:
+    import transformers  # noqa: F401
+
+    HAS_TRANSFORMERS = True
+except ImportError:  # the hf_* models are skipped
+    HAS_TRANSFORMERS = False
+
 
 @dataclasses.dataclass
 class Case:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from typing import Any
 
 import torch
@@ -89,6 +90,7 @@ def sweep(rank: int, world: int, cases: list[tuple[str, str, str]], steps: int) 
     problems: list[str] = []
     for name, style, opt_name in cases:
         tag = f"{name}/{style}/{opt_name}"
+        t0 = time.perf_counter()
         case = S.build(name)
         model = case.model
         ddp = DDP(copy.deepcopy(model), find_unused_parameters=case.unused_params)
@@ -130,4 +132,5 @@ def sweep(rank: int, world: int, cases: list[tuple[str, str, str]], steps: int) 
             problems += _compare(tag, model, ddp.module, "DDP")
             if fsdp2 is not None:
                 problems += _compare(tag, model, fsdp2, "FSDP2")
+        log.info("sweep %s: %.1f s", tag, time.perf_counter() - t0)
     return problems
