@@ -12,6 +12,8 @@ unstripped tag costs a copy.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 
@@ -26,3 +28,92 @@ def _(grad: torch.Tensor, param_name: str) -> torch.Tensor:
 
 
 TAG_GRAD = torch.ops.spmd.tag_grad.default
+
+
+# The CPU generator's state as graph ops. Activation checkpointing saves the generator's state
+# in forward and restores it around the recomputation in backward (`torch.utils.checkpoint`,
+# `torch.random.fork_rng`), so recomputed dropout draws the forward's mask and the stream goes
+# on as if nothing was recomputed. Those calls do not dispatch, so a trace would drop them and
+# the recomputation would draw fresh numbers; the tracer routes them through these ops instead.
+
+
+@torch.library.custom_op("spmd::get_rng_state", mutates_args=())
+def get_rng_state() -> torch.Tensor:
+    return torch.default_generator.get_state()
+
+
+@get_rng_state.register_fake
+def _() -> torch.Tensor:
+    return torch.empty(torch.default_generator.get_state().numel(), dtype=torch.uint8)
+
+
+@torch.library.custom_op("spmd::set_rng_state", mutates_args=())
+def set_rng_state(state: torch.Tensor) -> None:
+    torch.default_generator.set_state(state)
+
+
+@set_rng_state.register_fake
+def _(state: torch.Tensor) -> None:
+    return None
+
+
+GET_RNG_STATE = torch.ops.spmd.get_rng_state.default
+SET_RNG_STATE = torch.ops.spmd.set_rng_state.default
+# No output, all effect: keep it through dead-code elimination.
+torch.fx.node.has_side_effect(SET_RNG_STATE)
+
+
+# CPU LSTM/GRU layers trace to `aten.mkldnn_rnn_layer`, whose kernel returns the workspace its
+# backward needs only when grad mode is on; the graph runs under no_grad, so the backward got
+# an undefined workspace. This op runs the same kernel with grad mode on, on detached inputs (so
+# no autograd graph is built); the tracer swaps it in (keep_rnn_workspaces).
+
+_RNN_LAYER = torch.ops.aten.mkldnn_rnn_layer.default
+
+
+@torch.library.custom_op("spmd::mkldnn_rnn_layer_train", mutates_args=())
+def mkldnn_rnn_layer_train(
+    input: torch.Tensor,
+    weight0: torch.Tensor,
+    weight1: torch.Tensor,
+    weight2: torch.Tensor,
+    weight3: torch.Tensor,
+    hx_: torch.Tensor,
+    cx_: torch.Tensor,
+    reverse: bool,
+    batch_sizes: list[int],
+    mode: int,
+    hidden_size: int,
+    num_layers: int,
+    has_biases: bool,
+    bidirectional: bool,
+    batch_first: bool,
+    train: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    tensors = [t.detach() for t in (input, weight0, weight1, weight2, weight3, hx_, cx_)]
+    with torch.enable_grad():
+        out = _RNN_LAYER(*tensors, reverse, batch_sizes, mode, hidden_size, num_layers, has_biases,
+                         bidirectional, batch_first, train)  # fmt: skip
+    # Custom ops may not return their inputs or views of them; the kernel's outputs are fresh.
+    return tuple(out)  # type: ignore[return-value]
+
+
+@mkldnn_rnn_layer_train.register_fake
+def _(input, weight0, weight1, weight2, weight3, hx_, cx_, *rest):  # noqa: ANN001
+    return tuple(_RNN_LAYER(input, weight0, weight1, weight2, weight3, hx_, cx_, *rest))
+
+
+RNN_LAYER_TRAIN = torch.ops.spmd.mkldnn_rnn_layer_train.default
+
+
+def keep_rnn_workspaces(graph: torch.fx.Graph) -> int:
+    """Swap every training ``aten.mkldnn_rnn_layer`` whose workspace (output 3) is used for
+    :data:`RNN_LAYER_TRAIN` (same arguments, same outputs). Returns how many were swapped."""
+    n_swapped = 0
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target is not _RNN_LAYER:
+            continue
+        if any(u.target is operator.getitem and u.args[1] == 3 and u.users for u in n.users):
+            n.target = RNN_LAYER_TRAIN
+            n_swapped += 1
+    return n_swapped

@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from passes.meta import INPUT_CAST, Phase
-from passes.ops import tag_grad
+from passes.ops import get_rng_state, set_rng_state, tag_grad
 from passes.prefetch import unit_path
 from spmd import optim as optim_utils
 
@@ -59,6 +59,34 @@ class ComputeCasts:
 
 
 # ----------------------------------------------------------------------------- tracing contexts
+
+
+@contextlib.contextmanager
+def traced_rng_state() -> Iterator[None]:
+    """Record ``torch.get_rng_state`` / ``torch.set_rng_state`` as graph ops while tracing.
+
+    Activation checkpointing (``torch.utils.checkpoint``, Hugging Face's gradient checkpointing)
+    saves the CPU generator's state in forward and restores it to recompute in backward, so
+    recomputed dropout draws the forward's mask; ``fork_rng`` then puts the stream back. Those
+    calls bypass the dispatcher: traced as they are, the graph would recompute with fresh
+    random numbers and train differently from eager (passes.ops.get_rng_state).
+    """
+    orig_get, orig_set = torch.get_rng_state, torch.set_rng_state
+
+    def get() -> torch.Tensor:
+        return get_rng_state() if get_proxy_mode() is not None else orig_get()
+
+    def set_(new_state: torch.Tensor) -> None:
+        if get_proxy_mode() is not None:
+            set_rng_state(new_state)
+        else:
+            orig_set(new_state)
+
+    torch.get_rng_state, torch.set_rng_state = get, set_  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.get_rng_state, torch.set_rng_state = orig_get, orig_set  # type: ignore[assignment]
 
 
 def annotate(**kv: Any) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from passes.cleanup import strip_grad_tag
 from passes.graph_utils import mutated_nodes
 from passes.meta import CAST_OF, GRAD_OF, MICROBATCH, MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
-from passes.ops import TAG_GRAD
+from passes.ops import TAG_GRAD, keep_rnn_workspaces
 from spmd import optim as optim_utils
 from spmd.errors import (
     DataDependentControlFlowError,
@@ -67,6 +67,7 @@ from spmd.trace_hooks import (
     grad_tags,
     module_paths,
     swapped_optimizer,
+    traced_rng_state,
 )
 
 log = logging.getLogger("spmd")
@@ -536,6 +537,7 @@ def trace_step(
                 stack.enter_context(swapped_optimizer(optimizer, by_id, st, lrs))
             stack.enter_context(grad_tags(params, got_grad, old_grads, accumulate_after_reduce))
             stack.enter_context(module_paths(module))
+            stack.enter_context(traced_rng_state())
             stack.enter_context(cast_forward_io(module, casts))
             calls = stack.enter_context(backward_phases())
             annotate(**{PHASE_KEY: Phase.FORWARD, MODULE_KEY: "", MICROBATCH_KEY: 0})
@@ -606,6 +608,7 @@ def _finish_metadata(gm: fx.GraphModule, slots: list[Slot]) -> None:
     for n in reversed(list(graph.nodes)):
         if n.op == "call_function" and str(n.target).rsplit(".default", 1)[0] in _PROFILER_OPS:
             graph.erase_node(n)
+    keep_rnn_workspaces(graph)  # the graph runs under no_grad (passes.ops)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(slots), (len(placeholders), len(slots))
     prefixes = {

@@ -460,6 +460,7 @@ def _partition(
     ps = PartitionState(gm, state, args, mesh, dp)
     if dp.broadcast_buffers:
         buffers.broadcast_mutated_buffers(ps)
+    gathers.refuse_compute_writes(ps)
     for name in ps.layouts:
         gathers.gather_param(ps, name)
     gathers.place_replicated_casts(ps)

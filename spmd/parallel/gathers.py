@@ -23,12 +23,41 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
-from passes.graph_utils import mutated_nodes
-from passes.meta import CAST_OF, MICROBATCH, PHASE, Phase, Role, copy_meta
+from passes.graph_utils import mutated_nodes, storage_of
+from passes.meta import CAST_OF, MICROBATCH, MODULE, PHASE, Phase, Role, copy_meta
+from spmd.errors import ConfigError
 from spmd.parallel import layout
 from spmd.parallel.partition_state import PartitionState
 
 aten = torch.ops.aten
+
+
+def refuse_compute_writes(ps: PartitionState) -> None:
+    """Raise if forward or backward writes to a sharded parameter in place.
+
+    ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up in its weight during
+    forward. Every rank computes on a gathered copy of a sharded parameter, so such a write
+    would be lost (the shard keeps the old rows) and the model would silently drift from DDP's;
+    a replicated parameter is the real tensor, and the write stays. Found by the foreign-model
+    sweep (tests/dist/test_sweep.py).
+    """
+    # By storage: the write may go through a view (F.embedding renormalises weight.detach()).
+    sharded = {st: name for name in ps.layouts if (st := storage_of(ps.by_name[name])) is not None}
+    for n in ps.graph.nodes:
+        if n.meta.get(PHASE) is Phase.OPTIMIZER:
+            continue
+        for m in mutated_nodes(n):
+            name = sharded.get(storage_of(m))  # type: ignore[arg-type]
+            if name is None:
+                continue
+            module = n.meta.get(MODULE) or name.rsplit(".", 1)[0]
+            raise ConfigError(
+                f"spmd: {n.target} in module {module!r} writes to parameter {name!r} in place during "
+                f"{n.meta.get(PHASE, Phase.FORWARD).name.lower()} (nn.Embedding(max_norm=...) does). "
+                f"Under {ps.dp.parallel_style} each rank computes on a gathered copy, so the write would "
+                f"be lost. Fix: keep that module replicated, DataParallel({ps.dp.parallel_style!r}, "
+                f"module_styles={{{module!r}: 'replicate'}}), or move the write out of the step."
+            )
 
 
 def emit_gather(

@@ -276,3 +276,80 @@ def test_state_is_not_left_fake_after_tracing():
     assert opt.param_groups[0]["params"] == list(before.values())
     assert isinstance(opt.param_groups[0]["lr"], float)
     assert "capturable" not in opt.param_groups[0] or opt.param_groups[0]["capturable"] is False
+
+
+class _CheckpointedDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.c = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.3), nn.Linear(16, 16))
+        self.h = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = torch.utils.checkpoint.checkpoint(self.c, h, use_reentrant=False) + h
+        return nn.functional.dropout(self.h(h), 0.2)
+
+
+def test_checkpointed_dropout_recomputes_the_forward_mask() -> None:
+    """Activation checkpointing restores the generator's state to recompute dropout in backward
+    (and restores the stream after it). Found by the foreign-model sweep: without the state in
+    the graph the recomputation drew a fresh mask, the gradients differed from eager's and so did
+    the generator after the step."""
+
+    def step(model, opt, x, y):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model = _CheckpointedDropout()
+    ref = models.twin(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    compiled = spmd.compile()(step)
+    g = torch.Generator().manual_seed(1)
+    torch.manual_seed(5)
+    for i in range(3):
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+        before = torch.get_rng_state()
+        got = compiled(model, opt, x, y)
+        after = torch.get_rng_state()
+        torch.set_rng_state(before)
+        assert torch.equal(got, step(ref, ref_opt, x, y)), f"step {i} loss"
+        assert torch.equal(after, torch.get_rng_state()), f"step {i}: generator state after the step"
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), f"step {i}: {n}"
+    ops = [n.target for n in compiled.graphs["final"].graph.nodes]
+    assert ops.count(torch.ops.spmd.set_rng_state.default) == 2  # restore, then put back
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(8, 12, batch_first=True)
+        self.lstm = nn.LSTM(12, 12, num_layers=2)
+        self.h = nn.Linear(12, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.gru(x)
+        h, _ = self.lstm(h.transpose(0, 1))
+        return self.h(h.mean(0))
+
+
+def test_lstm_and_gru_train_like_eager() -> None:
+    """CPU LSTM/GRU layers trace to ``aten.mkldnn_rnn_layer``, whose kernel returns its backward's
+    workspace only in grad mode; the graph runs under no_grad. Found by the foreign-model sweep:
+    the first call raised a KernelError in ``mkldnn_rnn_layer_backward`` ("workspace" undefined)."""
+    torch.manual_seed(0)
+    model = _Recurrent()
+    ref = models.twin(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, ref))
+    compiled = spmd.compile()(models.train_step)
+    g = torch.Generator().manual_seed(1)
+    for i in range(3):
+        x, y = torch.randn(4, 6, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+        assert torch.equal(compiled(model, opt, x, y), models.train_step(ref, ref_opt, x, y)), f"step {i}"
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
