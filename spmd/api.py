@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from passes.stages import Stages
-from spmd import guards, tracing
+from spmd import guards, step_inputs, tracing
 from spmd import optim as optim_utils
 from spmd.carry import CarriedGathers
 from spmd.carry import install as carry_install
@@ -236,7 +236,7 @@ class CompiledStep:
                     self._carry.drain()  # no next step to use it
                 return out
         self._last_call = None
-        step_args = tracing.split_args(args, kwargs)
+        step_args = step_inputs.split_args(args, kwargs)
         entry = self._entry(step_args)
         grad_key = [p.grad is None for p in step_args.module.parameters()]
         out = entry.exe.run(step_args)
@@ -257,9 +257,9 @@ class CompiledStep:
         The model and optimizer are put in their distributed form (as on a first call),
         but no parameter is updated.
         """
-        return self._entry(tracing.split_args(args, kwargs)).graphs
+        return self._entry(step_inputs.split_args(args, kwargs)).graphs
 
-    def _entry(self, step_args: tracing.StepArgs) -> _Entry:
+    def _entry(self, step_args: step_inputs.StepArgs) -> _Entry:
         module, optimizer = step_args.module, step_args.optimizer
         if id(module) not in self._overridden:
             self._apply_overrides(module)
@@ -302,7 +302,7 @@ class CompiledStep:
 
         swap("", module)
 
-    def _compile(self, step_args: tracing.StepArgs) -> tuple[_Entry, Hashable]:
+    def _compile(self, step_args: step_inputs.StepArgs) -> tuple[_Entry, Hashable]:
         if self.num_graphs >= self.cache_size_limit:
             raise CacheLimitError(
                 f"spmd.compile: {self.__name__} has traced {self.num_graphs} graphs, the limit "
@@ -322,7 +322,7 @@ class CompiledStep:
             log.info(
                 "spmd: new input signature for %s, tracing graph #%d", self.__name__, self.num_graphs + 1
             )
-        state = tracing.lift_state(module, optimizer)
+        state = step_inputs.lift_state(module, optimizer)
         with guards.record_reads(module) as read:
             traced = tracing.trace_step(
                 self.fn,
@@ -333,7 +333,7 @@ class CompiledStep:
             )
         unused_fresh = _forget_unused_state(traced, optimizer, fresh, module)
         if unused_fresh:
-            state = tracing.lift_state(module, optimizer)
+            state = step_inputs.lift_state(module, optimizer)
         log.info(
             "spmd: traced %s in %.2f s (%d nodes)", self.__name__, traced.trace_s, len(traced.gm.graph.nodes)
         )
@@ -439,7 +439,7 @@ def _forget_unused_state(
     """Drop state created for tracing for parameters that got no gradient (eager never creates it)."""
     if optimizer is None or not fresh:
         return False
-    fqns = tracing.param_fqns(module)
+    fqns = step_inputs.param_fqns(module)
     # A parameter with a .grad from an earlier call is stepped on it even without a new one.
     used = set(traced.grads) | {s.key for s in traced.slots if s.role.value == "param_grad"}
     unused = [p for p in fresh if fqns.get(id(p)) not in used]
@@ -467,7 +467,7 @@ def _tensor_sig(t: torch.Tensor) -> tuple[Any, ...]:
     return (tuple(t.shape), t.dtype, t.device, t.requires_grad, layout)
 
 
-def _signature(step_args: tracing.StepArgs) -> Hashable:
+def _signature(step_args: step_inputs.StepArgs) -> Hashable:
     """Everything the traced graph bakes in: argument shapes and values, model and optimizer structure."""
     arg_sig: list[Any] = []
     for x in step_args.leaves:

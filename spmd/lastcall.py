@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from passes.meta import Role
-from spmd import guards, tracing
+from spmd import guards, step_inputs
 from spmd import optim as optim_utils
 from spmd.parallel.sharding import local
 
@@ -91,7 +91,7 @@ class LastCall:
     @staticmethod
     def build(
         entry: Any,
-        step_args: tracing.StepArgs,
+        step_args: step_inputs.StepArgs,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         grad_key: list[bool],
@@ -220,7 +220,7 @@ class LastCall:
         flat = list(self.template)
         for i, g in self.lr_slots:
             assert opt is not None
-            flat[i] = tracing.lr_tensor(opt.param_groups[g]["lr"])
+            flat[i] = step_inputs.lr_tensor(opt.param_groups[g]["lr"])
         for i, p in self.grad_slots:
             flat[i] = local(p.grad)  # type: ignore[arg-type]  # not None: grad_key matched
         for i, a in self.arg_slots:

@@ -29,7 +29,7 @@ from passes import collectives as C
 from passes import cross_step
 from passes.layouts import FAILING_NODE, fix_layouts
 from passes.meta import Role
-from spmd import tracing
+from spmd import step_inputs, tracing
 from spmd.carry import CarriedGathers
 from spmd.errors import CollectiveError, KernelError, ModelChangedError, SpmdError
 from spmd.parallel.sharding import local
@@ -61,7 +61,7 @@ class Executable:
     """A final graph plus the recipe for feeding its placeholders."""
 
     gm: fx.GraphModule
-    slots: list[tracing.Slot]
+    slots: list[step_inputs.Slot]
     out_spec: pytree.TreeSpec
     out_constants: list[Any]
     # The module structure the graph was traced from; recorded at the first run, which
@@ -86,7 +86,7 @@ class Executable:
     issue: fx.GraphModule | None = None
     carry_sources: list[int] = dataclasses.field(default_factory=list)
 
-    def inputs(self, step_args: tracing.StepArgs) -> list[torch.Tensor]:
+    def inputs(self, step_args: step_inputs.StepArgs) -> list[torch.Tensor]:
         module, optimizer = step_args.module, step_args.optimizer
         params = dict(module.named_parameters())
         buffers = dict(module.named_buffers())
@@ -103,7 +103,7 @@ class Executable:
                 flat.append(optimizer.state[params[pname]][key])
             elif slot.role is Role.HYPERPARAM:
                 assert optimizer is not None
-                flat.append(tracing.lr_tensor(optimizer.param_groups[slot.key]["lr"]))
+                flat.append(step_inputs.lr_tensor(optimizer.param_groups[slot.key]["lr"]))
             elif slot.role is Role.PARAM_GRAD:
                 grad = params[slot.key].grad
                 assert grad is not None, f"{slot.key}.grad is in the signature"
@@ -130,7 +130,7 @@ class Executable:
             "the change before the first call."
         )
 
-    def run(self, step_args: tracing.StepArgs) -> Any:
+    def run(self, step_args: step_inputs.StepArgs) -> Any:
         self.check_structure(step_args.module)
         flat = [local(t) for t in self.inputs(step_args)]
         grad_params: list[torch.Tensor] = []
@@ -306,7 +306,9 @@ def _pg_timeout_s() -> float | None:
     return None
 
 
-def make_executable(gm: fx.GraphModule, traced: tracing.TracedStep, state: tracing.LiftedState) -> Executable:
+def make_executable(
+    gm: fx.GraphModule, traced: tracing.TracedStep, state: step_inputs.LiftedState
+) -> Executable:
     carried = cross_step.carried_placeholders(gm)
     issue = cross_step.issue_module(gm) if carried else None
     sources: list[int] = []

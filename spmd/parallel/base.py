@@ -10,8 +10,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 if TYPE_CHECKING:
+    from spmd.step_inputs import LiftedState, StepArgs
     from spmd.trace_hooks import ComputeCasts
-    from spmd.tracing import LiftedState, StepArgs
 
 # Attribute of an Override's stand-in module: the (input, output) placements it declared.
 OVERRIDE_PLACEMENTS = "_spmd_override_placements"

@@ -79,8 +79,8 @@ from spmd.parallel.offload import CPUOffloadPolicy
 from spmd.parallel.partition_state import PartitionState, refresh_vals
 
 if TYPE_CHECKING:
+    from spmd.step_inputs import LiftedState, StepArgs
     from spmd.trace_hooks import ComputeCasts
-    from spmd.tracing import LiftedState, StepArgs
 
 log = logging.getLogger("spmd")
 

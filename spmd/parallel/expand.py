@@ -70,7 +70,7 @@ from spmd.parallel.base import OVERRIDE_PLACEMENTS, ParallelMode
 from spmd.parallel.expand_graph import expand_graph
 
 if TYPE_CHECKING:
-    from spmd.tracing import LiftedState, StepArgs
+    from spmd.step_inputs import LiftedState, StepArgs
 
 log = logging.getLogger("spmd")
 

@@ -24,7 +24,7 @@ from spmd.parallel import layout, plan, sharding
 
 if TYPE_CHECKING:
     from spmd.parallel.data_parallel import DataParallel
-    from spmd.tracing import LiftedState, StepArgs
+    from spmd.step_inputs import LiftedState, StepArgs
 
 aten = torch.ops.aten
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 from torch.distributed.tensor import DTensor
 
-from spmd import tracing
+from spmd import step_inputs
 from spmd.api import CompiledStep
 from spmd.errors import ConfigError, SpmdError
 from spmd.parallel import sharding
@@ -66,7 +66,7 @@ def simulate(train_step: CompiledStep, *example_args: Any, world_size: int, **kw
             f"{dist.get_world_size()}); simulation runs under its own fake process group. Call "
             "spmd.simulate before torch.distributed.init_process_group, or in a separate process."
         )
-    step_args = tracing.split_args(example_args, kwargs)
+    step_args = step_inputs.split_args(example_args, kwargs)
     if any(isinstance(p, DTensor) for p in step_args.module.parameters()):
         raise ConfigError(
             "spmd.simulate: the model's parameters are already distributed (DTensors), from a compiled "

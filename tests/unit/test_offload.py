@@ -30,7 +30,7 @@ from passes import collectives as C
 from passes.fused_align import ALIGNED_FUSED
 from passes.meta import GRAD_OF, PHASE, ROLE, Phase, Role
 from spmd import optim as optim_utils
-from spmd import tracing
+from spmd import step_inputs, tracing
 from spmd.pipeline import build_pipeline
 from tests import models
 from tests.dist import parity_models as pm
@@ -80,16 +80,16 @@ def _lower(
     dp.distribute(model, opt)
 
     x, y = pm.batch(name, 0, 0)
-    twin_args = tracing.split_args((twin, twin_opt, x, y), {})
-    twin_state = tracing.lift_state(twin, twin_opt)
+    twin_args = step_inputs.split_args((twin, twin_opt, x, y), {})
+    twin_state = step_inputs.lift_state(twin, twin_opt)
     traced = tracing.trace_step(fn, twin_args, twin_state)
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    state = tracing.lift_state(model, opt)
+    state = step_inputs.lift_state(model, opt)
     with mode:
         x_dev, y_dev = torch.empty_like(x, device=CUDA), torch.empty_like(y, device=CUDA)
-    step_args = tracing.split_args((model, opt, x_dev, y_dev), {})
-    tracing.check_devices(fn, step_args, state)  # offloaded state computes on the mesh's device
+    step_args = step_inputs.split_args((model, opt, x_dev, y_dev), {})
+    step_inputs.check_devices(fn, step_args, state)  # offloaded state computes on the mesh's device
     fakes = [tracing._trace_input(t, mode) for t in state.tensors(opt)] + [x_dev, y_dev]
     _retarget(traced.gm, fakes)
     graphs = {"traced": traced.gm}
@@ -193,7 +193,7 @@ def test_distribute_puts_shards_and_optimizer_state_on_the_cpu(cuda_mesh) -> Non
             p._local_tensor.device.type == "cpu"
             and p._local_tensor.untyped_storage().nbytes() == p._local_tensor.nbytes
         ), n
-        assert tracing.compute_device(p).type == "cuda", n
+        assert step_inputs.compute_device(p).type == "cuda", n
     for st in opt.state.values():
         for k, v in st.items():
             local = v._local_tensor if isinstance(v, DTensor) else v

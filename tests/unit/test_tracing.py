@@ -190,15 +190,15 @@ def test_every_node_has_role_and_phase(convbn_graph):
 
 def test_output_node_has_role_and_phase_when_traced():
     """The tracer labels the output node too (checked on the graph the tracer returns)."""
-    from spmd import tracing
+    from spmd import step_inputs, tracing
 
     model = models.build("mlp")
     opt = models.make_optimizer("sgd_momentum_foreach", model)
-    args = tracing.split_args((model, opt, *models.batches("mlp", 1)[0]), {})
+    args = step_inputs.split_args((model, opt, *models.batches("mlp", 1)[0]), {})
     from spmd import optim as optim_utils
 
     optim_utils.ensure_state(opt, list(model.parameters()))
-    traced = tracing.trace_step(models.train_step, args, tracing.lift_state(model, opt))
+    traced = tracing.trace_step(models.train_step, args, step_inputs.lift_state(model, opt))
     out = traced.gm.graph.output_node()
     assert out.meta[meta.ROLE] is Role.ACTIVATION and out.meta[meta.PHASE] is Phase.OPTIMIZER
 
