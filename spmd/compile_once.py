@@ -104,7 +104,8 @@ def compile_once_per_host(
             out = compile()
         except BaseException as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            store.set(f"{prefix}/done", f"error:{type(exc).__name__}: {first}")
+            what = first if isinstance(exc, LoweringError) else f"{type(exc).__name__}: {first}"
+            store.set(f"{prefix}/done", f"error:{what}")
             raise
         store.set(f"{prefix}/done", "ok")
         return out, Role.LEADER, 0.0
@@ -128,8 +129,8 @@ def compile_once_per_host(
     if done.startswith("error:"):
         raise LoweringError(
             f"spmd: rank {leader} compiled this rank's graph (the same graph) with inductor for the host, "
-            f"and it failed ({done.removeprefix('error:')}); rank {rank} does not repeat it. See rank "
-            f"{leader}'s error for the cause; use backend='eager' to run without inductor."
+            f"and it failed; rank {rank} does not repeat it. Rank {leader}'s error: "
+            f"{done.removeprefix('error:')}"
         )
     log.info("spmd: rank %d waited %.2f s for rank %s's compile", rank, waited, leader)
     return compile(), Role.FOLLOWER, waited

@@ -61,8 +61,8 @@ def test_different_graphs_compile_alone(per_rank) -> None:
 def test_leader_failure_fails_the_follower(per_rank) -> None:
     """The leader's inductor fails: it raises its own error, and the follower raises a
     LoweringError naming the leader's failure without compiling (no hang)."""
-    msgs = sorted((out["failure"] or "", out["failure_compiled"]) for out in per_rank)
-    (follower, follower_calls), (leader, leader_calls) = msgs
+    by_calls = sorted((out["failure_compiled"], out["failure"] or "") for out in per_rank)
+    (follower_calls, follower), (leader_calls, leader) = by_calls
     assert leader.startswith("spmd: inductor could not compile the final graph (RuntimeError: injected")
     assert leader_calls == 1
     assert follower.startswith("spmd: rank ") and "injected inductor failure" in follower, follower

@@ -54,8 +54,9 @@ def shared_compile(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         "shared": _train(rank, "replicate"),
         "own": _train(rank, "replicate", inductor_config={"force_disable_caches": True}),
-        # 4 rows on rank 0, 3 on rank 1: the graphs differ in the activations' shapes only
-        "uneven": _train(rank, "replicate", batch_rows=4 - rank),
+        # 3 rows on rank 0, 2 on rank 1: the graphs differ in the activations' shapes only
+        # (and from the cases above, which would otherwise be in the cache already)
+        "uneven": _train(rank, "replicate", batch_rows=3 - rank),
     }
     calls = []
 
@@ -65,7 +66,7 @@ def shared_compile(rank: int, world: int) -> dict[str, Any]:
 
     with mock.patch("torch._inductor.compile_fx.compile_fx", broken):
         try:
-            _train(rank, "fully_shard")  # a graph no earlier case compiled
+            _train(rank, "replicate", batch_rows=1)  # the same graph on both, not compiled before
             out["failure"] = None
         except LoweringError as exc:
             out["failure"] = str(exc)
