@@ -93,7 +93,10 @@ def job(ranks: int, share: bool, cache: str, threads: str | None, model: str) ->
     t0 = time.perf_counter()
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
-    recs = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(ranks)]
+    recs = []
+    for r in range(ranks):
+        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+            recs.append(json.load(f))
     return wall, recs
 
 
