@@ -100,6 +100,7 @@ def compile_once_per_host(
     if store.add(f"{prefix}/claims", 1) == 1:
         store.set(f"{prefix}/leader", str(rank))
         log.info("spmd: rank %d compiles the graph for every rank of this host with the same graph", rank)
+        bypassed = _bypasses()
         try:
             out = compile()
         except BaseException as exc:
@@ -107,7 +108,8 @@ def compile_once_per_host(
             what = first if isinstance(exc, LoweringError) else f"{type(exc).__name__}: {first}"
             store.set(f"{prefix}/done", f"error:{what}")
             raise
-        store.set(f"{prefix}/done", "ok")
+        # A compile inductor would not cache leaves the followers nothing to load: say so.
+        store.set(f"{prefix}/done", "ok" if _bypasses() == bypassed else "uncached")
         return out, Role.LEADER, 0.0
     timeout = timeout_s if timeout_s is not None else (_pg_timeout_s() or _DEFAULT_TIMEOUT_S)
     t0 = time.perf_counter()
@@ -132,8 +134,23 @@ def compile_once_per_host(
             f"and it failed; rank {rank} does not repeat it. Rank {leader}'s error: "
             f"{done.removeprefix('error:')}"
         )
-    log.info("spmd: rank %d waited %.2f s for rank %s's compile", rank, waited, leader)
+    if done == "uncached":
+        log.warning(
+            "spmd: rank %s's compile of the same graph bypassed inductor's FX graph cache, so rank %d "
+            "compiles it again after waiting %.2f s; spmd.compile(..., share_compile=False) avoids the wait",
+            leader,
+            rank,
+            waited,
+        )
+    else:
+        log.info("spmd: rank %d waited %.2f s for rank %s's compile", rank, waited, leader)
     return compile(), Role.FOLLOWER, waited
+
+
+def _bypasses() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_bypass"])
 
 
 def _wait(store: Any, key: str, deadline: float) -> str | None:
