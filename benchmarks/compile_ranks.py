@@ -9,10 +9,12 @@ directory, a second job), with the shared compile (spmd.compile_once) on and off
 Per rank it prints the report's ``lower_s`` (inductor phase, a follower's wait included), the
 wait, ``compile_s`` (trace .. lowering), the first call's wall time and inductor's FX graph cache
 hits/misses; per job the wall time of torchrun. One rank: replicate without a process group
-(world 1); more: fully_shard, as in ``benchmarks/compile_time.py --world 2``.
+(world 1); more: each ``--style`` (replicate: the same graph on every rank; fully_shard: GPT-2's
+odd vocabulary, 50257 rows, shards unevenly, so the ranks' graphs differ and each compiles).
 """
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -24,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def rank_main(out_dir: str, model_name: str) -> None:
+def rank_main(out_dir: str, model_name: str, style: str) -> None:
     """One rank: build, compile and run the first step, write what it measured."""
     import torch
     import torch.distributed as dist
@@ -47,7 +49,7 @@ def rank_main(out_dir: str, model_name: str) -> None:
         idx = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
         batch, fn = (idx[:, :-1].contiguous(), idx[:, 1:].contiguous()), spmd_models.train_step
     optim = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
-    mode = spmd.DataParallel("fully_shard") if world > 1 else None
+    mode = spmd.DataParallel(style) if world > 1 else None
     step = spmd.compile(parallel_mode=mode, backend="inductor")(fn)
     from torch._dynamo.utils import counters
 
@@ -72,7 +74,9 @@ def rank_main(out_dir: str, model_name: str) -> None:
         dist.destroy_process_group()
 
 
-def job(ranks: int, share: bool, cache: str, threads: str | None, model: str) -> tuple[float, list[dict]]:
+def job(
+    ranks: int, share: bool, cache: str, threads: str | None, model: str, style: str
+) -> tuple[float, list[dict]]:
     """One torchrun job; (its wall seconds, the ranks' records)."""
     out_dir = tempfile.mkdtemp(prefix="compile_ranks_")
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=cache, PYTHONPATH=ROOT)
@@ -80,16 +84,8 @@ def job(ranks: int, share: bool, cache: str, threads: str | None, model: str) ->
     if threads is not None:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = threads
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [
-        torchrun,
-        "--standalone",
-        f"--nproc_per_node={ranks}",
-        __file__,
-        "--rank-out",
-        out_dir,
-        "--model",
-        model,
-    ]
+    cmd = [torchrun, "--standalone", f"--nproc_per_node={ranks}", __file__, "--rank-out", out_dir]
+    cmd += ["--model", model, "--style", style]
     t0 = time.perf_counter()
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
@@ -104,35 +100,30 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="gpt2s", choices=["gpt2s", "tiny"])
     p.add_argument("--ranks", default="1,2")  # jobs of these many ranks
+    p.add_argument("--style", default="replicate,fully_shard")  # DataParallel styles (2+ ranks)
     p.add_argument("--share", default="off,on")  # the shared compile (2+ ranks only)
     p.add_argument("--compile-threads", default="default")  # TORCHINDUCTOR_COMPILE_THREADS values
     p.add_argument("--no-warm", action="store_true")  # cold jobs only
     p.add_argument("--rank-out", default=None)  # internal: run as one rank of a job
     args = p.parse_args()
     if args.rank_out:
-        rank_main(args.rank_out, args.model)
+        rank_main(args.rank_out, args.model, args.style)
         return
-    print(
-        f"{'job':<34}{'rank':>5}{'role':>10}{'lower_s':>9}{'wait_s':>8}{'compile_s':>10}"
-        f"{'first call':>11}{'hit/miss':>9}{'job wall':>10}",
-        flush=True,
-    )
+    cols = ["rank", "role", "lower_s", "wait_s", "compile_s", "first call", "hit/miss", "job wall"]
+    print(f"{'job':<38}" + "".join(f"{c:>11}" for c in cols), flush=True)
     for ranks in map(int, args.ranks.split(",")):
-        for share in [s == "on" for s in args.share.split(",")] if ranks > 1 else [False]:
-            for threads in args.compile_threads.split(","):
-                cache = tempfile.mkdtemp(prefix="inductor_cache_")
-                for temp in ["cold"] if args.no_warm else ["cold", "warm"]:
-                    wall, recs = job(
-                        ranks, share, cache, None if threads == "default" else threads, args.model
-                    )
-                    name = f"{ranks} rank(s) share={'on' if share else 'off'} thr={threads} {temp}"
-                    for r in recs:
-                        print(
-                            f"{name:<34}{r['rank']:>5}{r['role']:>10}{r['lower_s']:>9.1f}{r['wait_s']:>8.1f}"
-                            f"{r['compile_s']:>10.1f}{r['first_call_s']:>11.1f}{r['hit']:>5}/{r['miss']:<3}"
-                            f"{wall:>10.1f}",
-                            flush=True,
-                        )
+        styles = args.style.split(",") if ranks > 1 else ["replicate"]
+        shares = [s == "on" for s in args.share.split(",")] if ranks > 1 else [False]
+        for style, share, threads in itertools.product(styles, shares, args.compile_threads.split(",")):
+            cache = tempfile.mkdtemp(prefix="inductor_cache_")  # cold, then warm from the same directory
+            for temp in ["cold"] if args.no_warm else ["cold", "warm"]:
+                thr = None if threads == "default" else threads
+                wall, recs = job(ranks, share, cache, thr, args.model, style)
+                name = f"{ranks}x {style} share={'on' if share else 'off'} thr={threads} {temp}"
+                for r in recs:
+                    vals = [r["rank"], r["role"], f"{r['lower_s']:.1f}", f"{r['wait_s']:.1f}"]
+                    vals += [f"{r['compile_s']:.1f}", f"{r['first_call_s']:.1f}", f"{r['hit']}/{r['miss']}"]
+                    print(f"{name:<38}" + "".join(f"{v:>11}" for v in vals) + f"{wall:>11.1f}", flush=True)
 
 
 if __name__ == "__main__":
