@@ -54,6 +54,9 @@ _OPTIONS: dict[str, str] = {
     "inductor_gemm": "'onednn' (default: float32 CPU matmuls call oneDNN's matmul) or 'aten' (inductor "
     "calls torch's mm/addmm: MKL's sgemm in x86 builds); backend='inductor' only",
     "inductor_config": "dict of torch._inductor.config settings for backend='inductor' (applied over spmd's)",
+    "share_compile": "backend='inductor': ranks of a host with the same graph compile it once and load it "
+    "from inductor's caches (default True, where safe; env SPMD_SHARE_COMPILE=0 turns it off; see "
+    "spmd.compile_once)",
 }
 
 
@@ -144,6 +147,8 @@ class _Entry:
     backend: str = "eager"
     lower_s: float | None = None  # the backend's compile time (part of compile_s)
     lowered_code: str | None = None  # the backend's generated code (None for eager)
+    lower_role: str | None = None  # shared compile: "alone", "leader" or "follower" (None for eager)
+    lower_wait_s: float | None = None  # a follower's wait for its leader (part of lower_s)
     # Plain module attributes the trace read (spmd.guards): the graph is reused only while they hold.
     attr_guards: list[guards.Guard] = dataclasses.field(default_factory=list)
 
@@ -176,6 +181,9 @@ class CompiledStep:
         self.inductor_config: dict[str, Any] = dict(options.get("inductor_config") or {})
         self.inductor_optimizer: str = check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
         self.inductor_gemm: str = check_gemm(options.get("inductor_gemm", "onednn"))
+        self.share_compile: bool = bool(
+            options.get("share_compile", os.environ.get("SPMD_SHARE_COMPILE", "1") not in ("", "0"))
+        )
         self.cross_step_prefetch: bool = bool(
             options.get(
                 "cross_step_prefetch", os.environ.get("SPMD_CROSS_STEP_PREFETCH", "") not in ("", "0")
@@ -380,6 +388,7 @@ class CompiledStep:
                 inductor_config=self.inductor_config,
                 optimizer=self.inductor_optimizer,
                 gemm=self.inductor_gemm,
+                share=self.share_compile,
             )
             exe.compiled = lowered.fn
         style, world = describe_mode(self.parallel_mode)
@@ -393,6 +402,8 @@ class CompiledStep:
             backend=self.backend,
             lower_s=lowered.lower_s if lowered else None,
             lowered_code=lowered.code if lowered else None,
+            lower_role=lowered.role if lowered else None,
+            lower_wait_s=lowered.wait_s if lowered else None,
             attr_guards=read,
         )
         exe.on_layout_fix = functools.partial(self._record_layout_fix, entry)
@@ -427,6 +438,8 @@ def _report(entry: _Entry, stage: str) -> StepReport:
         compile_s=entry.compile_s,
         backend=entry.backend,
         lower_s=entry.lower_s,
+        lower_role=entry.lower_role,
+        lower_wait_s=entry.lower_wait_s,
     )
 
 

@@ -51,6 +51,7 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from spmd.compile_once import Role, compile_once_per_host, graph_key, sharing_safe
 from spmd.errors import ConfigError, LoweringError
 
 log = logging.getLogger("spmd")
@@ -87,8 +88,10 @@ class Lowered:
     fn: Callable[..., Any]
     backend: str
     code: str  # inductor's generated Python ("" for eager)
-    lower_s: float  # seconds spent compiling (0 for eager)
+    lower_s: float  # seconds spent compiling (0 for eager), waiting for a shared compile included
     collective_order: list[Issued]  # as the code issues them (see code_order)
+    role: str = "alone"  # shared compile (spmd.compile_once): "alone", "leader" or "follower"
+    wait_s: float = 0.0  # seconds a follower waited for its leader's compile (part of lower_s)
 
 
 def check_backend(backend: Any) -> str:
@@ -108,6 +111,7 @@ def compile_graph(
     inductor_config: dict[str, Any] | None = None,
     optimizer: str = "opaque",
     gemm: str = "onednn",
+    share: bool = False,
 ) -> Lowered:
     """Compile ``gm`` (a final spmd graph) for ``backend``.
 
@@ -118,9 +122,12 @@ def compile_graph(
         inductor_config: extra ``torch._inductor.config`` settings, applied over ours.
         optimizer: ``"opaque"`` or ``"inline"`` (see :func:`_for_inductor`).
         gemm: ``"aten"`` or ``"onednn"`` (see :func:`_onednn_gemms`).
+        share: where it is safe, compile once per host for every rank with the same graph
+            and let the others load it from inductor's caches (:mod:`spmd.compile_once`).
 
     Raises:
-        LoweringError: inductor failed, or its code issues collectives in another order.
+        LoweringError: inductor failed (here, or on the rank that compiled this graph for the
+            host), or its code issues collectives in another order.
     """
     backend = check_backend(backend)
     if backend == "eager":
@@ -137,24 +144,34 @@ def compile_graph(
     )
     codes: list[str] = []
     settings = {**_INDUCTOR_CONFIG, **(inductor_config or {})}
-    try:
-        fakes, context = _fake(example_inputs)
-        # no_grad: parameters require grad, and under grad mode AOTAutograd would build
-        # a joint forward/backward graph around a step that already contains its backward.
-        with (
-            context,
-            torch.no_grad(),
-            inductor_config_module.patch(settings),
-            mock.patch.object(GraphLowering, "save_output_code", codes.append),
-        ):
-            fn = compile_fx(lowered_gm, fakes)
-        assert callable(fn), f"compile_fx returned {type(fn).__name__}"
-    except Exception as exc:
-        raise LoweringError(
-            f"spmd: inductor could not compile the final graph ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}). Run with backend='eager', "
-            "or dump the graph (dump_dir=...) and report the failing op."
-        ) from exc
+
+    def run_inductor() -> Callable[..., Any]:
+        try:
+            fakes, context = _fake(example_inputs)
+            # no_grad: parameters require grad, and under grad mode AOTAutograd would build
+            # a joint forward/backward graph around a step that already contains its backward.
+            with (
+                context,
+                torch.no_grad(),
+                inductor_config_module.patch(settings),
+                mock.patch.object(GraphLowering, "save_output_code", codes.append),
+            ):
+                fn = compile_fx(lowered_gm, fakes)
+            assert callable(fn), f"compile_fx returned {type(fn).__name__}"
+        except Exception as exc:
+            raise LoweringError(
+                f"spmd: inductor could not compile the final graph ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}). Run with backend='eager', "
+                "or dump the graph (dump_dir=...) and report the failing op."
+            ) from exc
+        return fn
+
+    role, wait_s = Role.ALONE, 0.0
+    if share and sharing_safe(settings):
+        key = graph_key(lowered_gm, example_inputs, (sorted(settings.items()), optimizer, gemm))
+        fn, role, wait_s = compile_once_per_host(key, run_inductor)
+    else:
+        fn = run_inductor()
     lower_s = time.perf_counter() - t0
     code = codes[-1] if codes else ""
     if not code and C.collectives(gm.graph):
@@ -164,8 +181,14 @@ def compile_graph(
             "clear inductor's cache (TORCHINDUCTOR_CACHE_DIR) if it came from a damaged cache entry."
         )
     order = check_collective_order(gm, code, example_inputs)
-    log.info("spmd: inductor compiled the final graph in %.2f s (%d collectives)", lower_s, len(order))
-    return Lowered(fn, "inductor", code, lower_s, order)
+    log.info(
+        "spmd: inductor compiled the final graph in %.2f s (%d collectives; %s%s)",
+        lower_s,
+        len(order),
+        role.value,
+        f", {wait_s:.2f} s waiting for the leader" if role is Role.FOLLOWER else "",
+    )
+    return Lowered(fn, "inductor", code, lower_s, order, role.value, wait_s)
 
 
 def check_optimizer_lowering(optimizer: Any) -> str:

@@ -57,6 +57,8 @@ class StepReport:
     compile_s: float | None = None  # whole first-call compile (trace, partition, passes, lowering)
     backend: str = "eager"  # what runs the final graph: "eager" (op by op) or "inductor"
     lower_s: float | None = None  # the backend's compile time (inductor), part of compile_s
+    lower_role: str | None = None  # shared compile (spmd.compile_once): "alone", "leader", "follower"
+    lower_wait_s: float | None = None  # a follower's wait for its leader's compile, part of lower_s
 
     @property
     def comm_bytes(self) -> int:
@@ -79,9 +81,14 @@ class StepReport:
         ]
         if self.trace_s is not None:
             rows.append(("trace / compile", f"{self.trace_s:.2f} s / {_secs(self.compile_s)}"))
-        backend = (
-            self.backend if self.lower_s is None else f"{self.backend} (lowered in {self.lower_s:.2f} s)"
-        )
+        backend = self.backend
+        if self.lower_s is not None:
+            shared = ""
+            if self.lower_role == "follower":
+                shared = f", {self.lower_wait_s or 0.0:.2f} s of it waiting for another rank's compile"
+            elif self.lower_role == "leader":
+                shared = ", compiled for this host"
+            backend = f"{self.backend} (lowered in {self.lower_s:.2f} s{shared})"
         rows.append(("backend", backend))
         rows += [
             ("params", f"{_size(self.param_bytes)}  ({self.num_params} tensors)"),
@@ -139,6 +146,8 @@ def build_report(
     compile_s: float | None = None,
     backend: str = "eager",
     lower_s: float | None = None,
+    lower_role: str | None = None,
+    lower_wait_s: float | None = None,
 ) -> StepReport:
     """The report of one graph stage of a compiled step (see :class:`StepReport`)."""
     by_role: dict[Role, int] = {}
@@ -178,6 +187,8 @@ def build_report(
         compile_s=compile_s,
         backend=backend,
         lower_s=lower_s,
+        lower_role=lower_role,
+        lower_wait_s=lower_wait_s,
     )
 
 
