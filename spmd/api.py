@@ -55,8 +55,8 @@ _OPTIONS: dict[str, str] = {
     "calls torch's mm/addmm: MKL's sgemm in x86 builds); backend='inductor' only",
     "inductor_config": "dict of torch._inductor.config settings for backend='inductor' (applied over spmd's)",
     "share_compile": "backend='inductor': ranks of a host with the same graph compile it once and load it "
-    "from inductor's caches (default True, where safe; env SPMD_SHARE_COMPILE=0 turns it off; see "
-    "spmd.compile_once)",
+    "from inductor's caches (default False: no gain measured with 2 ranks on 2 cores; True or env "
+    "SPMD_SHARE_COMPILE=1 turns it on where safe; see spmd.compile_once)",
 }
 
 
@@ -182,7 +182,7 @@ class CompiledStep:
         self.inductor_optimizer: str = check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
         self.inductor_gemm: str = check_gemm(options.get("inductor_gemm", "onednn"))
         self.share_compile: bool = bool(
-            options.get("share_compile", os.environ.get("SPMD_SHARE_COMPILE", "1") not in ("", "0"))
+            options.get("share_compile", os.environ.get("SPMD_SHARE_COMPILE", "0") not in ("", "0"))
         )
         self.cross_step_prefetch: bool = bool(
             options.get(

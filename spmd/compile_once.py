@@ -23,9 +23,13 @@ batch) just leads its own compile. Never a hang: a leader that fails posts its e
 each follower raises :class:`spmd.errors.LoweringError` naming it; a leader that never posts
 (a killed process) makes followers raise after the process group's timeout.
 
-On where it is safe (``share_compile=True``, the default): a process group of more than one
-rank (not the fake one) and inductor's FX graph cache enabled under the settings in force.
-``share_compile=False`` (or env ``SPMD_SHARE_COMPILE=0``) turns it off.
+Off by default: with 2 ranks on 2 cores no gain was measurable (the compile is largely
+single-threaded Python, which two ranks run side by side), and a warm cache makes followers
+queue behind the leader's load. It is meant for many ranks per host (8 GPUs per node), where
+every rank would otherwise compile the same graph on the same cores. ``share_compile=True``
+(or env ``SPMD_SHARE_COMPILE=1``) turns it on; it then applies only where it is safe: a
+process group of more than one rank (not the fake one) and inductor's FX graph cache enabled
+under the settings in force.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ def per_rank(tmp_path_factory) -> list[dict]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor_cache")))
         mp.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
-        mp.delenv("SPMD_SHARE_COMPILE", raising=False)
+        mp.setenv("SPMD_SHARE_COMPILE", "1")  # off by default
         return run_ranks(wc.shared_compile, W, timeout=500, pg_timeout=300)
 
 

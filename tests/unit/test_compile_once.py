@@ -73,3 +73,17 @@ def test_leader_then_follower_then_failure() -> None:
         dist.distributed_c10d._get_default_store().add("spmd/lower/k3/claims", 1)  # a leader that never ends
         with pytest.raises(LoweringError, match="did not finish"):
             compile_once_per_host("k3", lambda: 3, timeout_s=0.3)
+
+
+def test_sharing_is_off_unless_asked(monkeypatch) -> None:
+    """Off by default (no gain measured on 2 cores); the option or the env turns it on."""
+    import spmd
+
+    def step(model, x):
+        return model(x).sum()
+
+    monkeypatch.delenv("SPMD_SHARE_COMPILE", raising=False)
+    assert not spmd.compile(backend="inductor")(step).share_compile
+    assert spmd.compile(backend="inductor", share_compile=True)(step).share_compile
+    monkeypatch.setenv("SPMD_SHARE_COMPILE", "1")
+    assert spmd.compile(backend="inductor")(step).share_compile
