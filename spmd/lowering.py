@@ -136,6 +136,7 @@ def compile_graph(
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.graph import GraphLowering
 
+    _refuse_restored_rng(gm)
     t0 = time.perf_counter()
     lowered_gm = _for_inductor(
         gm,
@@ -373,6 +374,35 @@ def _opaque(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"spmd_lowering::{name}", fake, lib=_LIB)
     return getattr(torch.ops.spmd_lowering, name).default
+
+
+def _refuse_restored_rng(gm: fx.GraphModule) -> None:
+    """Raise :class:`LoweringError` if the step restores the generator's state and draws random
+    numbers (activation checkpointing around dropout, ``torch.random.fork_rng``).
+
+    The eager backend runs ``spmd::set_rng_state`` where the trace put it, so recomputed dropout
+    draws the forward's mask. Inductor sees no dependency between that op and the random ops
+    (their generator is global state) and schedules them freely: measured, the recomputation's
+    ``bernoulli_`` ran before the restore, so backward used another mask than forward -- wrong
+    gradients, silently. Until the ops carry an ordering token, such a step stays eager."""
+    from passes.ops import GET_RNG_STATE, SET_RNG_STATE
+
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    restores = [n for n in nodes if n.target in (SET_RNG_STATE, GET_RNG_STATE)]
+    draws = [
+        n
+        for n in nodes
+        if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
+    ]
+    if restores and draws:
+        ops = sorted({str(n.target.overloadpacket.__name__) for n in draws})
+        raise LoweringError(
+            "spmd: backend='inductor' cannot compile this step: it saves and restores the random "
+            f"generator's state (activation checkpointing or torch.random.fork_rng) around random ops "
+            f"({', '.join(ops[:4])}), and inductor would reorder them, so recomputed dropout would draw "
+            "another mask than the forward did. Use backend='eager' for this model, or drop the "
+            "checkpointing of the modules that use dropout."
+        )
 
 
 def _for_inductor(

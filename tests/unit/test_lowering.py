@@ -215,3 +215,25 @@ def test_onednn_gemm_matches_eager_backend(inductor_cache, monkeypatch) -> None:
             torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=n: f"{n}: {m}")
     assert "onednn_mm" in ind.lowered_code
     assert "extern_kernels.mm(" not in ind.lowered_code and "extern_kernels.addmm(" not in ind.lowered_code
+
+
+def test_checkpointed_dropout_is_refused_not_reordered() -> None:
+    """Inductor schedules random ops freely around the generator restore that checkpointing
+    traces (measured: the recomputed dropout ran before the restore, so its mask differed from
+    the forward's and the gradients were wrong); such a step is refused with the fix named."""
+    from tests.unit.test_tracing import _CheckpointedDropout
+
+    def step(model, opt, x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    model = _CheckpointedDropout()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    with pytest.raises(spmd.errors.LoweringError, match="backend='eager'"):
+        spmd.compile(backend="inductor")(step)(model, opt, x, y)
+    # The eager backend runs the restore where the trace put it (test_tracing checks its values).
+    spmd.compile()(step)(model, opt, x, y)
