@@ -9,6 +9,9 @@ from passes.graph_utils import is_mutated
 from passes.meta import GRAD_OF, ROLE, Role
 from passes.ops import TAG_GRAD
 
+# node.meta flag on a tag that strip_grad_tag turned into a clone (it keeps its own node).
+CLONED_TAG = "spmd_cloned_tag"
+
 
 def strip_grad_tags(gm: fx.GraphModule) -> fx.GraphModule:
     """Replace every ``spmd::tag_grad(g, name)`` by ``g`` (or by a copy of ``g``).
@@ -39,6 +42,7 @@ def strip_grad_tag(graph: fx.Graph, n: fx.Node, *, keep_meta: bool = False) -> N
     if is_mutated(n):
         n.target = torch.ops.aten.clone.default
         n.args = (n.args[0],)
+        n.meta[CLONED_TAG] = True
         if not keep_meta:
             n.meta.pop(GRAD_OF, None)
             n.meta[ROLE] = Role.ACTIVATION
@@ -50,3 +54,12 @@ def strip_grad_tag(graph: fx.Graph, n: fx.Node, *, keep_meta: bool = False) -> N
             src.meta[k] = n.meta[k]
     n.replace_all_uses_with(src)
     graph.erase_node(n)
+
+
+def untagged_name(n: fx.Node) -> str:
+    """The name of the value a gradient tag stands for: ``n``'s own name, or, through tags and
+    the clones :func:`strip_grad_tag` leaves, its input's. The same before and after
+    ``strip_grad_tags``, so a record of which node a call reads survives the stripping."""
+    while (n.target is TAG_GRAD or n.meta.get(CLONED_TAG)) and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n.name

@@ -48,6 +48,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from passes import collectives as C
+from passes.cleanup import untagged_name
 from passes.fused_align import ALIGNED_FUSED
 from passes.graph_utils import mutated_nodes, storage_of
 from passes.update_schedule import check_foreach_split, schedule_updates
@@ -109,8 +110,8 @@ def _int_lists(node: fx.Node) -> list[int]:
 
 
 def _signature(node: fx.Node, k: int, lists: list[int]) -> tuple[tuple[int, str], ...]:
-    """Parameter ``k``'s per-parameter arguments of ``node``, by node name (or value)."""
-    return tuple((i, _nodes(node, i)[k].name) for i in lists) + tuple(
+    """Parameter ``k``'s per-parameter arguments of ``node``, by name through grad tags (or value)."""
+    return tuple((i, untagged_name(_nodes(node, i)[k])) for i in lists) + tuple(
         (i, repr(cast(list, node.args[i])[k])) for i in _int_lists(node)
     )
 

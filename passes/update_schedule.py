@@ -50,6 +50,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from passes import collectives as C
+from passes.cleanup import untagged_name
 from passes.graph_utils import mutated_nodes, storage_of
 from passes.meta import PHASE, Phase
 
@@ -90,11 +91,11 @@ def _elem(a: Any, n: int, ks: list[int]) -> Any:
 
 
 def element_signature(node: fx.Node, j: int) -> tuple[tuple[str, str], ...]:
-    """Element ``j`` of a foreach call's per-element arguments, by node name (or value)."""
+    """Element ``j`` of a foreach call's per-element arguments, by name through grad tags (or value)."""
     n = _length(node)
     items = [*enumerate(node.args), *node.kwargs.items()]
     return tuple(
-        (str(i), a[j].name if isinstance(a[j], fx.Node) else repr(a[j]))
+        (str(i), untagged_name(a[j]) if isinstance(a[j], fx.Node) else repr(a[j]))
         for i, a in items
         if isinstance(a, list | tuple) and len(a) == n
     )

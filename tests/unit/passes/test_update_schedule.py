@@ -4,6 +4,7 @@ start right after their bucket's wait; a global quantity (a clip coefficient) ho
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.fx as fx
 
 from passes import collectives as C
@@ -136,3 +137,26 @@ def test_checker_catches_an_element_computed_twice(world):
         check_invariants(gm)
     assert "optimizer-split" in err.value.rules
     assert "also computed by" in str(err.value)
+
+
+def test_recorded_names_survive_strip_grad_tags() -> None:
+    """The split invariant records which node each element reads; strip_grad_tags replaces a
+    tag by its input (or, where the tag is written in place, by a clone of it). Found by
+    tests/dist/test_ignored_and_styles.py: an ignored parameter's gradient reaches the foreach
+    optimizer through its tag, and the recorded name changed when the tag went away."""
+    from passes.cleanup import strip_grad_tags, untagged_name
+    from passes.ops import TAG_GRAD
+
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    for p in (x, y):
+        p.meta["val"] = torch.zeros(3)
+    tx, ty = g.call_function(TAG_GRAD, (x, "a")), g.call_function(TAG_GRAD, (y, "b"))
+    g.call_function(torch.ops.aten.mul_.Tensor, (ty, 2.0))  # ty written in place: becomes a clone
+    out = g.call_function(torch.ops.aten._foreach_add.List, ([tx, ty], [x, y]))
+    g.output(out)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    before = [untagged_name(a) for a in out.args[0]]
+    strip_grad_tags(gm)
+    assert [a.target for a in out.args[0]] != [TAG_GRAD, TAG_GRAD]  # the tags are gone
+    assert [untagged_name(a) for a in out.args[0]] == before == ["x", "y"]
