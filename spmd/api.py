@@ -522,7 +522,10 @@ def _signature(step_args: step_inputs.StepArgs) -> Hashable:
 
 
 def _all_gloo(gm: fx.GraphModule) -> bool:
-    """Whether the graph has collectives and every one runs on a gloo process group."""
+    """Whether the graph has collectives and every one runs on a gloo process group (and
+    ``SPMD_GLOO_ALL_TO_ALL=0`` does not switch gloo's rewrites off)."""
+    if os.environ.get("SPMD_GLOO_ALL_TO_ALL", "1") == "0":
+        return False
     names = {C.group_of(c) for c in C.collectives(gm.graph)}
     if not names or not dist.is_initialized():
         return False
