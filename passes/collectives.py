@@ -130,7 +130,8 @@ def bytes_of(node: fx.Node) -> int:
     """Bytes a collective moves per rank, counted as the size of its larger side.
 
     all-reduce: the tensor; all-gather: the gathered output; reduce-scatter and
-    all-to-all: the unsharded input (of which each sends (W-1)/W). This is the number a user compares with the model size.
+    all-to-all: the unsharded input (of which each sends (W-1)/W). This is the number a
+    user compares with the model size.
     """
     total = 0
     for inp in inputs_of(node):
@@ -212,14 +213,18 @@ def emit_reduce_scatter(
     return coll, wait
 
 
-def emit_all_to_all(graph: fx.Graph, x: fx.Node, *, group_size: int, group_name: str) -> tuple[fx.Node, fx.Node]:
+def emit_all_to_all(
+    graph: fx.Graph, x: fx.Node, *, group_size: int, group_name: str
+) -> tuple[fx.Node, fx.Node]:
     """Send dim-0 chunk ``r`` of ``x`` to rank ``r``, receive every rank's chunk of this rank in
     rank order (equal splits: ``x.shape[0]`` divisible by ``group_size``); returns (collective, wait)."""
     v = _val(x)
     assert v is not None and v.shape[0] % group_size == 0, x.name
     splits = [v.shape[0] // group_size] * group_size
     coll = _finish(
-        graph.call_function(_c10d.all_to_all_single.default, (x, splits, splits, group_name)), _fake_like(x), x
+        graph.call_function(_c10d.all_to_all_single.default, (x, splits, splits, group_name)),
+        _fake_like(x),
+        x,
     )
     wait = _finish(graph.call_function(WAIT, (coll,)), _fake_like(x), x)
     return coll, wait
