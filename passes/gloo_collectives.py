@@ -30,8 +30,9 @@ rank sends are the reduce-scatter's (W-1)/W of the input. The new view/sum/div n
 the wait's metadata (``Role.COMM``: they finish the communication) and sit right after it.
 
 Where: late, after every pass that reads reduce-scatters as such (units, bucketing,
-wait placement, the optimizer split, which reads the waits) and before ``reuse_dead_buffers``
-(which should see the new buffers). Enabled by the caller for gloo process groups only: on
+wait placement) and before ``overlap_optimizer`` (it records each update's gradient node by
+name, and a gradient can be the replaced wait itself) and ``reuse_dead_buffers`` (which
+should see the new buffers). Enabled by the caller for gloo process groups only: on
 NCCL a reduce-scatter is already a true reduce-scatter. No-op (the same ``gm``) when no
 reduce-scatter qualifies.
 """

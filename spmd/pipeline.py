@@ -142,15 +142,15 @@ def build_pipeline(
             ),
         )
     if gloo_collectives:
-        at = next(i for i, p in enumerate(passes) if p.name == "strip_grad_tags")
+        at = next(i for i, p in enumerate(passes) if p.name == "overlap_optimizer")
         passes.insert(
             at,
             NamedPass(
                 name="reduce_scatter_as_all_to_all",
                 fn=reduce_scatter_as_all_to_all,
                 reason="after every pass that reads reduce-scatters as such (units, bucketing, wait "
-                "placement, the optimizer split): it replaces them; before reuse_dead_buffers, which "
-                "should see its new buffers",
+                "placement): it replaces them; before overlap_optimizer, which records each update's "
+                "gradient node (the rewrite replaces a wait that may be one), and reuse_dead_buffers",
             ),
         )
     if reuse_buffers:

@@ -272,6 +272,6 @@ def test_gloo_rewrite_only_where_asked(fake_world) -> None:
     assert "reduce_scatter_as_all_to_all" not in [p.name for p in build_pipeline(mode).passes]
     names = [p.name for p in build_pipeline(mode, gloo_collectives=True).passes]
     at = names.index("reduce_scatter_as_all_to_all")
-    assert names[at - 1 : at + 2] == ["overlap_optimizer", "reduce_scatter_as_all_to_all", "strip_grad_tags"]
+    assert names[at - 1 : at + 2] == ["limit_inflight", "reduce_scatter_as_all_to_all", "overlap_optimizer"]
     gm = _lower("fully_shard")
     assert _by(gm, C.Kind.REDUCE_SCATTER) and not _by(gm, C.Kind.ALL_TO_ALL)
