@@ -83,6 +83,8 @@ def _family(op: str) -> str:
     """The gloo algorithm a c10d op runs as (gloo reduce-scatters with an all-reduce)."""
     if "gather" in op:
         return "all_gather"
+    if "alltoall" in op or "all_to_all" in op:  # c10d alltoall_base_, gloo:all_to_all
+        return "all_to_all"
     if "reduce" in op:  # allreduce*, reduce_scatter*, reduce_
         return "all_reduce"
     return op.strip("_")

@@ -23,7 +23,8 @@ Ablations (only when named in --variants): ``spmd_replicate_no_optoverlap`` and
 ``spmd_fully_shard_no_optoverlap`` run with the ``overlap_optimizer`` pass disabled;
 ``spmd_replicate_no_reuse``, ``spmd_fully_shard_no_reuse`` and ``spmd_fully_shard_noreshard_no_reuse``
 with ``reuse_dead_buffers`` disabled (peak memory before/after in one run);
-``spmd_fully_shard_xstep`` runs with ``cross_step_prefetch=True``.
+``spmd_fully_shard_xstep`` runs with ``cross_step_prefetch=True``; ``spmd_fully_shard_rs`` with
+``reduce_scatter_as_all_to_all`` disabled (gloo's reduce-scatter instead of all-to-all + local sum).
 
 Prints one table per model with ratios to fsdp2 and to no_comm, the issue's targets, and (for
 spmd_fully_shard) the predicted comparison with inductor's overlap scheduler (``overlap.py``);
@@ -214,6 +215,7 @@ def min_comm_bytes(rec: dict[str, Any]) -> int | None:
         "spmd_replicate_inductor": P,
         "fsdp2": 2 * P + B - rec.get("bwd_root_param_bytes", 0),
         "spmd_fully_shard": 2 * P + B,
+        "spmd_fully_shard_rs": 2 * P + B,
         "spmd_fully_shard_inductor": 2 * P + B,
         "spmd_fully_shard_noreshard": 2 * P,
     }.get(rec["variant"])

@@ -59,6 +59,8 @@ ABLATIONS = {
     "spmd_replicate_no_reuse": ("spmd_replicate", "reuse_dead_buffers"),
     "spmd_fully_shard_no_reuse": ("spmd_fully_shard", "reuse_dead_buffers"),
     "spmd_fully_shard_noreshard_no_reuse": ("spmd_fully_shard_noreshard", "reuse_dead_buffers"),
+    # gloo's own reduce-scatter (an all-reduce of the whole input) instead of all-to-all + sum.
+    "spmd_fully_shard_rs": ("spmd_fully_shard", "reduce_scatter_as_all_to_all"),
 }
 # Not run by default either: a variant with one compile option switched on
 # (``--variants spmd_fully_shard,spmd_fully_shard_xstep``).

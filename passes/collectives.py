@@ -28,6 +28,8 @@ class Kind(str, enum.Enum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     BROADCAST = "broadcast"
+    # Only as passes.gloo_collectives writes a reduce-scatter: equal splits, one per rank.
+    ALL_TO_ALL = "all_to_all"
 
 
 # op overload -> (kind, coalesced?)
@@ -42,6 +44,7 @@ _OPS: dict[Any, tuple[Kind, bool]] = {
     _c10d.reduce_scatter_tensor.default: (Kind.REDUCE_SCATTER, False),
     _c10d.reduce_scatter_tensor_coalesced.default: (Kind.REDUCE_SCATTER, True),
     _c10d.broadcast.default: (Kind.BROADCAST, False),
+    _c10d.all_to_all_single.default: (Kind.ALL_TO_ALL, False),
 }
 WAIT = _c10d.wait_tensor.default
 
@@ -126,8 +129,9 @@ def _val(node: fx.Node) -> torch.Tensor | None:
 def bytes_of(node: fx.Node) -> int:
     """Bytes a collective moves per rank, counted as the size of its larger side.
 
-    all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the
-    unsharded input. This is the number a user compares with the model size.
+    all-reduce: the tensor; all-gather: the gathered output; reduce-scatter and
+    all-to-all: the unsharded input (of which each sends (W-1)/W). This is the number a
+    user compares with the model size.
     """
     total = 0
     for inp in inputs_of(node):
@@ -146,6 +150,8 @@ def group_size_of(node: fx.Node) -> int | None:
         return cast(int, node.args[1])
     if kind_of(node) is Kind.REDUCE_SCATTER:
         return cast(int, node.args[2])
+    if kind_of(node) is Kind.ALL_TO_ALL:
+        return len(cast(list, node.args[1]))
     return None
 
 
@@ -204,4 +210,21 @@ def emit_reduce_scatter(
         x,
     )
     wait = _finish(graph.call_function(WAIT, (coll,)), _fake_like(x, shape), x)
+    return coll, wait
+
+
+def emit_all_to_all(
+    graph: fx.Graph, x: fx.Node, *, group_size: int, group_name: str
+) -> tuple[fx.Node, fx.Node]:
+    """Send dim-0 chunk ``r`` of ``x`` to rank ``r``, receive every rank's chunk of this rank in
+    rank order (equal splits: ``x.shape[0]`` divisible by ``group_size``); returns (collective, wait)."""
+    v = _val(x)
+    assert v is not None and v.shape[0] % group_size == 0, x.name
+    splits = [v.shape[0] // group_size] * group_size
+    coll = _finish(
+        graph.call_function(_c10d.all_to_all_single.default, (x, splits, splits, group_name)),
+        _fake_like(x),
+        x,
+    )
+    wait = _finish(graph.call_function(WAIT, (coll,)), _fake_like(x), x)
     return coll, wait

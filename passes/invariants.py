@@ -262,7 +262,7 @@ def _same_type(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _expected_shape(coll: fx.Node, shape: tuple[int, ...]) -> tuple[int, ...] | None:
     kind, w = C.kind_of(coll), C.group_size_of(coll)
-    if kind in (C.Kind.ALL_REDUCE, C.Kind.BROADCAST):
+    if kind in (C.Kind.ALL_REDUCE, C.Kind.BROADCAST, C.Kind.ALL_TO_ALL):
         return shape
     if not shape or w is None:
         return None

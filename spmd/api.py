@@ -19,9 +19,12 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+from torch.distributed.distributed_c10d import _resolve_process_group
 
+from passes import collectives as C
 from passes.stages import Stages
 from spmd import guards, step_inputs, tracing
 from spmd import optim as optim_utils
@@ -364,6 +367,8 @@ class CompiledStep:
             cross_step_prefetch=self.cross_step_prefetch and self.backend == "eager",
             reuse_buffers=self.backend == "eager",  # inductor reuses buffers itself
             inplace_collectives=self.backend == "eager",
+            # Eager only until inductor's lowering of all_to_all_single is checked.
+            gloo_collectives=self.backend == "eager" and _all_gloo(gm),
         )
         gm = pipeline.run(
             gm,
@@ -514,3 +519,17 @@ def _signature(step_args: step_inputs.StepArgs) -> Hashable:
             )
         optim_sig = (type(optimizer), tuple(groups))
     return (tuple(arg_sig), step_args.spec, model_sig, optim_sig, torch.is_grad_enabled())
+
+
+def _all_gloo(gm: fx.GraphModule) -> bool:
+    """Whether the graph has collectives and every one runs on a gloo process group (and
+    ``SPMD_GLOO_ALL_TO_ALL=0`` does not switch gloo's rewrites off)."""
+    if os.environ.get("SPMD_GLOO_ALL_TO_ALL", "1") == "0":
+        return False
+    names = {C.group_of(c) for c in C.collectives(gm.graph)}
+    if not names or not dist.is_initialized():
+        return False
+    try:
+        return all(str(dist.get_backend(_resolve_process_group(n))) == "gloo" for n in names)
+    except (RuntimeError, ValueError, KeyError):
+        return False

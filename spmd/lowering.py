@@ -242,6 +242,7 @@ _NAMES: dict[str, tuple[C.Kind, bool]] = {
     "reduce_scatter_tensor": (C.Kind.REDUCE_SCATTER, False),
     "reduce_scatter_tensor_coalesced": (C.Kind.REDUCE_SCATTER, True),
     "broadcast": (C.Kind.BROADCAST, False),
+    "all_to_all_single": (C.Kind.ALL_TO_ALL, False),
 }
 
 # (kind, coalesced, group, element counts of the outputs); counts None where the code

@@ -13,6 +13,7 @@ from passes.cleanup import strip_grad_tags
 from passes.cross_step import carry_first_gathers
 from passes.dedup import dedup_collectives
 from passes.driver import NamedPass, run_passes
+from passes.gloo_collectives import reduce_scatter_as_all_to_all
 from passes.inplace import inplace_all_reduce
 from passes.invariants import check_invariants
 from passes.optimizer_overlap import overlap_optimizer
@@ -65,6 +66,7 @@ def build_pipeline(
     cross_step_prefetch: bool = False,
     reuse_buffers: bool = False,
     inplace_collectives: bool = True,
+    gloo_collectives: bool = False,
 ) -> Pipeline:
     """The built-in passes, in order, configured from the parallel mode's knobs.
 
@@ -72,7 +74,9 @@ def build_pipeline(
     ``reuse_dead_buffers`` (the caller decides where they apply: the eager backend only,
     see ``spmd.api``). ``inplace_collectives`` includes ``inplace_all_reduce``: eager only, as
     inductor's functionalization rejects the in-place ``all_reduce_`` (and inductor reinplaces
-    the functional all-reduce itself)."""
+    the functional all-reduce itself). ``gloo_collectives`` includes ``reduce_scatter_as_all_to_all``:
+    for gloo process groups only (gloo reduce-scatters by all-reducing the whole input; an
+    all-to-all and a local sum send less, with the same bits at 2 ranks)."""
     options = parallel_mode.pass_options()
     # The parallel mode's knobs, by the names each pass takes them under (absent: the pass's default).
     names = {"bucket_cap_mb": "bucket_cap_mb", "bucket_mode": "mode", "bucket_unit_of": "unit_of"}
@@ -135,6 +139,18 @@ def build_pipeline(
                 fn=inplace_all_reduce,
                 reason="after bucketing (a bucket's packed buffer dies at its all-reduce); before the passes "
                 "that read storages: an all-reduce of a dead buffer reduces it in place, one allocation less",
+            ),
+        )
+    if gloo_collectives:
+        at = next(i for i, p in enumerate(passes) if p.name == "overlap_optimizer")
+        passes.insert(
+            at,
+            NamedPass(
+                name="reduce_scatter_as_all_to_all",
+                fn=reduce_scatter_as_all_to_all,
+                reason="after every pass that reads reduce-scatters as such (units, bucketing, wait "
+                "placement): it replaces them; before overlap_optimizer, which records each update's "
+                "gradient node (the rewrite replaces a wait that may be one), and reuse_dead_buffers",
             ),
         )
     if reuse_buffers:

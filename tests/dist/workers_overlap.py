@@ -26,7 +26,7 @@ def first_bucket_updated_before_last_wait(gm: fx.GraphModule) -> bool:
         n
         for n in nodes
         if C.is_collective(n)
-        and C.kind_of(n) in (C.Kind.ALL_REDUCE, C.Kind.REDUCE_SCATTER)
+        and C.kind_of(n) in (C.Kind.ALL_REDUCE, C.Kind.REDUCE_SCATTER, C.Kind.ALL_TO_ALL)
         and n.meta.get(PHASE) is Phase.BACKWARD
     ]
     last_wait = nodes.index(C.wait_of(reductions[-1]))

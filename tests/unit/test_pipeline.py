@@ -261,3 +261,17 @@ def test_optimizer_split_can_be_disabled(fake_world) -> None:
     assert C.collectives(gm.graph) and [C.kind_of(c) for c in C.collectives(gm.graph)] == [
         C.kind_of(c) for c in C.collectives(_lower("replicate", bucket_cap_mb=0.01).graph)
     ]
+
+
+def test_gloo_rewrite_only_where_asked(fake_world) -> None:
+    """reduce_scatter_as_all_to_all joins the list only with ``gloo_collectives`` (spmd.api: every
+    group gloo), after the optimizer split and before strip_grad_tags; the fake group is not gloo."""
+    from spmd.pipeline import build_pipeline
+
+    mode = spmd.DataParallel("fully_shard")
+    assert "reduce_scatter_as_all_to_all" not in [p.name for p in build_pipeline(mode).passes]
+    names = [p.name for p in build_pipeline(mode, gloo_collectives=True).passes]
+    at = names.index("reduce_scatter_as_all_to_all")
+    assert names[at - 1 : at + 2] == ["limit_inflight", "reduce_scatter_as_all_to_all", "overlap_optimizer"]
+    gm = _lower("fully_shard")
+    assert _by(gm, C.Kind.REDUCE_SCATTER) and not _by(gm, C.Kind.ALL_TO_ALL)

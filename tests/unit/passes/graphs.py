@@ -158,7 +158,8 @@ def run_ranks(gm: fx.GraphModule, per_rank: Sequence[Sequence[torch.Tensor]]) ->
 
     Non-collective nodes run once per rank on that rank's values. A collective sees every
     rank's input: all_reduce sums in rank order (divides for "avg"), all_gather
-    concatenates on dim 0, reduce_scatter sums then keeps rank ``r``'s dim-0 chunk.
+    concatenates on dim 0, reduce_scatter sums then keeps rank ``r``'s dim-0 chunk,
+    all_to_all_single (equal splits) gives rank ``r`` every rank's chunk ``r``.
     """
     w = len(per_rank)
     envs: list[dict[fx.Node, Any]] = [{} for _ in range(w)]
@@ -190,6 +191,9 @@ def _simulate(node: fx.Node, xs: list[torch.Tensor]) -> list[torch.Tensor]:
     if kind is C.Kind.ALL_GATHER:
         assert C.group_size_of(node) == w
         return [torch.cat(xs, 0) for _ in range(w)]
+    if kind is C.Kind.ALL_TO_ALL:  # equal splits: rank r gets chunk r of every rank, in rank order
+        assert C.group_size_of(node) == w
+        return [torch.cat([x.chunk(w, 0)[r] for x in xs], 0) for r in range(w)]
     total = xs[0].clone()
     for x in xs[1:]:
         total = total + x

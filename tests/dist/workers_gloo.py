@@ -1,0 +1,37 @@
+"""Per-rank bodies of the gloo collective-rewrite tests (``test_gloo_collectives``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import spmd
+from passes import collectives as C
+from tests import models as shared
+from tests.dist import parity_models as pm
+from tests.dist.workers import _full, train_step
+from tests.dist.workers_odd_world import parity
+
+PASS = "reduce_scatter_as_all_to_all"
+
+
+def kinds_and_params(rank: int, world: int, model_name: str, disabled: tuple[str, ...]) -> dict[str, Any]:
+    """Train ``model_name`` (fully_shard, fused AdamW) 3 steps; the final graph's collective kinds,
+    whether the pass ran, and the full parameters."""
+    model = pm.build(model_name)
+    opt = shared.make_optimizer("adamw_fused", model)
+    step = spmd.compile(
+        parallel_mode=spmd.DataParallel("fully_shard"), disabled_passes=disabled, check_invariants=True
+    )(train_step)
+    for i in range(3):
+        step(model, opt, *pm.batch(model_name, i, rank))
+    final = step.graphs["final"]
+    return {
+        "kinds": [C.kind_of(c).value for c in C.collectives(final.graph)],
+        "ran": PASS in step.graphs,
+        "params": [_full(p).detach().clone() for p in model.parameters()],
+    }
+
+
+def fsdp2_parity(rank: int, world: int) -> dict[str, Any]:
+    """Bit for bit with FSDP2, the pass on (the default on gloo): padded shards and nested units."""
+    return parity(rank, world, "fully_shard", [("uneven", "adam_fused"), ("nested", "adamw_fused")], 4)
