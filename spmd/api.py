@@ -530,6 +530,6 @@ def _all_gloo(gm: fx.GraphModule) -> bool:
     if not names or not dist.is_initialized():
         return False
     try:
-        return all(str(dist.get_backend(_resolve_process_group(n))) == "gloo" for n in names)
+        return all(str(dist.get_backend(_resolve_process_group(n)))  # type: ignore[arg-type] == "gloo" for n in names)
     except (RuntimeError, ValueError, KeyError):
         return False
