@@ -530,6 +530,7 @@ def _all_gloo(gm: fx.GraphModule) -> bool:
     if not names or not dist.is_initialized():
         return False
     try:
-        return all(str(dist.get_backend(_resolve_process_group(n)))  # type: ignore[arg-type] == "gloo" for n in names)
+        groups = [_resolve_process_group(n) for n in names]  # type: ignore[arg-type]
+        return all(str(dist.get_backend(g)) == "gloo" for g in groups)
     except (RuntimeError, ValueError, KeyError):
         return False
