@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 import spmd
-from spmd import lowering
+from spmd import inductor_rewrites
 from spmd.lowering import check_collective_order, code_order, graph_order
 from tests import models
 
@@ -136,7 +136,7 @@ def test_cat_onto_legacy_empty_becomes_a_clone_in_eager_layout() -> None:
     inputs and an empty keeps the real two. The final graph is not modified."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from spmd.lowering import _for_inductor
+    from spmd.inductor_rewrites import for_inductor as _for_inductor
 
     def f(k, a):
         kt = k.transpose(1, 2)
@@ -203,7 +203,7 @@ def test_onednn_gemm_matches_eager_backend(inductor_cache, monkeypatch) -> None:
     """MLP + fused AdamW, inductor_gemm='onednn' with no size floor: every matmul of the lowered code is
     oneDNN's (no ATen mm/addmm left); loss and parameters stay within TOL of the eager backend for
     three steps. With the default floor the MLP's tiny matmuls stay ATen's."""
-    monkeypatch.setattr(lowering, "_ONEDNN_MIN_MACS", 0)
+    monkeypatch.setattr(inductor_rewrites, "_ONEDNN_MIN_MACS", 0)
     compiled = models.build("mlp")
     eager = models.twin(compiled)
     co, eo = models.make_optimizer("adamw_fused", compiled), models.make_optimizer("adamw_fused", eager)
@@ -223,13 +223,7 @@ def test_checkpointed_dropout_is_refused_not_reordered() -> None:
     the forward's and the gradients were wrong); such a step is refused with the fix named."""
     from tests.unit.test_tracing import _CheckpointedDropout
 
-    def step(model, opt, x, y):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = models.train_step
     model = _CheckpointedDropout()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))

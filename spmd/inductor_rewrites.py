@@ -1,0 +1,281 @@
+"""The rewrites the final graph gets before inductor compiles it (:func:`for_inductor`).
+
+Each keeps the step's values and mutations and changes only how inductor sees an op:
+
+* ATen's fused optimizer ops (``_fused_adam_`` ...) become opaque in-place custom ops, so
+  inductor calls the ATen kernel on the real state instead of functionalizing it into copies;
+  or, with ``inline_optimizer``, Adam/AdamW become their math for inductor to fuse.
+* float32 CPU ``mm``/``addmm`` large enough to gain go to oneDNN's matmul (``inductor_gemm``).
+* legacy empty operands (Hugging Face's ``use_cache`` start) are dropped from ``cat``.
+
+:mod:`spmd.lowering` compiles the result and checks its collective order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+import torch.fx as fx
+
+# Smallest matmul (m * k * n) sent to oneDNN: its per-call setup made the ResMLP's 32x64x256
+# matmuls slower than MKL's (benchmarks/profile_step.py --model overhead), while the GPT's
+# (>= 1024x256x256) are 1.5-3x faster.
+_ONEDNN_MIN_MACS = 1 << 22
+
+
+# ----------------------------------------------------------------------------- in-place optimizers
+
+
+def _is_fused_optimizer(target: Any) -> bool:
+    return (
+        isinstance(target, torch._ops.OpOverload)
+        and target.namespace == "aten"
+        and target._schema.name.startswith("aten::_fused_")
+        and target._schema.is_mutable
+    )
+
+
+_LIB = torch.library.Library("spmd_lowering", "FRAGMENT")
+
+
+@functools.cache
+def _opaque(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
+    """A custom op with ``op``'s schema that calls ``op``: AOTAutograd cannot see through it.
+
+    ATen fused optimizers have registered functional twins, which functionalization
+    uses (new tensors plus copies back); an opaque op with mutable arguments is
+    wrapped in ``auto_functionalized`` instead, which inductor reinplaces.
+    """
+    base = op._schema.name.split("::", 1)[1].strip("_")
+    name = f"{base}_{op._overloadname}" if op._overloadname != "default" else base
+    schema = str(op._schema).split("(", 1)[1]
+    _LIB.define(f"{name}({schema}")
+
+    def impl(*args: Any, **kwargs: Any) -> None:
+        op(*args, **kwargs)
+
+    def fake(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"spmd_lowering::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.spmd_lowering, name).default
+
+
+def for_inductor(
+    gm: fx.GraphModule, *, inline_optimizer: bool = False, onednn: bool = False
+) -> fx.GraphModule:
+    """``gm`` as inductor gets it: a copy with every ATen fused optimizer op swapped for its
+    opaque twin (or, with ``inline_optimizer``, for its math where :func:`_inline_adam` covers
+    it) and legacy empty operands dropped from ``cat`` (:func:`_drop_empty_cat_inputs`);
+    with ``onednn``, float32 CPU ``mm``/``addmm`` become oneDNN calls (:func:`_onednn_gemms`);
+    ``gm`` itself when nothing applies."""
+    from passes.stages import copy_graph
+
+    if not any(
+        _is_fused_optimizer(n.target) or _has_empty_cat_input(n) or (onednn and _onednn_target(n))
+        for n in gm.graph.nodes
+    ):
+        return gm
+    graph = copy_graph(gm.graph)  # rewritten before it becomes a GraphModule: one recompile
+    for n in graph.nodes:
+        if n.op == "call_function" and _is_fused_optimizer(n.target):
+            inline = _inline_adam(n) if inline_optimizer else None
+            n.target = inline or _opaque(n.target)
+    _drop_empty_cat_inputs(graph)
+    if onednn:
+        _onednn_gemms(graph)
+    return fx.GraphModule(gm, graph)
+
+
+# ----------------------------------------------------------------------------- oneDNN matmuls
+
+
+@torch.library.custom_op("spmd_lowering::onednn_mm", mutates_args=())
+def _onednn_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b (+ bias)`` by oneDNN's matmul (``mkldnn._linear_pointwise`` takes ``b`` as a
+    transposed weight, any strides)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b.t(), bias, "none", [], "")
+
+
+@_onednn_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def _cpu_f32_2d(a: Any) -> bool:
+    v = a.meta.get("val") if isinstance(a, fx.Node) else None
+    return (
+        isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype == torch.float32 and v.dim() == 2
+    )
+
+
+def _big(a: Any, b: Any) -> bool:
+    """``a @ b`` (2-D nodes) has at least ``_ONEDNN_MIN_MACS`` multiply-adds."""
+    (m, k), n = a.meta["val"].shape, b.meta["val"].shape[1]
+    return bool(m * k * n >= _ONEDNN_MIN_MACS)
+
+
+def _onednn_target(n: fx.Node) -> bool:
+    """``n`` is a float32 CPU ``mm(a, b)`` or ``addmm(bias, a, b)`` (1-D bias, beta = alpha = 1)
+    of at least ``_ONEDNN_MIN_MACS`` multiply-adds."""
+    if n.op != "call_function" or not torch.backends.mkldnn.is_available():
+        return False
+    if n.target is torch.ops.aten.mm.default:
+        return all(_cpu_f32_2d(a) for a in n.args) and _big(*n.args)
+    if n.target is torch.ops.aten.addmm.default:
+        bias = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+        return bool(
+            n.kwargs.get("beta", 1) == 1
+            and n.kwargs.get("alpha", 1) == 1
+            and all(_cpu_f32_2d(a) for a in n.args[1:])
+            and isinstance(bias, torch.Tensor)
+            and bias.dim() == 1
+            and bias.dtype == torch.float32
+            and _big(n.args[1], n.args[2])
+        )
+    return False
+
+
+def _onednn_gemms(graph: fx.Graph) -> None:
+    """Swap every float32 CPU ``mm``/``addmm`` in ``graph`` for :func:`_onednn_mm` (in place).
+
+    Why: inductor calls ATen's ``mm`` for these, which in torch's x86 builds is MKL's sgemm;
+    on AMD EPYC (this project's machines) oneDNN's matmul measured 1.5-3x faster for every
+    shape and layout of the bench GPT's matmuls, single-threaded (``benchmarks/profile_step.py``).
+    Legal: the same product in float32 with float32 accumulation; only the summation order
+    differs (rounding, like inductor's own fusion). The output is a new contiguous tensor, as
+    ``mm``'s is; the graph's later ``view``s only need that.
+    """
+    for n in list(graph.nodes):
+        if not _onednn_target(n):
+            continue
+        args = tuple(n.args) if n.target is torch.ops.aten.mm.default else (n.args[1], n.args[2], n.args[0])
+        with graph.inserting_before(n):
+            mm = graph.call_function(torch.ops.spmd_lowering.onednn_mm.default, args)
+        mm.meta = dict(n.meta)
+        n.replace_all_uses_with(mm)
+        graph.erase_node(n)
+
+
+# ----------------------------------------------------------------------------- inline optimizers
+
+
+def _inline_adam(n: fx.Node) -> Callable[..., None] | None:
+    """:func:`_adam_math` for a ``_fused_adam_``/``_fused_adamw_`` node it covers, else None.
+
+    Covered: no amsgrad, no grad scaler. The node keeps its arguments; AOTAutograd traces
+    through the Python function (inductor sees its ATen ops), and the in-place updates of
+    parameters and state become input mutations that inductor stores straight into them.
+    """
+    name = n.target._schema.name  # type: ignore[union-attr]
+    if name not in ("aten::_fused_adam_", "aten::_fused_adamw_"):
+        return None
+    kw = n.kwargs
+    if kw.get("amsgrad") or kw.get("grad_scale") is not None or kw.get("found_inf") is not None:
+        return None
+    return _adamw_inline if name == "aten::_fused_adamw_" else _adam_inline
+
+
+def _adam_inline(*args: Any, **kwargs: Any) -> None:
+    _adam_math(*args, **kwargs, adamw=False)
+
+
+def _adamw_inline(*args: Any, **kwargs: Any) -> None:
+    _adam_math(*args, **kwargs, adamw=True)
+
+
+def _adam_math(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    amsgrad: bool,
+    maximize: bool,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    adamw: bool,
+) -> None:
+    """ATen's CPU fused Adam/AdamW step (``FusedAdamKernel.cpp``), written with ATen ops, in place.
+
+    The same formula in the same order; the bias corrections are computed in float64 from the
+    step counter as the fused kernel does. Results differ only by rounding inside inductor's
+    fused kernel (vectorised, reassociated), within the inductor backend's tolerance.
+    """
+    del max_exp_avg_sqs, amsgrad, grad_scale, found_inf  # not covered (see _inline_adam)
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps):
+        if maximize:
+            g = -g
+        if weight_decay != 0:
+            if adamw:
+                p.mul_(1 - lr * weight_decay)
+            else:
+                g = g + p * weight_decay
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        s = step.to(torch.float64)
+        bias_correction1 = 1 - torch.pow(beta1, s)
+        bias_correction2_sqrt = (1 - torch.pow(beta2, s)).sqrt()
+        step_size = (lr / bias_correction1).to(p.dtype)
+        denom = v.sqrt() / bias_correction2_sqrt.to(p.dtype) + eps
+        p.sub_(step_size * m / denom)
+
+
+# ----------------------------------------------------------------------------- cat of legacy empties
+
+
+def _legacy_empty(a: Any) -> bool:
+    """A 1-D tensor of size 0, which ``aten.cat`` skips whatever ``dim`` (legacy behaviour)."""
+    v = a.meta.get("val") if isinstance(a, fx.Node) else None
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == 0
+
+
+def _has_empty_cat_input(n: fx.Node) -> bool:
+    return (
+        n.op == "call_function"
+        and n.target is torch.ops.aten.cat.default
+        and any(_legacy_empty(a) for a in cast(Sequence[Any], n.args[0]))
+    )
+
+
+def _drop_empty_cat_inputs(graph: fx.Graph) -> None:
+    """Drop the legacy empty inputs of every ``cat`` in ``graph`` (in place); a ``cat`` left with
+    one input becomes a ``clone`` in the layout eager's ``cat`` gave (``node.meta["val"]``).
+
+    Why: Hugging Face's ``DynamicCache.update`` (``use_cache=True``) runs
+    ``cat([torch.tensor([]), k], -2)``. Eager returns a contiguous tensor and the trace
+    records ``view``s that rely on it; inductor's ``cat`` decomposition drops the empty
+    input and returns ``k.clone()`` in ``k``'s (transposed) layout, and the ``view`` fails.
+    Legal: eager's ``cat`` skips such inputs, so the values are the same.
+    """
+    for n in list(graph.nodes):
+        if not _has_empty_cat_input(n):
+            continue
+        kept = [a for a in n.args[0] if not _legacy_empty(a)]
+        if len(kept) != 1:
+            if kept:
+                n.args = (kept, *n.args[1:])
+            continue
+        val, x_val = n.meta["val"], kept[0].meta.get("val")
+        if val.is_contiguous():
+            fmt = torch.contiguous_format
+        elif isinstance(x_val, torch.Tensor) and x_val.stride() == val.stride():
+            fmt = torch.preserve_format
+        else:
+            continue  # a layout clone cannot give: leave it to inductor
+        with graph.inserting_before(n):
+            clone = graph.call_function(torch.ops.aten.clone.default, (kept[0],), {"memory_format": fmt})
+        clone.meta = dict(n.meta)
+        n.replace_all_uses_with(clone)
+        graph.erase_node(n)
