@@ -45,8 +45,9 @@ def simulate(train_step: CompiledStep, *example_args: Any, world_size: int, **kw
     Args:
         train_step: a function decorated with ``spmd.compile(...)``; its parallel mode and
             options are used (a ``mesh=`` of the mode is dropped: simulation makes its own).
-        *example_args, **kwargs: the arguments of one call, as rank 0 would pass them
+        *example_args: the positional arguments of one call, as rank 0 would pass them
             (the model, the optimizer, rank 0's local batch). They are copied, not changed.
+        **kwargs: the keyword arguments of that call, copied likewise.
         world_size: how many ranks to simulate.
 
     Must be called with no process group initialised (it initialises the fake one and
