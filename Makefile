@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 NPROC   ?= 2
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install test demo examples-smoke bench bench-quick lint clean
+.PHONY: install test demo docs examples-smoke bench bench-quick lint clean
 
 install: $(STAMP)
 
@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,docs]'
 	touch $(STAMP)
 
 test: install
@@ -22,6 +22,10 @@ test: install
 
 demo: install
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_gpt.py
+
+# The documentation site (docs/*.md, the API reference from the docstrings) into site/; warnings are errors.
+docs: install
+	$(BIN)/mkdocs build --strict
 
 # Every example in smoke mode (seconds each): world size 1 under python, then 2 ranks under torchrun.
 # Deliberately not a prerequisite of `test` (the suite gets its own smoke test of the examples).
@@ -46,5 +50,5 @@ lint: install
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) spmd_dump checkpoints bench.json .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) site spmd_dump checkpoints bench.json .pytest_cache .mypy_cache .ruff_cache *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
