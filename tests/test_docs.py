@@ -52,7 +52,9 @@ def runnable_blocks(path: Path) -> list[tuple[int, str]]:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SPMD_DUMP_DIR")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SPMD_DUMP_DIR")
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env
@@ -68,7 +70,12 @@ def test_docs_build_strict(tmp_path: Path) -> None:
         timeout=DEADLINE_S,
     )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
-    for page in ("index.html", "reference/spmd/index.html", "reference/passes/index.html", "passes/index.html"):
+    for page in (
+        "index.html",
+        "reference/spmd/index.html",
+        "reference/passes/index.html",
+        "passes/index.html",
+    ):
         assert (tmp_path / "site" / page).is_file(), page
     # The API reference really was generated from the docstrings (not an empty page).
     api = (tmp_path / "site" / "reference" / "spmd" / "index.html").read_text()
@@ -77,7 +84,12 @@ def test_docs_build_strict(tmp_path: Path) -> None:
 
 def test_runnable_blocks_run(tmp_path: Path) -> None:
     blocks = [
-        {"where": f"{path.relative_to(ROOT)}:{line}", "code": code}
+        {
+            "where": f"{path.relative_to(ROOT)}:{line}",
+            "file": str(path.relative_to(ROOT)),
+            "line": line,
+            "code": code,
+        }
         for path in doc_files()
         for line, code in runnable_blocks(path)
     ]
@@ -92,32 +104,35 @@ def test_runnable_blocks_run(tmp_path: Path) -> None:
         text=True,
         timeout=DEADLINE_S,
     )
-    assert proc.returncode == 0, f"runnable doc blocks failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+    failures = proc.stdout[proc.stdout.find("FAILED ") :] if "FAILED " in proc.stdout else proc.stdout
+    assert proc.returncode == 0, f"runnable doc blocks failed:\n{failures[:8000]}\n{proc.stderr[-4000:]}"
     ran = re.findall(r"^ok (\S+)", proc.stdout, flags=re.M)
     assert ran == [b["where"] for b in blocks], proc.stdout
 
 
 def _run_blocks(spec: Path) -> int:
-    """Run each block in a fresh namespace in its own temporary directory; report every failure."""
+    """Run each block in a fresh namespace in its own temporary directory; print ``ok <where>`` for
+    each that ran, then every failure with its traceback (naming the doc file and its line)."""
     import linecache
 
-    failed = 0
+    failed: list[str] = []
     for block in json.loads(spec.read_text()):
-        where, code = block["where"], block["code"]
-        # Tracebacks (and spmd's source-line annotations) show the doc's lines.
-        linecache.cache[where] = (len(code), None, code.splitlines(True), where)
+        where, name = block["where"], block["file"]
+        # Padded so line numbers in tracebacks (and in spmd's source annotations) are the doc's own.
+        code = "\n" * (block["line"] - 1) + block["code"]
+        linecache.cache[name] = (len(code), None, code.splitlines(True), name)
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as cwd:
             os.chdir(cwd)
             try:
-                exec(compile(code, where, "exec"), {"__name__": "__main__"})
+                exec(compile(code, name, "exec"), {"__name__": "__main__"})
             except BaseException:
-                failed += 1
-                print(f"FAILED {where}\n{traceback.format_exc()}", flush=True)
+                failed.append(f"FAILED {where}\n{traceback.format_exc()}")
                 continue
             finally:
                 os.chdir(spec.parent)
         print(f"ok {where} ({time.perf_counter() - start:.1f} s)", flush=True)
+    print("".join(failed), end="", flush=True)
     return 1 if failed else 0
 
 

@@ -32,7 +32,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 aten = torch.ops.aten
 _done = False
 
-# The ops registered here, for the README and the tests.
+# The ops registered here, for the docs (docs/tensor-parallel.md) and the tests.
 RULES = (
     aten._fused_sgd_.default,
     aten._fused_sgd_.tensor_lr,

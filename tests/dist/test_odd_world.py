@@ -11,8 +11,8 @@ and so do any two summation orders of two values. At W=3 neither holds:
   order, and rebuilds them after it in the order gradients became ready, which is the order
   spmd's (static) bucketing uses at every step. The DDP reference here therefore runs one
   backward (gradients dropped, no optimizer step) before training; against a fresh DDP the
-  first step differs in the last bits of some gradients (README: "World sizes that are not a
-  power of two").
+  first step differs in the last bits of some gradients (docs/parallel.md, "Parity with DDP and
+  FSDP2": "World sizes that are not a power of two").
 """
 
 from __future__ import annotations
