@@ -46,6 +46,7 @@ import dataclasses
 import logging
 import operator
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -162,13 +163,13 @@ def _descendants(start: Iterable[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
 
 def _match(nll: fx.Node, order: dict[fx.Node, int]) -> _Head | str:
     """The head ending at ``nll`` (an ``nll_loss_forward``), or why it is not one."""
-    args = list(nll.args) + [None] * (5 - len(nll.args))
+    args: list[Any] = list(nll.args) + [None] * (5 - len(nll.args))
     lp_in, target, cls_weight, reduction = args[0], args[1], args[2], args[3]
     ignore_index = args[4] if args[4] is not None else nll.kwargs.get("ignore_index", -100)
     if cls_weight is not None or reduction not in (REDUCTION_MEAN, REDUCTION_SUM):
         return "class weights or reduction='none'"
     # log_softmax and its aliases (autograd saves detach()es of it for backward)
-    lp = lp_in
+    lp: Any = lp_in
     while _is(lp, _ALIASES):
         lp = lp.args[0]
     if not _is(lp, [aten._log_softmax.default]) or lp.args[2]:
@@ -177,7 +178,7 @@ def _match(nll: fx.Node, order: dict[fx.Node, int]) -> _Head | str:
     if lpv is None or lpv.dim() != 2 or lp.args[1] not in (1, -1):
         return "the log_softmax is not over the last dim of a 2-D tensor"
     tokens, vocab = lpv.shape
-    aliases = [lp]
+    aliases: list[fx.Node] = [lp]
     i = 0
     while i < len(aliases):
         aliases.extend(u for u in aliases[i].users if _is(u, _ALIASES))
@@ -191,7 +192,7 @@ def _match(nll: fx.Node, order: dict[fx.Node, int]) -> _Head | str:
     getitems = {u.args[1]: u for u in nll.users if u.target is operator.getitem}
     if len(getitems) != len(nll.users):
         return "nll_loss_forward is read other than by getitem"
-    b_args = list(nll_bwd.args)
+    b_args: list[Any] = list(nll_bwd.args)
     if (
         b_args[2] is not target
         or b_args[3] is not None
@@ -205,7 +206,7 @@ def _match(nll: fx.Node, order: dict[fx.Node, int]) -> _Head | str:
         return "nll_loss_backward does not match the forward"
     # Up from the log_softmax: views, at most one cast, to mm(x, t(W)).
     fwd_chain: list[fx.Node] = []
-    z = lp.args[0]
+    z: Any = lp.args[0]
     logits_dtype = None
     while isinstance(z, fx.Node) and (_is(z, _VIEWS) or (_is_cast(z) and logits_dtype is None)):
         if len(z.users) != 1:
@@ -219,8 +220,9 @@ def _match(nll: fx.Node, order: dict[fx.Node, int]) -> _Head | str:
         z = z.args[0]
     if not _is(z, [aten.mm.default]) or len(z.users) != 1:
         return "the logits do not come from one matmul read only by the loss"
-    mm = z
-    x, wt = mm.args
+    mm: fx.Node = z
+    x: Any = mm.args[0]
+    wt: Any = mm.args[1]
     weight, k = _untranspose(wt)  # type: ignore[arg-type]
     xv, wv = _val(x), _val(weight)  # type: ignore[arg-type]
     if k != 1 or xv is None or wv is None or wv.dim() != 2 or tuple(wv.shape) != (vocab, xv.shape[1]):
@@ -261,7 +263,7 @@ def _match(nll: fx.Node, order: dict[fx.Node, int]) -> _Head | str:
                 return "the logits' gradient has a reader other than the head's gradient matmuls"
         else:
             return "the logits' gradient has a reader other than the head's gradient matmuls"
-    grad_loss = nll_bwd.args[0]
+    grad_loss: Any = nll_bwd.args[0]
     if not isinstance(grad_loss, fx.Node):
         return "the loss gradient is not a graph value"
     # The loss's value must not flow into grad_loss: ones_like(loss) is fine (shape only).
@@ -389,9 +391,9 @@ def _rewrite(graph: fx.Graph, head: _Head, chunk: int) -> None:
         n.meta[MODULE] = head.module_from.meta.get(MODULE, "")
         n.meta["val"] = v
     op.meta[WORKSPACE] = workspace_bytes(head.tokens, head.vocab, chunk, head.lp_dtype)
-    op.meta[CHUNKED_LOSS] = (
-        f"loss head: {head.tokens} tokens x vocab {head.vocab} in {n_chunks} chunk(s) of {min(chunk, head.tokens)}"
-    )
+    rows = min(chunk, head.tokens)
+    what = f"{head.tokens} tokens x vocab {head.vocab}, {n_chunks} chunk(s) of {rows}"
+    op.meta[CHUNKED_LOSS] = f"loss head: {what}"
     for old, new in zip((head.loss, head.total_weight, head.grad_x, head.grad_w), outs):
         if old is not None:
             old.replace_all_uses_with(new)

@@ -25,7 +25,6 @@ import torch.nn as nn
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from passes import collectives as C
-from passes.chunked_loss import chunk_loss_heads
 from passes.stages import Stages
 from spmd import guards, step_inputs, tracing
 from spmd import optim as optim_utils
@@ -39,7 +38,7 @@ from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.parallel.sharding import local
-from spmd.pipeline import build_pipeline
+from spmd.pipeline import build_pipeline, chunk_loss
 from spmd.report import StepReport, build_report, describe_mode
 from spmd.runtime import Executable, make_executable
 
@@ -190,7 +189,7 @@ class CompiledStep:
         self.inductor_config: dict[str, Any] = dict(options.get("inductor_config") or {})
         self.inductor_optimizer: str = check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
         self.inductor_gemm: str = check_gemm(options.get("inductor_gemm", "onednn"))
-        self.chunked_loss: bool | int | str = _check_chunked_loss(options.get("chunked_loss", "auto"), parallel_mode)
+        self.chunked_loss = _check_chunked_loss(options.get("chunked_loss", "auto"), parallel_mode)
         self.share_compile: bool = bool(
             options.get("share_compile", os.environ.get("SPMD_SHARE_COMPILE", "0") not in ("", "0"))
         )
@@ -358,7 +357,7 @@ class CompiledStep:
         # Stages keeps a cheap copy per stage and builds its GraphModule when looked up.
         graphs = Stages()
         graphs.record("traced", traced.gm)
-        if _chunk_loss(traced.gm, self.chunked_loss, self.parallel_mode):
+        if chunk_loss(traced.gm, self.chunked_loss, self.parallel_mode):
             graphs.record("chunk_loss_heads", traced.gm)
         gm = self.parallel_mode.partition(traced.gm, state, step_args)
         flat_state = state.tensors(optimizer) + step_args.tensors
@@ -538,27 +537,14 @@ def _check_chunked_loss(value: Any, parallel_mode: ParallelMode | None) -> bool 
             f"spmd.compile: chunked_loss={value!r}; use 'auto' (chunk a big loss head), True (chunk "
             "any recognised head), False (never) or a positive int (tokens per chunk)."
         )
-    if value != "auto" and value is not False and parallel_mode is not None and not isinstance(parallel_mode, DataParallel):
+    forced = value != "auto" and value is not False
+    if forced and parallel_mode is not None and not isinstance(parallel_mode, DataParallel):
         raise ConfigError(
-            f"spmd.compile: chunked_loss={value!r} needs a DataParallel mode (the chunked head is a custom "
-            f"op that {type(parallel_mode).__name__} cannot shard); drop chunked_loss or use spmd.DataParallel."
+            f"spmd.compile: chunked_loss={value!r} needs a DataParallel mode (the chunked head is a "
+            f"custom op that {type(parallel_mode).__name__} cannot shard); drop chunked_loss or use "
+            "spmd.DataParallel."
         )
     return value  # type: ignore[no-any-return]
-
-
-def _chunk_loss(gm: fx.GraphModule, option: bool | int | str, parallel_mode: ParallelMode) -> bool:
-    """Rewrite the traced graph's loss heads per the ``chunked_loss`` option (in place);
-    whether any was rewritten."""
-    if option is False or not isinstance(parallel_mode, DataParallel):
-        return False
-    before = len(gm.graph.nodes)
-    kwargs: dict[str, Any] = {}
-    if option is not True and option != "auto":
-        kwargs["chunk_tokens"] = int(option)
-    if option != "auto":
-        kwargs["min_logits_bytes"] = 0
-    chunk_loss_heads(gm, **kwargs)
-    return len(gm.graph.nodes) != before
 
 
 def _all_gloo(gm: fx.GraphModule) -> bool:
