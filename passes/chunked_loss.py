@@ -402,6 +402,9 @@ def _rewrite(graph: fx.Graph, head: _Head, chunk: int) -> None:
         at.append(n)
         n.meta[PHASE] = op.meta[PHASE]
         at = n
+    for out in outs:  # a frozen head's grad_W, an unused total_weight
+        if not out.users:
+            graph.erase_node(out)
     dead = set(head.remove)
     while True:
         erasable = [n for n in dead if not n.users]

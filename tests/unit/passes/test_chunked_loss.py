@@ -124,12 +124,15 @@ def _logits_sized(step: spmd.CompiledStep, tokens: int, vocab: int) -> list[str]
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_chunks_match_the_unchunked_head(name: str) -> None:
-    """Off: the traced head stays (logits-sized tensors in the graph). One chunk: the same bits.
+    """Off: the traced head stays (logits-sized tensors in the graph), as with "auto" under the
+    threshold. One chunk: the same bits.
     Chunks of 5 tokens (uneven): within TOL, and no logits-sized tensor left."""
     tokens, vocab = (48, 64) if name == "gpt" else (16, HF_VOCAB)  # GPT: more tokens than d_model
     loss0, grads0, off = _run(name, chunked_loss=False)
     assert not _heads(off) and "chunk_loss_heads" not in off.graphs
     assert _logits_sized(off, tokens, vocab)
+    if name == "gpt":  # "auto" (the default), under the size threshold: the same graph as off
+        assert _run(name)[2].graphs["final"].code == off.graphs["final"].code
     if name != "hf_gpt2":  # one chunk: bit for bit (GPT: tied head; Llama: untied, -100 labels)
         loss1, grads1, one = _run(name, chunked_loss=tokens)
         assert len(_heads(one)) == 1
