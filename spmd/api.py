@@ -59,7 +59,7 @@ _OPTIONS: dict[str, str] = {
     "inductor_config": "dict of torch._inductor.config settings for backend='inductor' (applied over spmd's)",
     "chunked_loss": "the loss head (output projection + cross-entropy, forward and backward) as one node "
     "that runs over chunks of tokens, so the [tokens, vocab] logits never exist: 'auto' (default: when "
-    "one logits buffer is >= 16 MiB), True (whenever recognised), False (never) or an int (tokens per "
+    "one logits buffer is >= 1 GiB), True (whenever recognised), False (never) or an int (tokens per "
     "chunk); data-parallel modes only; see docs/loss-head.md",
     "share_compile": "backend='inductor': ranks of a host with the same graph compile it once and load it "
     "from inductor's caches (default False: no gain measured with 2 ranks on 2 cores; True or env "
