@@ -18,7 +18,9 @@ What allocates nothing:
 
 Collectives allocate their output (the functional ops do). Temporaries inside one
 kernel are not seen, as ``torch.distributed._tools.mem_tracker.MemTracker`` does not
-see them either; allocator caching and fragmentation are not modelled.
+see them either, except where a node declares them (``passes.meta.WORKSPACE``: a chunked
+loss head's per-chunk buffers, made by a Python kernel): they count as live while that
+node runs. Allocator caching and fragmentation are not modelled.
 
 Why not ``torch._inductor.fx_passes.memory_estimator``: its ``build_memory_profile``
 ignores CPU tensors (a fixed device filter), it tells aliasing by storage identity
@@ -41,7 +43,7 @@ import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from passes import collectives as C
-from passes.meta import PHASE
+from passes.meta import PHASE, WORKSPACE
 
 __all__ = [
     "Liveness",
@@ -222,14 +224,15 @@ def estimate_peak_memory(gm: fx.GraphModule) -> MemoryEstimate:
             continue
         alloc = sum(size[b] for b in fresh_of[node])
         live += alloc
-        profile.append((node.name, live))
-        if live > peak:
-            peak, peak_node = live, node.name
+        running = live + int(node.meta.get(WORKSPACE, 0))  # the kernel's declared temporaries
+        profile.append((node.name, running))
+        if running > peak:
+            peak, peak_node = running, node.name
         phase = node.meta.get(PHASE)
         if phase is not None:
-            rec = phases.setdefault(getattr(phase, "value", str(phase)), [live, node.name, 0])
-            if live > rec[0]:
-                rec[0], rec[1] = live, node.name
+            rec = phases.setdefault(getattr(phase, "value", str(phase)), [running, node.name, 0])
+            if running > rec[0]:
+                rec[0], rec[1] = running, node.name
             rec[2] += alloc
         live -= frees_at.get(at, 0)
     return MemoryEstimate(

@@ -93,3 +93,10 @@ def copy_meta(dst: fx.Node, src: fx.Node, *, role: Role | None = None) -> None:
 # layout differed from the traced one where its reader depends on layout: what it fixed, in
 # words. The dump marks such lines "| layout fix-up".
 LAYOUT_FIX = "spmd_layout_fix"
+
+# On a node whose kernel holds temporaries its inputs and outputs do not show (a chunked loss
+# head, passes.linear_cross_entropy): the most bytes they take at once. The memory estimate
+# (passes.memory) counts them as live while the node runs.
+WORKSPACE = "spmd_workspace_bytes"
+# On a loss head that passes.chunked_loss rewrote: what it did, in words; the dump shows it.
+CHUNKED_LOSS = "spmd_chunked_loss"

@@ -38,7 +38,7 @@ from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.parallel.sharding import local
-from spmd.pipeline import build_pipeline
+from spmd.pipeline import build_pipeline, chunk_loss
 from spmd.report import StepReport, build_report, describe_mode
 from spmd.runtime import Executable, make_executable
 
@@ -57,6 +57,10 @@ _OPTIONS: dict[str, str] = {
     "inductor_gemm": "'onednn' (default: float32 CPU matmuls call oneDNN's matmul) or 'aten' (inductor "
     "calls torch's mm/addmm: MKL's sgemm in x86 builds); backend='inductor' only",
     "inductor_config": "dict of torch._inductor.config settings for backend='inductor' (applied over spmd's)",
+    "chunked_loss": "the loss head (output projection + cross-entropy, forward and backward) as one node "
+    "that runs over chunks of tokens, so the [tokens, vocab] logits never exist: 'auto' (default: when "
+    "one logits buffer is >= 1 GiB), True (whenever recognised), False (never) or an int (tokens per "
+    "chunk); data-parallel modes only; see docs/loss-head.md",
     "share_compile": "backend='inductor': ranks of a host with the same graph compile it once and load it "
     "from inductor's caches (default False: no gain measured with 2 ranks on 2 cores; True or env "
     "SPMD_SHARE_COMPILE=1 turns it on where safe; see spmd.compile_once)",
@@ -125,6 +129,7 @@ def compile(
     check_backend(options.get("backend", "eager"))
     check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
     check_gemm(options.get("inductor_gemm", "onednn"))
+    _check_chunked_loss(options.get("chunked_loss", "auto"), parallel_mode)
 
     def decorate(fn: Callable[..., Any]) -> CompiledStep:
         return CompiledStep(
@@ -184,6 +189,7 @@ class CompiledStep:
         self.inductor_config: dict[str, Any] = dict(options.get("inductor_config") or {})
         self.inductor_optimizer: str = check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
         self.inductor_gemm: str = check_gemm(options.get("inductor_gemm", "onednn"))
+        self.chunked_loss = _check_chunked_loss(options.get("chunked_loss", "auto"), parallel_mode)
         self.share_compile: bool = bool(
             options.get("share_compile", os.environ.get("SPMD_SHARE_COMPILE", "0") not in ("", "0"))
         )
@@ -351,6 +357,8 @@ class CompiledStep:
         # Stages keeps a cheap copy per stage and builds its GraphModule when looked up.
         graphs = Stages()
         graphs.record("traced", traced.gm)
+        if chunk_loss(traced.gm, self.chunked_loss, self.parallel_mode):
+            graphs.record("chunk_loss_heads", traced.gm)
         gm = self.parallel_mode.partition(traced.gm, state, step_args)
         flat_state = state.tensors(optimizer) + step_args.tensors
         for o in self.module_override:
@@ -519,6 +527,24 @@ def _signature(step_args: step_inputs.StepArgs) -> Hashable:
             )
         optim_sig = (type(optimizer), tuple(groups))
     return (tuple(arg_sig), step_args.spec, model_sig, optim_sig, torch.is_grad_enabled())
+
+
+def _check_chunked_loss(value: Any, parallel_mode: ParallelMode | None) -> bool | int | str:
+    """The ``chunked_loss`` option, validated."""
+    ok = value == "auto" or isinstance(value, bool) or (type(value) is int and value > 0)
+    if not ok:
+        raise ConfigError(
+            f"spmd.compile: chunked_loss={value!r}; use 'auto' (chunk a big loss head), True (chunk "
+            "any recognised head), False (never) or a positive int (tokens per chunk)."
+        )
+    forced = value != "auto" and value is not False
+    if forced and parallel_mode is not None and not isinstance(parallel_mode, DataParallel):
+        raise ConfigError(
+            f"spmd.compile: chunked_loss={value!r} needs a DataParallel mode (the chunked head is a "
+            f"custom op that {type(parallel_mode).__name__} cannot shard); drop chunked_loss or use "
+            "spmd.DataParallel."
+        )
+    return value  # type: ignore[no-any-return]
 
 
 def _all_gloo(gm: fx.GraphModule) -> bool:

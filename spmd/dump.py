@@ -12,6 +12,7 @@ import torch.fx as fx
 from passes import collectives as C
 from passes.meta import (
     CAST_OF,
+    CHUNKED_LOSS,
     LAYOUT_FIX,
     MICROBATCH,
     MODULE,
@@ -66,6 +67,8 @@ def annotated_code(gm: fx.GraphModule) -> str:
                 note += f" | cast of {n.meta[CAST_OF]}"
             if (pl := n.meta.get(NODE_PLACEMENTS)) is not None:  # DTensorExpandMode
                 note += f" | {describe_placements(pl)}"
+            if n.meta.get(CHUNKED_LOSS):  # passes.chunked_loss
+                note += f" | {n.meta[CHUNKED_LOSS]}"
             if n.meta.get(LAYOUT_FIX):  # a copy into the traced layout (passes.layouts)
                 note += " | layout fix-up"
             if C.is_collective(n) and (ranks := group_ranks(C.group_of(n))):

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 import torch.fx as fx
 
 from passes.bucketing import bucket_collectives
+from passes.chunked_loss import chunk_loss_heads
 from passes.cleanup import strip_grad_tags
 from passes.cross_step import carry_first_gathers
 from passes.dedup import dedup_collectives
@@ -22,7 +23,7 @@ from passes.reuse import reuse_dead_buffers
 from passes.scheduling import limit_inflight, sink_waits
 from passes.units import assign_units
 from spmd.errors import PassError
-from spmd.parallel import ParallelMode
+from spmd.parallel import DataParallel, ParallelMode
 
 
 @dataclasses.dataclass
@@ -172,3 +173,24 @@ def build_pipeline(
             )
         )
     return Pipeline(passes)
+
+
+def chunk_loss(gm: fx.GraphModule, option: bool | int | str, parallel_mode: ParallelMode) -> bool:
+    """``passes.chunked_loss.chunk_loss_heads`` on the traced graph, per the ``chunked_loss``
+    option of ``spmd.compile`` (in place); whether a head was rewritten.
+
+    Not in :func:`build_pipeline`'s list, which runs on the partitioned graph: it runs before the
+    partitioner, so the partitioner sees the head's weight read by a backward node (fully_shard
+    gathers it for backward), keeps the gradient tags on what reads grad_W, and the casts of
+    mixed precision are what the node reads. DataParallel modes only: DTensorExpandMode would
+    need a sharding rule for the custom op."""
+    if option is False or not isinstance(parallel_mode, DataParallel):
+        return False
+    kwargs: dict[str, int] = {}
+    if option is not True and option != "auto":
+        kwargs["chunk_tokens"] = int(option)
+    if option != "auto":
+        kwargs["min_logits_bytes"] = 0  # forced on: whatever the size
+    before = len(gm.graph.nodes)
+    chunk_loss_heads(gm, **kwargs)
+    return len(gm.graph.nodes) != before

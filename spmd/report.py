@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from passes import collectives as C
 from passes.memory import estimate_peak_memory
-from passes.meta import GRAD_OF, ROLE, Role
+from passes.meta import CHUNKED_LOSS, GRAD_OF, ROLE, Role
 
 _MiB = 1024 * 1024
 
@@ -59,6 +59,8 @@ class StepReport:
     lower_s: float | None = None  # the backend's compile time (inductor), part of compile_s
     lower_role: str | None = None  # shared compile (spmd.compile_once): "alone", "leader", "follower"
     lower_wait_s: float | None = None  # a follower's wait for its leader's compile, part of lower_s
+    # Loss heads passes.chunked_loss rewrote, in words (tokens x vocab, chunks); empty if none.
+    loss_heads: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def comm_bytes(self) -> int:
@@ -99,6 +101,7 @@ class StepReport:
             ("predicted peak", f"{_size(self.peak_memory_bytes)}  (at {self.peak_node or '-'})"),
         ]
         rows += [(f"  peak in {phase}", _size(b)) for phase, b in self.peak_by_phase.items()]
+        rows += [("chunked loss head", h) for h in self.loss_heads]
         width = max(len(k) for k, _ in rows)
         lines = [f"spmd step report (per rank, rank 0 of {self.world_size})"]
         lines += [f"  {k:<{width}}  {v}" for k, v in rows]
@@ -189,6 +192,7 @@ def build_report(
         lower_s=lower_s,
         lower_role=lower_role,
         lower_wait_s=lower_wait_s,
+        loss_heads=[n.meta[CHUNKED_LOSS] for n in gm.graph.nodes if n.meta.get(CHUNKED_LOSS)],
     )
 
 
