@@ -1,0 +1,174 @@
+"""Measure this machine for the cost model: the ``cpu-local`` device profile.
+
+    python -m spmd.calibrate                 # writes ~/.cache/spmd/cpu-local.json
+    python -m spmd.calibrate --out prof.json --threads 1
+
+What it measures (about half a minute), each as the best of several repeats:
+
+- matmul FLOP/s per dtype (fp32, bf16) at ``--threads`` threads (the bench runs 1 per rank);
+- memory bandwidth: a large ``add`` (reads two tensors, writes one);
+- per-op overhead: a 1-element ``add`` (eager dispatch, what every op of the graph pays);
+- gloo between 2 local processes: latency of a 4-byte all-reduce (two ring steps), and
+  the bus bandwidth of a 16 MiB all-reduce, all-gather, reduce-scatter and all-to-all,
+  each with the ring's factor taken out (``passes.cost_model.ring_bus_factor``).
+
+A measurement on a loaded machine is a measurement of that load: the json records when
+and with what command it was taken, so it can be re-taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from passes.cost_model import DeviceProfile, ring_bus_factor
+from spmd.profiles import CPU_LOCAL, profile_path
+
+_COMM_BYTES = 16 * 2**20
+
+
+def _best(fn: Callable[[], Any], repeats: int, inner: int = 1) -> float:
+    fn()  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best
+
+
+def measure_matmul(dtype: torch.dtype, n: int = 512, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    t = _best(lambda: torch.mm(a, b, out=out), repeats, inner=4)
+    return 2 * n**3 / t
+
+
+def measure_memory_bandwidth(numel: int = 16 * 2**20, repeats: int = 5) -> float:
+    a, b = torch.randn(numel), torch.randn(numel)
+    out = torch.empty(numel)
+    t = _best(lambda: torch.add(a, b, out=out), repeats)
+    return 3 * numel * 4 / t
+
+
+def measure_op_overhead(repeats: int = 5) -> float:
+    a, b = torch.ones(1), torch.ones(1)
+    return _best(lambda: torch.add(a, b), repeats, inner=2000)
+
+
+def _gloo_worker(rank: int, init: str, q: Any) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # the *_tensor names, still the fast path
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        small = torch.ones(1)
+        n = _COMM_BYTES // 4
+        big = torch.ones(n)
+        half = torch.ones(n // 2)
+        out_ag = torch.empty(n)
+        out_rs = torch.empty(n // 2)
+        out_a2a = torch.empty(n)
+
+        def timed(fn: Callable[[], Any], repeats: int, inner: int = 1) -> float:
+            dist.barrier()
+            return _best(fn, repeats, inner)
+
+        res = {
+            "latency_all_reduce": timed(lambda: dist.all_reduce(small), 5, inner=50),
+            "all_reduce": timed(lambda: dist.all_reduce(big), 5),
+            "all_gather": timed(lambda: dist.all_gather_into_tensor(out_ag, half), 5),
+            "reduce_scatter": timed(lambda: dist.reduce_scatter_tensor(out_rs, big), 5),
+            "all_to_all": timed(lambda: dist.all_to_all_single(out_a2a, big), 5),
+        }
+        if rank == 0:
+            q.put(res)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_gloo() -> dict[str, float]:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, f"tcp://127.0.0.1:{port}", q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        res: dict[str, float] = q.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    return res
+
+
+def calibrate(threads: int = 1) -> DeviceProfile:
+    """Measure this machine (see the module docstring) and return its profile."""
+    torch.set_num_threads(threads)
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = f"python -m spmd.calibrate --threads {threads} on {socket.gethostname()}, {when}"
+    flops = {"fp32": measure_matmul(torch.float32), "bf16": measure_matmul(torch.bfloat16, n=256)}
+    bw = measure_memory_bandwidth()
+    overhead = measure_op_overhead()
+    g = measure_gloo()
+    # A 4-byte all-reduce at 2 ranks: two ring steps of pure latency.
+    lat = g["latency_all_reduce"] / 2
+    by_kind: dict[str, float] = {}
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        steps = 2 if kind == "all_reduce" else 1
+        t = max(g[kind] - steps * lat, 1e-9)
+        by_kind[kind] = _COMM_BYTES * ring_bus_factor(kind, 2) / t
+    return DeviceProfile(
+        name=CPU_LOCAL,
+        peak_flops=flops,
+        memory_bandwidth=bw,
+        intra_node_bandwidth=by_kind["all_reduce"],
+        inter_node_bandwidth=by_kind["all_reduce"],
+        intra_node_latency_s=lat,
+        inter_node_latency_s=lat,
+        gpus_per_node=os.cpu_count() or 1,
+        op_overhead_s=overhead,
+        bandwidth_by_kind=by_kind,
+        sources={k: "measured: " + cmd for k in ("peak_flops", "memory_bandwidth", "op_overhead_s", "gloo")},
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m spmd.calibrate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help=f"profile json to write (default {profile_path()})")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for the compute measurements")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    prof = calibrate(args.threads)
+    out = profile_path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, suffix=".tmp") as f:
+        json.dump(prof.to_dict(), f, indent=2)
+    os.replace(f.name, out)
+    d = prof.to_dict()
+    print(f"calibrated in {time.perf_counter() - t0:.1f} s -> {out}")
+    for k in ("peak_flops", "memory_bandwidth", "op_overhead_s", "intra_node_latency_s", "bandwidth_by_kind"):
+        print(f"  {k}: {d[k]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
