@@ -9,7 +9,9 @@ graph on an H100 cluster or on this machine's CPU and gloo.
 The model, per node in program order:
 
 - **Free**: placeholders, outputs, ``getitem`` and ops whose schema says the result
-  aliases an argument without writing it (``view``, ``t``, ``slice``, ``split``, ...).
+  aliases an argument without writing it (``view``, ``t``, ``slice``, ``split``, ...): no
+  device time; a view still pays ``op_overhead_s`` (its dispatch), as does every
+  collective and wait (the launch, on the compute stream). The GPU profiles set it to 0.
 - **Compute** (every other op): ``max(FLOPs / (peak FLOP/s of its dtype x efficiency),
   bytes / (memory bandwidth x efficiency)) + op overhead``. FLOPs come from
   ``torch.utils.flop_counter``'s formulas (the ones ``FlopCounterMode`` uses: matmuls,
@@ -167,6 +169,21 @@ def _written_args(node: fx.Node) -> list[Any]:
     return out
 
 
+def _cpu_attention_flops(node: fx.Node, args: Any) -> float | None:
+    """CPU flash attention, which ``flop_registry`` lacks: torch's own SDPA formulas
+    (``sdpa_flop_count``: QK^T and PV, non-causal, as for the CUDA kernels)."""
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    if node.target is aten._scaled_dot_product_flash_attention_for_cpu.default:
+        q, k, v = args[:3]
+        return float(fc.sdpa_flop_count(q.shape, k.shape, v.shape))
+    if node.target is aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        g, q, k, v = args[:4]
+        return float(fc.sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape))
+    return None
+
+
 def node_flops(node: fx.Node) -> float:
     """FLOPs of one op by ``torch.utils.flop_counter``'s formula for it (0 where it has none)."""
     from torch.utils.flop_counter import flop_registry
@@ -174,10 +191,10 @@ def node_flops(node: fx.Node) -> float:
     target = node.target
     packet = getattr(target, "overloadpacket", None)
     formula = flop_registry.get(packet) if packet is not None else None
-    if formula is None:
-        return 0.0
     args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), _val)
     try:
+        if formula is None:
+            return _cpu_attention_flops(node, args) or 0.0
         return float(formula(*args, **kwargs, out_val=node.meta.get("val")))
     except Exception:  # noqa: BLE001 - a formula that cannot read these shapes: price by bytes
         return 0.0
@@ -247,20 +264,29 @@ def estimate_step_time(
     compute_s = comm_s = exposed = flops = 0.0
     by_kind: dict[str, float] = {}
     costs: list[tuple[float, str]] = []
+    launch = profile.op_overhead_s
     for n in gm.graph.nodes:
         if C.is_collective(n):
             kind = C.kind_of(n).value
             t = collective_time(kind, C.bytes_of(n), info(C.group_of(n)), profile)
+            compute_t += launch
             start = max(compute_t, comm_free)
             comm_free = done[n] = start + t
             comm_s += t
             by_kind[kind] = by_kind.get(kind, 0.0) + t
         elif C.is_wait(n):
+            compute_t += launch
             finish = done[C.collective_of(n)]
             if finish > compute_t:
                 exposed += finish - compute_t
                 compute_t = finish
-        elif not _is_free(n):
+        elif _is_free(n):
+            # No kernel, but an op call still pays the dispatch (a view on the host); getitem,
+            # placeholders and the output pay nothing.
+            if n.op == "call_function" and n.target is not operator.getitem:
+                compute_t += launch
+                compute_s += launch
+        else:
             t, f = compute_time(n, profile)
             compute_t += t
             compute_s += t
