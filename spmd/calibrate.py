@@ -3,12 +3,14 @@
     python -m spmd.calibrate                 # writes ~/.cache/spmd/cpu-local.json
     python -m spmd.calibrate --out prof.json --threads 1
 
-What it measures (about half a minute), each as the best of several repeats:
+What it measures (about half a minute), each as the median of several repeats:
 
 - matmul FLOP/s per dtype (fp32, bf16) at ``--threads`` threads (the bench runs 1 per rank);
 - memory bandwidth: a large ``add`` (reads two tensors, writes one);
-- per-op overhead: a 1-element ``add`` (eager dispatch, what every op of the graph pays);
-- gloo between 2 local processes: latency of a 4-byte all-reduce (two ring steps), and
+- per-op overhead: a graph of 1-element ``add``s run as fx runs a step's graph (generated
+  Python, dispatch, a fresh output: what every op of the graph pays);
+- gloo between 2 local processes, through the functional collectives a step's graph calls
+  (each with its ``wait_tensor``): latency of a 4-byte all-reduce (two ring steps), and
   the bus bandwidth of a 16 MiB all-reduce, all-gather, reduce-scatter and all-to-all,
   each with the ring's factor taken out (``passes.cost_model.ring_bus_factor``).
 
@@ -23,10 +25,10 @@ import datetime
 import json
 import os
 import socket
+import statistics
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -39,14 +41,19 @@ _COMM_BYTES = 16 * 2**20
 
 
 def _best(fn: Callable[[], Any], repeats: int, inner: int = 1) -> float:
+    """The median time of ``fn`` (seconds) over ``repeats`` runs of ``inner`` calls.
+
+    The median, not the best: a step is timed by its median too, so on a machine shared
+    with other work both see the same share of the cores.
+    """
     fn()  # warm up
-    best = float("inf")
+    ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(inner):
             fn()
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return best
+        ts.append((time.perf_counter() - t0) / inner)
+    return statistics.median(ts)
 
 
 def measure_matmul(dtype: torch.dtype, n: int = 512, repeats: int = 5) -> float:
@@ -63,36 +70,45 @@ def measure_memory_bandwidth(numel: int = 16 * 2**20, repeats: int = 5) -> float
     return 3 * numel * 4 / t
 
 
-def measure_op_overhead(repeats: int = 5) -> float:
-    a, b = torch.ones(1), torch.ones(1)
-    return _best(lambda: torch.add(a, b), repeats, inner=2000)
+def measure_op_overhead(repeats: int = 5, n_ops: int = 200) -> float:
+    """Seconds per op of a GraphModule of ``n_ops`` one-element adds, as a compiled step's
+    final graph runs (fx's generated Python, the dispatcher, a fresh output each)."""
+    import torch.fx as fx
+
+    g = fx.Graph()
+    x = y = g.placeholder("x")
+    for _ in range(n_ops):
+        y = g.call_function(torch.ops.aten.add.Tensor, (y, x))
+    g.output(y)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    one = torch.ones(1)
+    return _best(lambda: gm(one), repeats, inner=10) / n_ops
 
 
 def _gloo_worker(rank: int, init: str, q: Any) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning)  # the *_tensor names, still the fast path
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
+        # The functional collectives and their waits: what a compiled step's graph calls.
+        f = torch.ops._c10d_functional
+        name = dist.group.WORLD.group_name  # type: ignore[union-attr]
         small = torch.ones(1)
         n = _COMM_BYTES // 4
         big = torch.ones(n)
         half = torch.ones(n // 2)
-        out_ag = torch.empty(n)
-        out_rs = torch.empty(n // 2)
-        out_a2a = torch.empty(n)
 
         def timed(fn: Callable[[], Any], repeats: int, inner: int = 1) -> float:
             dist.barrier()
-            return _best(fn, repeats, inner)
+            return _best(lambda: f.wait_tensor(fn()), repeats, inner)
 
         res = {
-            "latency_all_reduce": timed(lambda: dist.all_reduce(small), 5, inner=50),
-            "all_reduce": timed(lambda: dist.all_reduce(big), 5),
-            "all_gather": timed(lambda: dist.all_gather_into_tensor(out_ag, half), 5),
-            "reduce_scatter": timed(lambda: dist.reduce_scatter_tensor(out_rs, big), 5),
-            "all_to_all": timed(lambda: dist.all_to_all_single(out_a2a, big), 5),
+            "latency_all_reduce": timed(lambda: f.all_reduce(small, "sum", name), 5, inner=50),
+            "all_reduce": timed(lambda: f.all_reduce(big, "sum", name), 5),
+            "all_gather": timed(lambda: f.all_gather_into_tensor(half, 2, name), 5),
+            "reduce_scatter": timed(lambda: f.reduce_scatter_tensor(big, "sum", 2, name), 5),
+            "all_to_all": timed(lambda: f.all_to_all_single(big, [n // 2] * 2, [n // 2] * 2, name), 5),
         }
         if rank == 0:
             q.put(res)
