@@ -25,6 +25,8 @@ The model, per node in program order:
   unsharded bytes in ``W-1`` steps, an all-reduce ``2(W-1)/W`` in ``2(W-1)`` steps, a
   broadcast the bytes once. Bandwidth and latency are the intra-node ones when the group
   lies within one node, the inter-node ones when it spans nodes.
+  On a device where communication takes the compute's resources (a CPU: gloo's threads),
+  the fraction ``1 - comm_compute_overlap`` of its time is charged to the compute stream too.
 - **Wait**: the compute stream stalls until its collective completes; the stall is
   *exposed communication*.
 
@@ -81,6 +83,10 @@ class DeviceProfile:
     compute_efficiency: float = 1.0
     memory_efficiency: float = 1.0  # fraction of memory_bandwidth reached by memory-bound ops
     op_overhead_s: float = 0.0  # fixed time per compute op (dispatch / kernel launch)
+    # Fraction of a collective's time the compute can run alongside it: 1.0 where communication
+    # has its own engine (assumed for NCCL on GPUs), less on a CPU where gloo's threads take
+    # the cores compute runs on (measured by spmd.calibrate). The rest is charged to compute.
+    comm_compute_overlap: float = 1.0
     # Bus bandwidth per collective kind ("all_reduce", ...) where measured; overrides the
     # intra-node bandwidth for that kind (gloo's algorithms differ by kind).
     bandwidth_by_kind: Mapping[str, float] = dataclasses.field(default_factory=dict)
@@ -272,6 +278,9 @@ def estimate_step_time(
             compute_t += launch
             start = max(compute_t, comm_free)
             comm_free = done[n] = start + t
+            stolen = (1.0 - profile.comm_compute_overlap) * t
+            compute_t += stolen
+            compute_s += stolen
             comm_s += t
             by_kind[kind] = by_kind.get(kind, 0.0) + t
         elif C.is_wait(n):

@@ -206,6 +206,7 @@ class CompiledStep:
         self._overridden: set[int] = set()
         # Traces shared between configurations of one spmd.plan (see _trace); None: off.
         self._trace_cache: dict[Hashable, Any] | None = None
+        self._keep_stages = True  # record the graph after every pass (spmd.plan turns it off)
 
     # ------------------------------------------------------------------ inspection
 
@@ -369,7 +370,8 @@ class CompiledStep:
             gm,
             disabled=self.disabled_passes,
             check=self.check_invariants,
-            record=graphs.record,
+            # A plan keeps only the final graph: a copy per pass is a third of its time.
+            record=graphs.record if self._keep_stages else None,
         )
         if self.gm_transformation is not None:
             gm = self.gm_transformation(gm)

@@ -12,7 +12,10 @@ What it measures (about half a minute), each as the median of several repeats:
 - gloo between 2 local processes, through the functional collectives a step's graph calls
   (each with its ``wait_tensor``): latency of a 4-byte all-reduce (two ring steps), and
   the bus bandwidth of a 16 MiB all-reduce, all-gather, reduce-scatter and all-to-all,
-  each with the ring's factor taken out (``passes.cost_model.ring_bus_factor``).
+  each with the ring's factor taken out (``passes.cost_model.ring_bus_factor``);
+- how much compute and a collective overlap: a 16 MiB all-reduce issued, matmuls of about
+  its length run, then waited, against the two alone (``comm_compute_overlap``: 1 = fully
+  hidden, 0 = one after the other, as when gloo's thread and the compute share a core).
 
 A measurement on a loaded machine is a measurement of that load: the json records when
 and with what command it was taken, so it can be re-taken.
@@ -103,7 +106,26 @@ def _gloo_worker(rank: int, init: str, q: Any) -> None:
             dist.barrier()
             return _best(lambda: f.wait_tensor(fn()), repeats, inner)
 
+        a = torch.randn(256, 256)
+        mm_s = _best(lambda: torch.mm(a, a), 5, inner=10)
+        ar_s = timed(lambda: f.all_reduce(big, "sum", name), 5)
+        k = max(1, round(ar_s / mm_s))
+
+        def compute() -> None:
+            for _ in range(k):
+                torch.mm(a, a)
+
+        def both() -> None:
+            w = f.all_reduce(big, "sum", name)
+            compute()
+            f.wait_tensor(w)
+
+        alone_s = _best(compute, 5)
+        dist.barrier()
+        both_s = _best(both, 5)
         res = {
+            # How much of the shorter one hides behind the other when both run at once.
+            "overlap": (alone_s + ar_s - both_s) / min(alone_s, ar_s),
             "latency_all_reduce": timed(lambda: f.all_reduce(small, "sum", name), 5, inner=50),
             "all_reduce": timed(lambda: f.all_reduce(big, "sum", name), 5),
             "all_gather": timed(lambda: f.all_gather_into_tensor(half, 2, name), 5),
@@ -162,6 +184,7 @@ def calibrate(threads: int = 1) -> DeviceProfile:
         inter_node_latency_s=lat,
         gpus_per_node=os.cpu_count() or 1,
         op_overhead_s=overhead,
+        comm_compute_overlap=min(max(g["overlap"], 0.0), 1.0),
         bandwidth_by_kind=by_kind,
         sources={k: "measured: " + cmd for k in ("peak_flops", "memory_bandwidth", "op_overhead_s", "gloo")},
     )
@@ -181,7 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     os.replace(f.name, out)
     d = prof.to_dict()
     print(f"calibrated in {time.perf_counter() - t0:.1f} s -> {out}")
-    for k in ("peak_flops", "memory_bandwidth", "op_overhead_s", "intra_node_latency_s", "bandwidth_by_kind"):
+    for k in (
+        "peak_flops",
+        "memory_bandwidth",
+        "op_overhead_s",
+        "intra_node_latency_s",
+        "bandwidth_by_kind",
+        "comm_compute_overlap",
+    ):
         print(f"  {k}: {d[k]}")
     return 0
 

@@ -392,6 +392,7 @@ def _one(
     if "remat" in opts:
         _set_remat(sim, opts["remat"])
     sim._trace_cache = trace_cache
+    sim._keep_stages = False
     args, kw = fake_copy(example_args, kwargs)
     stages = sim.lower(*args, **kw)
     gm = stages["final"]

@@ -27,6 +27,11 @@ def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
 
 
+def _bools(s: str) -> list[bool]:
+    words = {"true": True, "false": False, "1": True, "0": False}
+    return [words[x.strip().lower()] for x in s.split(",") if x]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m spmd.plan", description=__doc__.split("\n\n")[0])
     models.add_model_arguments(p)
@@ -40,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--styles", default="replicate,fully_shard,hybrid_shard", help="comma-separated styles")
     p.add_argument("--prefetch", type=_ints, default=[0, 1, 2], help="prefetch depths, e.g. 0,1,2")
     p.add_argument("--min-unit-mb", type=_floats, default=[1.0, 64.0], help="min_unit_mb values, e.g. 1,64")
+    p.add_argument(
+        "--reshard",
+        type=_bools,
+        default=[True, False],
+        help="fully_shard reshard_after_forward values: true,false",
+    )
     p.add_argument("--tokens-per-step", type=int, default=None, help="tokens per rank per step")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="log spmd's progress to stderr")
@@ -63,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         styles=[s for s in args.styles.split(",") if s],
         prefetch=args.prefetch,
         min_unit_mb=args.min_unit_mb,
+        reshard=args.reshard,
         efficiency=args.efficiency,
     )
     print(result.to_json() if args.json else result)

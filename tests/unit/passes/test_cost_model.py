@@ -65,6 +65,19 @@ def test_prefetched_gather_hides_behind_compute_and_a_late_one_is_exposed() -> N
     assert early.step_s < late.step_s
 
 
+def test_communication_that_shares_the_compute_resources_does_not_hide() -> None:
+    """With comm_compute_overlap=0 (a CPU whose cores run gloo's threads too) the prefetched
+    gather costs as much as an exposed one; in between, in between."""
+    serial = DeviceProfile(**{**PROFILE.to_dict(), "comm_compute_overlap": 0.0})
+    half = DeviceProfile(**{**PROFILE.to_dict(), "comm_compute_overlap": 0.5})
+    gm = _gather_then_matmul(True)
+    full = estimate_step_time(gm, PROFILE, GROUPS)
+    none = estimate_step_time(gm, serial, GROUPS)
+    mid = estimate_step_time(gm, half, GROUPS)
+    assert none.step_s == pytest.approx(full.compute_s + full.comm_s)
+    assert full.step_s < mid.step_s < none.step_s
+
+
 def test_views_and_getitems_cost_nothing() -> None:
     """relu(x) vs relu(x) ; view ; t ; view: the same time."""
     b = Builder()
