@@ -7,7 +7,8 @@
 ``bench.json``. Per configuration (the bench models of ``models.py`` x five spmd data-parallel
 configurations): the step time measured here (median over steps of the slower rank) against
 the one ``passes.cost_model`` predicts from the step's final graph on the ``cpu-local`` profile
-calibrated at the start of the run (``spmd.calibrate``), and the peak memory ``MemTracker``
+calibrated in the run (``spmd.calibrate``: gloo at the start; the compute constants again on
+both ranks right before each configuration, since a loaded machine drifts), and the peak memory ``MemTracker``
 measures against the report's prediction (``passes.memory``). Printed: a table, Spearman's
 rank correlation and the median absolute error of the step times, the worst peak error.
 """
@@ -15,6 +16,7 @@ rank correlation and the median absolute error of the step times, the worst peak
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -75,6 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from spmd.calibrate import measure_compute
     from spmd.profiles import get_profile
 
     torch.set_num_threads(1)
@@ -87,8 +90,16 @@ def worker(args: argparse.Namespace) -> None:
         gen = torch.Generator().manual_seed(1000 + rank)
         batches = [spec.batch(gen) for _ in range(4)]
         for label, opts in CONFIGS:
+            # The compute constants again, on both ranks at once, right before this
+            # configuration: what one rank gets of a machine shared with the other rank (and,
+            # here, with whatever else runs), which drifts over a run.
+            dist.barrier()
+            here = dataclasses.replace(prof, **measure_compute())
             rec = {"model": model_name, "config": label, "options": opts}
-            rec.update(measure_one(spec, batches, opts, prof, steps=args.steps, warmup=args.warmup))
+            rec.update(measure_one(spec, batches, opts, here, steps=args.steps, warmup=args.warmup))
+            rec["profile_compute"] = {
+                k: getattr(here, k) for k in ("peak_flops", "memory_bandwidth", "op_overhead_s")
+            }
             if rank == 0:
                 records.append(rec)
                 print(

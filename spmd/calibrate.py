@@ -88,6 +88,16 @@ def measure_op_overhead(repeats: int = 5, n_ops: int = 200) -> float:
     return _best(lambda: gm(one), repeats, inner=10) / n_ops
 
 
+def measure_compute() -> dict[str, Any]:
+    """This process's compute constants: the profile fields ``peak_flops``, ``memory_bandwidth``
+    and ``op_overhead_s`` (about 5 s)."""
+    return {
+        "peak_flops": {"fp32": measure_matmul(torch.float32), "bf16": measure_matmul(torch.bfloat16, n=256)},
+        "memory_bandwidth": measure_memory_bandwidth(),
+        "op_overhead_s": measure_op_overhead(),
+    }
+
+
 def _gloo_worker(rank: int, init: str, q: Any) -> None:
     import torch.distributed as dist
 
@@ -163,9 +173,7 @@ def calibrate(threads: int = 1) -> DeviceProfile:
     torch.set_num_threads(threads)
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     cmd = f"python -m spmd.calibrate --threads {threads} on {socket.gethostname()}, {when}"
-    flops = {"fp32": measure_matmul(torch.float32), "bf16": measure_matmul(torch.bfloat16, n=256)}
-    bw = measure_memory_bandwidth()
-    overhead = measure_op_overhead()
+    c = measure_compute()
     g = measure_gloo()
     # A 4-byte all-reduce at 2 ranks: two ring steps of pure latency.
     lat = g["latency_all_reduce"] / 2
@@ -176,14 +184,14 @@ def calibrate(threads: int = 1) -> DeviceProfile:
         by_kind[kind] = _COMM_BYTES * ring_bus_factor(kind, 2) / t
     return DeviceProfile(
         name=CPU_LOCAL,
-        peak_flops=flops,
-        memory_bandwidth=bw,
+        peak_flops=c["peak_flops"],
+        memory_bandwidth=c["memory_bandwidth"],
         intra_node_bandwidth=by_kind["all_reduce"],
         inter_node_bandwidth=by_kind["all_reduce"],
         intra_node_latency_s=lat,
         inter_node_latency_s=lat,
         gpus_per_node=os.cpu_count() or 1,
-        op_overhead_s=overhead,
+        op_overhead_s=c["op_overhead_s"],
         comm_compute_overlap=min(max(g["overlap"], 0.0), 1.0),
         bandwidth_by_kind=by_kind,
         sources={k: "measured: " + cmd for k in ("peak_flops", "memory_bandwidth", "op_overhead_s", "gloo")},

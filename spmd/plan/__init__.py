@@ -74,6 +74,7 @@ class PlanRow:
     exposed_comm_s: float  # communication the compute waits for
     comm_s: float  # time of all collectives (overlapped or not)
     compute_s: float
+    flops: float  # FLOPs of the step's ops with a torch.utils.flop_counter formula
     comm_bytes: int  # bytes of all collectives per rank
     lower_s: float  # time to lower this configuration here
 
@@ -411,6 +412,7 @@ def _one(
         exposed_comm_s=cost.exposed_comm_s,
         comm_s=cost.comm_s,
         compute_s=cost.compute_s,
+        flops=cost.flops,
         comm_bytes=sum(C.bytes_of(n) for n in C.collectives(gm.graph)),
         lower_s=lower_s,
     )
