@@ -7,8 +7,8 @@
 ``bench.json``. Per configuration (the bench models of ``models.py`` x five spmd data-parallel
 configurations): the step time measured here (median over steps of the slower rank) against
 the one ``passes.cost_model`` predicts from the step's final graph on the ``cpu-local`` profile
-calibrated in the run (``spmd.calibrate``: gloo at the start; the compute constants again on
-both ranks right before each configuration, since a loaded machine drifts), and the peak memory ``MemTracker``
+calibrated in the run (``spmd.calibrate``; the compute constants again on both ranks at once
+at the start of the job, as the steps will share the machine), and the peak memory ``MemTracker``
 measures against the report's prediction (``passes.memory``). Printed: a table, Spearman's
 rank correlation and the median absolute error of the step times, the worst peak error.
 """
@@ -83,23 +83,20 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
-    prof = get_profile(args.profile)
+    # The compute constants again, on both ranks at once: what one rank gets of the machine
+    # while the other rank computes too (spmd.calibrate measured them in one process). Once, not
+    # before each configuration: on a loaded machine that re-measurement moved by up to 1.7x
+    # between configurations, more than the configurations differ.
+    dist.barrier()
+    prof = dataclasses.replace(get_profile(args.profile), **measure_compute())
     records = []
     for model_name in args.models.split(","):
         spec = models.get(model_name, quick=args.quick)
         gen = torch.Generator().manual_seed(1000 + rank)
         batches = [spec.batch(gen) for _ in range(4)]
         for label, opts in CONFIGS:
-            # The compute constants again, on both ranks at once, right before this
-            # configuration: what one rank gets of a machine shared with the other rank (and,
-            # here, with whatever else runs), which drifts over a run.
-            dist.barrier()
-            here = dataclasses.replace(prof, **measure_compute())
             rec = {"model": model_name, "config": label, "options": opts}
-            rec.update(measure_one(spec, batches, opts, here, steps=args.steps, warmup=args.warmup))
-            rec["profile_compute"] = {
-                k: getattr(here, k) for k in ("peak_flops", "memory_bandwidth", "op_overhead_s")
-            }
+            rec.update(measure_one(spec, batches, opts, prof, steps=args.steps, warmup=args.warmup))
             if rank == 0:
                 records.append(rec)
                 print(
