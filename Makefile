@@ -36,7 +36,7 @@ examples-smoke: install
 	$(BIN)/python examples/inspect_graphs.py --smoke
 	$(BIN)/python examples/override_moe.py --smoke
 
-# spmd vs DDP and FSDP2 on 2 gloo ranks (1 thread each): prints tables, writes bench.json. ~10 min on 2 cores.
+# spmd vs DDP and FSDP2 on 2 gloo ranks (1 thread each): prints tables, writes bench.json. ~15-20 min on 2 cores (the plan check included; --no-plan-check skips it).
 bench: install
 	$(BIN)/python benchmarks/run.py
 

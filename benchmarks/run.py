@@ -26,6 +26,9 @@ with ``reuse_dead_buffers`` disabled (peak memory before/after in one run);
 ``spmd_fully_shard_xstep`` runs with ``cross_step_prefetch=True``; ``spmd_fully_shard_rs`` with
 ``reduce_scatter_as_all_to_all`` disabled (gloo's reduce-scatter instead of all-to-all + local sum).
 
+Then ``plan_check.py``: the cost model of ``spmd.plan`` predicted vs measured over 10 spmd
+configurations (``--no-plan-check`` skips it).
+
 Prints one table per model with ratios to fsdp2 and to no_comm, the issue's targets, and (for
 spmd_fully_shard) the predicted comparison with inductor's overlap scheduler (``overlap.py``);
 writes every record to ``bench.json``. A variant that fails is shown as ``error: <line>``.
@@ -63,6 +66,7 @@ p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated s
 p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 24, quick 4)")
 p.add_argument("--out", default=os.path.join(ROOT, "bench.json"), help="where to write the records")
 p.add_argument("--timeout", type=int, default=None, help="seconds per torchrun job (default 1500, quick 600)")
+p.add_argument("--no-plan-check", action="store_true", help="skip the cost-model check (plan_check.py)")
 args = p.parse_args()
 steps = args.steps or (4 if args.quick else 24)  # the median is over at least 20
 rounds = 2 if args.quick else 4  # interleaved rounds the timed steps are split into
@@ -391,6 +395,14 @@ def main() -> None:
         for r in recs:
             r["run"] = run_info
         all_records.extend(recs)
+    check: dict[str, Any] | None = None
+    if not args.no_plan_check:
+        import plan_check
+
+        print("== plan check: the cost model of spmd.plan, predicted vs measured", flush=True)
+        check = plan_check.run(quick=args.quick, log_path=log_path, timeout=timeout)
+        rec = {"model": "plan_check", "variant": "predicted_vs_measured", **check, "run": run_info}
+        all_records.append(rec)
     with open(args.out, "w") as f:
         json.dump(all_records, f, indent=1)
 
@@ -420,6 +432,14 @@ def main() -> None:
         "variant's semantics need; wire MiB: bytes written to sockets (/proc/self/io); colls: collective "
         "launches per step; compile s: first call minus a step (of it, inductor's lowering)."
     )
+    if check is not None:
+        import plan_check
+
+        print("\n### plan check: spmd.plan's cost model (cpu-local, calibrated in this run) vs measured\n")
+        if "error" in check:
+            print(f"error: {check['error']}")
+        else:
+            print(plan_check.table(check["records"], check["summary"]))
     errors = [r for r in all_records if r.get("error")]
     print(f"\nwrote {args.out} ({len(all_records)} records) in {took:.0f} s; worker log: {log_path}")
     if errors:

@@ -27,6 +27,7 @@ from spmd.errors import (
 from spmd.parallel import DataParallel, DTensorExpandMode, MixedPrecision, ParallelMode
 from spmd.parallel.offload import CPUOffloadPolicy
 from spmd.parallel.sharding import full_state_dict
+from spmd.plan import Plan, plan
 from spmd.report import StepReport
 from spmd.simulate import simulate
 
@@ -49,6 +50,7 @@ __all__ = [
     "Override",
     "ParallelMode",
     "PassError",
+    "Plan",
     "RankDivergenceError",
     "ShardingPropagationError",
     "SpmdError",
@@ -58,5 +60,6 @@ __all__ = [
     "UntraceableOpError",
     "compile",
     "full_state_dict",
+    "plan",
     "simulate",
 ]

@@ -210,6 +210,9 @@ class CompiledStep:
         self._last_call: LastCall | None = None
         guards.install()
         self._overridden: set[int] = set()
+        # Traces shared between configurations of one spmd.plan (see _trace); None: off.
+        self._trace_cache: dict[Hashable, Any] | None = None
+        self._keep_stages = True  # record the graph after every pass (spmd.plan turns it off)
 
     # ------------------------------------------------------------------ inspection
 
@@ -340,14 +343,7 @@ class CompiledStep:
                 "spmd: new input signature for %s, tracing graph #%d", self.__name__, self.num_graphs + 1
             )
         state = step_inputs.lift_state(module, optimizer)
-        with guards.record_reads(module) as read:
-            traced = tracing.trace_step(
-                self.fn,
-                self.parallel_mode.trace_args(step_args),
-                state,
-                casts=self.parallel_mode.trace_casts(),
-                accumulate_after_reduce=self.parallel_mode.accumulate_after_reduce(),
-            )
+        traced, read, trace_key = self._trace(step_args, state)
         unused_fresh = _forget_unused_state(traced, optimizer, fresh, module)
         if unused_fresh:
             state = step_inputs.lift_state(module, optimizer)
@@ -359,7 +355,7 @@ class CompiledStep:
         graphs.record("traced", traced.gm)
         if chunk_loss(traced.gm, self.chunked_loss, self.parallel_mode):
             graphs.record("chunk_loss_heads", traced.gm)
-        gm = self.parallel_mode.partition(traced.gm, state, step_args)
+        gm = self._partition(traced, state, step_args, trace_key)
         flat_state = state.tensors(optimizer) + step_args.tensors
         for o in self.module_override:
             res = o.transform(gm, flat_state)
@@ -382,7 +378,8 @@ class CompiledStep:
             gm,
             disabled=self.disabled_passes,
             check=self.check_invariants,
-            record=graphs.record,
+            # A plan keeps only the final graph: a copy per pass is a third of its time.
+            record=graphs.record if self._keep_stages else None,
         )
         if self.gm_transformation is not None:
             gm = self.gm_transformation(gm)
@@ -426,6 +423,53 @@ class CompiledStep:
                 dump_code(where, len(graphs), lowered.backend, lowered.code)
             dump_report(where, _report(entry, "final"))
         return entry, _signature(step_args)
+
+    def _trace(
+        self, step_args: step_inputs.StepArgs, state: step_inputs.LiftedState
+    ) -> tuple[tracing.TracedStep, list[guards.Guard], Hashable]:
+        """The traced step, the module attributes it read, and its key in ``_trace_cache``.
+
+        With ``_trace_cache`` (a dict; :func:`spmd.plan` sets one on its copies of the step)
+        a trace is reused by every configuration that traces the same graph: the traced
+        graph has single-device semantics on full-size state whatever the placements, and
+        depends on the parallel mode only through its compute casts (mixed precision),
+        ``accumulate_after_reduce`` and ``trace_args``. Each reuse gets its own copy of the
+        graph (partitioning rewrites it in place). The cache is only valid for calls with
+        structurally identical arguments (what ``spmd.plan`` makes); the guards of a reused
+        trace are not recorded (a plan never runs its steps).
+        """
+        mode = self.parallel_mode
+        casts = mode.trace_casts()
+        acc = mode.accumulate_after_reduce()
+        trace_args = mode.trace_args(step_args)
+        cache = self._trace_cache
+        key = ("trace", repr(casts), acc, trace_args is step_args)
+        if cache is not None and key in cache:
+            return tracing.copy_traced(cache[key]), [], key
+        with guards.record_reads(step_args.module) as read:
+            traced = tracing.trace_step(self.fn, trace_args, state, casts=casts, accumulate_after_reduce=acc)
+        if cache is not None:
+            cache[key] = tracing.copy_traced(traced)
+        return traced, read, key
+
+    def _partition(
+        self,
+        traced: tracing.TracedStep,
+        state: step_inputs.LiftedState,
+        step_args: step_inputs.StepArgs,
+        trace_key: Hashable,
+    ) -> fx.GraphModule:
+        """The parallel mode's partition of ``traced``; with ``_trace_cache``, shared by the
+        modes whose ``partition_key`` is equal (they differ only in pass options)."""
+        cache = self._trace_cache
+        mode_key = self.parallel_mode.partition_key()
+        key = ("partition", trace_key, mode_key)
+        if cache is not None and mode_key is not None and key in cache:
+            return tracing.copy_graph_module(cache[key])
+        gm = self.parallel_mode.partition(traced.gm, state, step_args)
+        if cache is not None and mode_key is not None:
+            cache[key] = tracing.copy_graph_module(gm)
+        return gm
 
     def _record_layout_fix(self, entry: _Entry, gm: fx.GraphModule) -> None:
         """The first run inserted layout fix-ups into the final graph: show them as a stage."""

@@ -1,4 +1,5 @@
-"""Built-in example models for ``python -m spmd.simulate``: GPT-2 shapes and a tiny one.
+"""Built-in example models for ``python -m spmd.simulate`` / ``spmd.plan``: GPT-2 shapes and a tiny one,
+and Hugging Face causal LMs from a config file or a preset (Llama 3.1 8B / 70B shapes).
 
 A small GPT (token + position embeddings, pre-LayerNorm blocks with causal SDPA and
 a GELU MLP, final LayerNorm, head tied to the token embedding, as GPT-2 does) and
@@ -99,3 +100,149 @@ def build(
     optim = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
     idx = torch.zeros(batch, seq, dtype=torch.long)
     return model, optim, idx, idx.clone()
+
+
+# ----------------------------------------------------------------------------- Hugging Face models
+
+# Published shapes (Meta's config.json of meta-llama/Llama-3.1-8B and -70B on the Hugging Face hub).
+_LLAMA31_ROPE = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+_LLAMA31 = {
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": _LLAMA31_ROPE,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+}
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama3.1-8b": {
+        **_LLAMA31,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
+    "llama3.1-70b": {
+        **_LLAMA31,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+    },
+}
+
+
+def hf_config(source: str | dict[str, Any]) -> Any:
+    """A ``transformers`` config from a preset name, a config json path, or its dict (no download)."""
+    import json
+    import os
+
+    from transformers import AutoConfig
+
+    if isinstance(source, str) and source in PRESETS:
+        d = dict(PRESETS[source])
+    elif isinstance(source, dict):
+        d = dict(source)
+    else:
+        path = os.fspath(source)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path) as f:
+            d = json.load(f)
+    if "model_type" not in d:
+        raise ValueError(f"{source!r}: a Hugging Face config needs a 'model_type' (e.g. 'llama')")
+    model_type = d.pop("model_type")
+    for k in ("architectures", "transformers_version", "torch_dtype", "dtype"):
+        d.pop(k, None)  # weights' dtype: the plan's mixed precision decides compute dtypes
+    d.setdefault("use_cache", False)
+    return AutoConfig.for_model(model_type, attn_implementation="sdpa", **d)
+
+
+def causal_lm_step(
+    model: nn.Module, optim: torch.optim.Optimizer, idx: torch.Tensor, targets: torch.Tensor
+) -> Any:
+    """``train_step`` for a Hugging Face causal LM (its output's ``.logits``)."""
+    logits = model(input_ids=idx, use_cache=False).logits
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def build_hf(
+    source: str | dict[str, Any], *, batch: int = 1, seq: int = 2048, fake: bool = True
+) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    """(model, fused AdamW, idx, targets) for a Hugging Face causal LM built from its config
+    (``AutoModelForCausalLM.from_config``: random weights, no download); ``fake``: the weights
+    take no memory (``FakeTensorMode``)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(source)
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            model = AutoModelForCausalLM.from_config(cfg)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg)
+    model.train()
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+    idx = torch.zeros(batch, seq, dtype=torch.long)
+    return model, optim, idx, idx.clone()
+
+
+# ----------------------------------------------------------------------------- command lines
+
+
+def add_model_arguments(p: Any) -> None:
+    """The model options ``python -m spmd.simulate`` and ``python -m spmd.plan`` share."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, choices=sorted(CONFIGS), help="built-in GPT (default: tiny)")
+    src.add_argument(
+        "--hf-config", default=None, help="a Hugging Face config.json (any causal LM; no download)"
+    )
+    src.add_argument("--preset", default=None, choices=sorted(PRESETS), help="published Hugging Face shapes")
+    p.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help="tokens per sequence (default: the built-in model's context; 2048 for Hugging Face models)",
+    )
+    p.add_argument(
+        "--mixed-precision",
+        default=None,
+        choices=["bf16", "fp16"],
+        help="compute in this dtype over fp32 weights, reduce gradients in fp32 (torchtitan's default)",
+    )
+
+
+def build_from_args(args: Any) -> tuple[Any, tuple[Any, ...], Any]:
+    """(train step function, (model, optim, idx, targets), MixedPrecision or None) from the shared options."""
+    hf = args.hf_config or args.preset
+    if hf is not None:
+        fn: Any = causal_lm_step
+        built = build_hf(hf, batch=args.batch, seq=args.seq or 2048, fake=True)
+    else:
+        fn = train_step
+        built = build(args.model or "tiny", batch=args.batch, seq=args.seq, fake=True)
+    mp = None
+    if args.mixed_precision is not None:
+        from spmd.parallel import MixedPrecision
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.mixed_precision]
+        mp = MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)
+    return fn, built, mp

@@ -43,6 +43,7 @@ from passes.cleanup import strip_grad_tag
 from passes.graph_utils import mutated_nodes
 from passes.meta import CAST_OF, GRAD_OF, MICROBATCH, MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
 from passes.ops import TAG_GRAD, keep_rnn_workspaces
+from passes.stages import copy_graph
 from spmd import optim as optim_utils
 from spmd.errors import (
     DataDependentControlFlowError,
@@ -96,6 +97,24 @@ class TracedStep:
     # own outputs, in this order), and those that had a gradient and end without one.
     grad_outs: list[str] = dataclasses.field(default_factory=list)
     grad_cleared: list[str] = dataclasses.field(default_factory=list)
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """An independent copy of ``gm``'s graph (meta copied shallowly) over the same attributes."""
+    return fx.GraphModule(gm, copy_graph(gm.graph), class_name="GraphModule")
+
+
+def copy_traced(traced: TracedStep) -> TracedStep:
+    """An independent copy of a trace (graph nodes and lists), for a partitioner to rewrite."""
+    return dataclasses.replace(
+        traced,
+        gm=copy_graph_module(traced.gm),
+        slots=list(traced.slots),
+        out_constants=list(traced.out_constants),
+        grads=list(traced.grads),
+        grad_outs=list(traced.grad_outs),
+        grad_cleared=list(traced.grad_cleared),
+    )
 
 
 def _trace_error_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:

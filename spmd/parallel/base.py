@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +49,12 @@ class ParallelMode(abc.ABC):
         before the reduction (DDP reduces the accumulated gradient) or after it (FSDP2
         reduce-scatters the new gradient, then adds it to the sharded ``p.grad``)."""
         return False
+
+    def partition_key(self) -> Hashable | None:
+        """Equal for two modes whose ``partition`` makes the same graph from the same trace and
+        state (they may differ in ``pass_options``), so a plan partitions once for both; None
+        (default): never shared."""
+        return None
 
     def pass_options(self) -> dict[str, Any]:
         """Knobs the pass pipeline reads (bucket sizes, prefetch depth, ...)."""

@@ -63,7 +63,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -278,6 +278,16 @@ class DataParallel(ParallelMode):
                     "ignored_modules to keep a module rank-local)."
                 )
 
+    def partition_key(self) -> Hashable | None:
+        # The partitioner never reads these (only pass_options does): modes differing only in
+        # them partition the same trace into the same graph.
+        neutral = dataclasses.replace(self, **{f: _DEFAULTS[f] for f in _PASS_ONLY_FIELDS})
+        try:
+            hash(neutral)
+        except TypeError:  # an unhashable knob (a mesh, a list): no sharing
+            return None
+        return neutral
+
     def pass_options(self) -> dict[str, Any]:
         from passes.prefetch import default_unit_of
         from passes.units import unit_from_meta
@@ -428,6 +438,17 @@ class DataParallel(ParallelMode):
             return gm  # world size 1: nothing to communicate
         mesh = self._mesh(args.module)
         return _partition(gm, state, args, mesh, self)
+
+
+_PASS_ONLY_FIELDS = (
+    "bucket_cap_mb",
+    "bucket_mode",
+    "forward_prefetch",
+    "backward_prefetch",
+    "max_inflight_bytes",
+    "min_unit_mb",
+)
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(DataParallel)}
 
 
 def _init_device(mesh: Any = None) -> torch.device:

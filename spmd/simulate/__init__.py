@@ -18,10 +18,12 @@ The command line simulates the built-in models of :mod:`spmd.models`:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -54,36 +56,10 @@ def simulate(train_step: CompiledStep, *example_args: Any, world_size: int, **kw
     destroys it afterwards). ``train_step`` itself is not changed: its graph cache and
     ``graphs`` stay as they were, and nothing is dumped.
     """
-    if not isinstance(train_step, CompiledStep):
-        raise ConfigError(
-            "spmd.simulate: train_step must be a function decorated with @spmd.compile(...), got "
-            f"{type(train_step).__name__}. Decorate it, e.g. spmd.simulate(spmd.compile()(fn), ...)."
-        )
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"spmd.simulate: world_size must be a positive int, got {world_size!r}.")
-    if dist.is_available() and dist.is_initialized():
-        raise SpmdError(
-            "spmd.simulate: a process group is already initialised (world size "
-            f"{dist.get_world_size()}); simulation runs under its own fake process group. Call "
-            "spmd.simulate before torch.distributed.init_process_group, or in a separate process."
-        )
-    step_args = step_inputs.split_args(example_args, kwargs)
-    if any(isinstance(p, DTensor) for p in step_args.module.parameters()):
-        raise ConfigError(
-            "spmd.simulate: the model's parameters are already distributed (DTensors), from a compiled "
-            "call under a real process group. Simulate with a freshly built model."
-        )
-    sim = _fresh_copy(train_step)
-    # One deepcopy of everything keeps the sharing (the optimizer holds the copied parameters).
-    with FakeCopyMode(FakeTensorMode(allow_non_fake_inputs=True)):
-        args, kwargs = copy.deepcopy((example_args, kwargs))
-    # sharding.default_mesh caches a mesh per device type; one from a destroyed group is stale.
-    saved_meshes = dict(sharding._DEFAULT_MESHES)
-    sharding._DEFAULT_MESHES.clear()
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
-    try:
+    check_call("spmd.simulate", train_step, world_size, example_args, kwargs)
+    sim = fresh_copy(train_step)
+    args, kwargs = fake_copy(example_args, kwargs)
+    with fake_world(world_size):
         t0 = time.perf_counter()
         sim.lower(*args, **kwargs)
         report = sim.report()
@@ -93,14 +69,61 @@ def simulate(train_step: CompiledStep, *example_args: Any, world_size: int, **kw
             world_size,
             time.perf_counter() - t0,
         )
+    return report
+
+
+def check_call(
+    who: str, train_step: Any, world_size: Any, example_args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Refuse what a simulation cannot take, naming the fix (shared with ``spmd.plan``)."""
+    if not isinstance(train_step, CompiledStep):
+        raise ConfigError(
+            f"{who}: train_step must be a function decorated with @spmd.compile(...), got "
+            f"{type(train_step).__name__}. Decorate it, e.g. {who}(spmd.compile()(fn), ...)."
+        )
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"{who}: world_size must be a positive int, got {world_size!r}.")
+    if dist.is_available() and dist.is_initialized():
+        raise SpmdError(
+            f"{who}: a process group is already initialised (world size "
+            f"{dist.get_world_size()}); simulation runs under its own fake process group. Call "
+            f"{who} before torch.distributed.init_process_group, or in a separate process."
+        )
+    step_args = step_inputs.split_args(example_args, kwargs)
+    if any(isinstance(p, DTensor) for p in step_args.module.parameters()):
+        raise ConfigError(
+            f"{who}: the model's parameters are already distributed (DTensors), from a compiled "
+            "call under a real process group. Simulate with a freshly built model."
+        )
+
+
+def fake_copy(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Copies of a call's arguments as fake tensors (no memory; the originals untouched).
+
+    One deepcopy of everything keeps the sharing (the optimizer holds the copied parameters).
+    """
+    with FakeCopyMode(FakeTensorMode(allow_non_fake_inputs=True)):
+        return copy.deepcopy((args, kwargs))
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """The fake process group of ``world_size`` ranks (this process is rank 0), destroyed on exit."""
+    # sharding.default_mesh caches a mesh per device type; one from a destroyed group is stale.
+    saved_meshes = dict(sharding._DEFAULT_MESHES)
+    sharding._DEFAULT_MESHES.clear()
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
     finally:
         dist.destroy_process_group()
         sharding._DEFAULT_MESHES.clear()
         sharding._DEFAULT_MESHES.update(saved_meshes)
-    return report
 
 
-def _fresh_copy(step: CompiledStep) -> CompiledStep:
+def fresh_copy(step: CompiledStep) -> CompiledStep:
     """``step``'s configuration with an empty graph cache, dumping nothing."""
     sim = copy.copy(step)
     sim._cache = {}

@@ -1,7 +1,9 @@
-"""Simulate a built-in model's train step at any world size and print its report.
+"""Simulate a model's train step at any world size and print its report.
 
     python -m spmd.simulate --model gpt2-small --world-size 1024 --style fully_shard
     python -m spmd.simulate --model tiny --world-size 8 --style replicate --json
+    python -m spmd.simulate --preset llama3.1-8b --world-size 8 --batch 2 --seq 8192 --mixed-precision bf16
+    python -m spmd.simulate --hf-config path/to/config.json --world-size 64
 
 The model is built under FakeTensorMode (no memory for its weights); see spmd.models.
 """
@@ -18,20 +20,18 @@ from spmd import models
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m spmd.simulate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", choices=sorted(models.CONFIGS), help="built-in model")
+    models.add_model_arguments(p)
     p.add_argument("--world-size", type=int, default=8, help="ranks to simulate")
     p.add_argument("--style", default="fully_shard", choices=["replicate", "fully_shard"])
     p.add_argument("--no-reshard", action="store_true", help="fully_shard: reshard_after_forward=False")
-    p.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="log spmd's progress to stderr")
     args = p.parse_args(argv)
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    dp = spmd.DataParallel(args.style, reshard_after_forward=not args.no_reshard)
-    step = spmd.compile(parallel_mode=dp)(models.train_step)
-    model, optim, idx, targets = models.build(args.model, batch=args.batch, seq=args.seq, fake=True)
+    fn, (model, optim, idx, targets), mp = models.build_from_args(args)
+    dp = spmd.DataParallel(args.style, reshard_after_forward=not args.no_reshard, mixed_precision=mp)
+    step = spmd.compile(parallel_mode=dp)(fn)
     report = spmd.simulate(step, model, optim, idx, targets, world_size=args.world_size)
     print(report.to_json() if args.json else report)
     return 0

@@ -1,0 +1,418 @@
+"""``spmd.plan``: search the data-parallel configurations of a train step at any scale, on one process.
+
+    >>> p = spmd.plan(train_step, model, optim, x, y, world_size=1024, device="h100-80gb",
+    ...               memory_per_rank="80GiB")
+    >>> print(p)            # one row per configuration, fitting ones first, fastest first
+    >>> p.best.expression   # 'spmd.compile(parallel_mode=spmd.DataParallel("fully_shard", ...))'
+
+Each configuration is lowered as :func:`spmd.simulate` lowers it (fake process group,
+fake copies of the state: nothing runs, no memory for the weights), and its final graph
+is priced twice: peak memory per rank (:mod:`passes.memory`, the report's number) and
+step time (:mod:`passes.cost_model` on a device profile, :mod:`spmd.profiles`).
+
+The configurations (each axis can be narrowed by an argument):
+
+- ``replicate`` (DDP);
+- ``fully_shard`` with and without resharding after forward (FSDP FULL_SHARD /
+  SHARD_GRAD_OP), for each prefetch depth (``forward_prefetch = backward_prefetch``) and
+  each ``min_unit_mb``;
+- ``hybrid_shard`` (shard within a node of ``gpus_per_node`` ranks, replicate across
+  nodes) when the world spans more than one node, for each prefetch depth;
+- each ``remat`` policy, when ``spmd.compile`` accepts a ``remat`` option (sharded styles);
+- the user's mixed precision (the step's own ``DataParallel(mixed_precision=...)`` or
+  ``mixed_precision=``) in every one.
+
+One trace serves every configuration that traces the same graph (the traced graph has
+single-device semantics whatever the placements; see ``CompiledStep._trace``): at most
+two traces (replicate and the sharded styles differ in where a step that keeps
+gradients accumulates them), then one partition and one pass pipeline per configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from passes import collectives as C
+from passes.cost_model import CostEstimate, DeviceProfile, GroupInfo, estimate_step_time
+from spmd import api, step_inputs
+from spmd.api import CompiledStep
+from spmd.errors import ConfigError
+from spmd.parallel import DataParallel, MixedPrecision
+from spmd.profiles import get_profile
+from spmd.report import build_report
+from spmd.simulate import check_call, fake_copy, fake_world, fresh_copy
+
+log = logging.getLogger("spmd")
+
+__all__ = ["Plan", "PlanRow", "plan", "parse_bytes"]
+
+_GiB = 2**30
+_DP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataParallel)}
+
+
+@dataclasses.dataclass
+class PlanRow:
+    """One configuration and its predictions (per rank, per step)."""
+
+    label: str  # short description of the configuration
+    expression: str  # the spmd.compile(...) call that runs it
+    options: dict[str, Any]  # DataParallel keyword arguments (and "remat" when searched)
+    peak_bytes: int  # predicted peak memory per rank
+    fits: bool | None  # peak <= memory_per_rank (None: no budget given)
+    step_s: float  # predicted step time
+    tokens_per_s: float  # tokens per second per device
+    exposed_comm_s: float  # communication the compute waits for
+    comm_s: float  # time of all collectives (overlapped or not)
+    compute_s: float
+    flops: float  # FLOPs of the step's ops with a torch.utils.flop_counter formula
+    comm_bytes: int  # bytes of all collectives per rank
+    lower_s: float  # time to lower this configuration here
+
+
+@dataclasses.dataclass
+class Plan:
+    """The searched configurations, fitting ones first, each group fastest first."""
+
+    rows: list[PlanRow]
+    world_size: int
+    device: str
+    tokens_per_step: int  # per rank
+    memory_per_rank: int | None
+    plan_s: float  # wall time of the whole plan
+    traces: int  # traces taken (the rest reused one)
+    profile: dict[str, Any]
+
+    @property
+    def best(self) -> PlanRow:
+        """The fastest configuration that fits (the fastest one when none fits)."""
+        return self.rows[0]
+
+    def with_budget(self, memory_per_rank: int | str | None) -> Plan:
+        """The same predictions judged against another memory budget (no new simulation)."""
+        budget = parse_bytes(memory_per_rank)
+        rows = [
+            dataclasses.replace(r, fits=None if budget is None else r.peak_bytes <= budget) for r in self.rows
+        ]
+        rows.sort(key=lambda r: (r.fits is False, r.step_s, r.peak_bytes))
+        return dataclasses.replace(self, rows=rows, memory_per_rank=budget)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, default=str)
+
+    def __str__(self) -> str:
+        budget = f", memory per rank {self.memory_per_rank / _GiB:.1f} GiB" if self.memory_per_rank else ""
+        head = (
+            f"spmd plan: {self.world_size} ranks of {self.device}{budget}, {self.tokens_per_step} tokens per "
+            f"rank per step; {len(self.rows)} configurations in {self.plan_s:.1f} s ({self.traces} trace(s))"
+        )
+        cols = ["#", "configuration", "peak GiB", "fits", "step s", "tok/s/dev", "exposed comm s", "comm s"]
+        table = [
+            [
+                str(i),
+                r.label,
+                f"{r.peak_bytes / _GiB:.2f}",
+                {True: "yes", False: "no", None: "-"}[r.fits],
+                f"{r.step_s:.4g}",
+                f"{r.tokens_per_s:,.0f}",
+                f"{r.exposed_comm_s:.3g}",
+                f"{r.comm_s:.3g}",
+            ]
+            for i, r in enumerate(self.rows)
+        ]
+        widths = [max(len(c), *(len(row[j]) for row in table)) for j, c in enumerate(cols)]
+        lines = [head, "  " + "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+        lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in table]
+        lines.append(f"best: {self.best.expression}")
+        return "\n".join(lines)
+
+
+def parse_bytes(x: int | float | str | None) -> int | None:
+    """``80GiB``, ``80GB``, ``512MiB``, ``1e9`` or a number of bytes -> bytes (None stays None)."""
+    if x is None or isinstance(x, int | float) and not isinstance(x, bool):
+        return None if x is None else int(x)
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", str(x))
+    if not m:
+        raise ConfigError(
+            f"spmd.plan: memory_per_rank {x!r} is not a size; write e.g. 80GiB, 80GB or 8.6e10."
+        )
+    unit = m.group(2) or "B"
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}.get(unit) or 2 ** (
+        10 * "KMGT".index(unit[0]) + 10
+    )
+    return int(float(m.group(1)) * scale)
+
+
+def _mp_expr(mp: MixedPrecision) -> str:
+    parts = []
+    for f in dataclasses.fields(mp):
+        v = getattr(mp, f.name)
+        if v == f.default:
+            continue
+        parts.append(f"{f.name}={v!r}" if not isinstance(v, torch.dtype) else f"{f.name}={v}")
+    return f"spmd.MixedPrecision({', '.join(parts)})"
+
+
+def expression(options: dict[str, Any]) -> str:
+    """The ``spmd.compile(...)`` call of a configuration (evaluates with ``spmd`` and ``torch``)."""
+    opts = dict(options)
+    remat = opts.pop("remat", None)
+    style = opts.pop("parallel_style")
+    args = [repr(style)]
+    for k, v in opts.items():
+        if v == _DP_DEFAULTS.get(k):
+            continue
+        args.append(f"{k}={_mp_expr(v) if isinstance(v, MixedPrecision) else repr(v)}")
+    dp = f"spmd.DataParallel({', '.join(args)})"
+    extra = f", remat={remat!r}" if "remat" in options else ""
+    return f"spmd.compile(parallel_mode={dp}{extra})"
+
+
+def _label(options: dict[str, Any]) -> str:
+    o = options
+    style = o["parallel_style"]
+    bits = [style]
+    if style != "replicate":
+        if not o.get("reshard_after_forward", True):
+            bits.append("no reshard")
+        bits.append(f"prefetch {o.get('forward_prefetch', 1)}")
+        if "min_unit_mb" in o:
+            bits.append(f"unit>={o['min_unit_mb']:g}MiB")
+    if "remat" in o:
+        bits.append(f"remat={o['remat']}")
+    return ", ".join(bits)
+
+
+def configurations(
+    *,
+    world_size: int,
+    gpus_per_node: int,
+    mixed_precision: MixedPrecision | None,
+    styles: Sequence[str],
+    prefetch: Sequence[int],
+    min_unit_mb: Sequence[float],
+    reshard: Sequence[bool],
+    remat: Sequence[Any],
+) -> list[dict[str, Any]]:
+    """The DataParallel keyword sets to try (see the module docstring)."""
+    mp = {"mixed_precision": mixed_precision} if mixed_precision is not None else {}
+    out: list[dict[str, Any]] = []
+    sharded_remat: list[dict[str, Any]] = [{"remat": r} for r in remat] or [{}]
+    if "replicate" in styles:
+        out.append({"parallel_style": "replicate", **mp})
+    if "fully_shard" in styles:
+        for rs in reshard:
+            for d in prefetch:
+                for u in min_unit_mb:
+                    for rm in sharded_remat:
+                        out.append(
+                            {
+                                "parallel_style": "fully_shard",
+                                "reshard_after_forward": rs,
+                                "forward_prefetch": d,
+                                "backward_prefetch": d,
+                                "min_unit_mb": u,
+                                **mp,
+                                **rm,
+                            }
+                        )
+    if "hybrid_shard" in styles and world_size > gpus_per_node and world_size % gpus_per_node == 0:
+        for d in prefetch:
+            for rm in sharded_remat:
+                out.append(
+                    {
+                        "parallel_style": "hybrid_shard",
+                        "forward_prefetch": d,
+                        "backward_prefetch": d,
+                        **mp,
+                        **rm,
+                    }
+                )
+    return out
+
+
+def _group_info(gpus_per_node: int) -> Any:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    cache: dict[str, GroupInfo] = {}
+
+    def info(name: str) -> GroupInfo:
+        if name not in cache:
+            pg = _resolve_process_group(name)  # type: ignore[arg-type]
+            ranks = dist.get_process_group_ranks(pg)
+            nodes = {r // gpus_per_node for r in ranks}
+            cache[name] = GroupInfo(size=len(ranks), spans_nodes=len(nodes) > 1)
+        return cache[name]
+
+    return info
+
+
+def _tokens(example_args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Tokens per rank per step: the element count of the first integer tensor argument."""
+    leaves = step_inputs.split_args(example_args, kwargs).leaves
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex():
+            return int(x.numel())
+    raise ConfigError(
+        "spmd.plan: no integer tensor (token ids) among the step's arguments to count tokens per step; "
+        "pass tokens_per_step= (tokens each rank processes per step)."
+    )
+
+
+def _remat_axis(remat: Iterable[Any] | None) -> list[Any]:
+    if "remat" not in api._OPTIONS:
+        if remat:
+            raise ConfigError(
+                "spmd.plan: remat= was given but spmd.compile has no remat option yet; leave remat unset."
+            )
+        return []
+    return list(remat) if remat is not None else [None, "selective", "full"]
+
+
+def plan(
+    train_step: CompiledStep,
+    *example_args: Any,
+    world_size: int,
+    device: str | DeviceProfile = "h100-80gb",
+    memory_per_rank: int | str | None = None,
+    tokens_per_step: int | None = None,
+    gpus_per_node: int | None = None,
+    mixed_precision: MixedPrecision | None = None,
+    styles: Sequence[str] = ("replicate", "fully_shard", "hybrid_shard"),
+    prefetch: Sequence[int] = (0, 1, 2),
+    min_unit_mb: Sequence[float] = (1.0, 64.0),
+    reshard: Sequence[bool] = (True, False),
+    remat: Sequence[Any] | None = None,
+    efficiency: float | None = None,
+    **kwargs: Any,
+) -> Plan:
+    """Search data-parallel configurations of ``train_step`` at ``world_size`` ranks (module docstring).
+
+    Args:
+        train_step: a function decorated with ``spmd.compile(...)`` (its options are kept;
+            its parallel mode gives the mixed precision unless ``mixed_precision=``).
+        *example_args, **kwargs: one call's arguments as rank 0 passes them (build big models
+            under ``FakeTensorMode``: see ``spmd.models``). Copied, never changed.
+        world_size: ranks to plan for.
+        device: a profile name (``"h100-80gb"``, ``"a100-80gb"``, ``"cpu-local"``), a profile
+            json path or a :class:`~passes.cost_model.DeviceProfile`.
+        memory_per_rank: the budget a configuration must fit (bytes, or ``"80GiB"``/``"80GB"``).
+        tokens_per_step: tokens each rank processes per step (default: the size of the first
+            integer tensor argument, the token ids).
+        gpus_per_node: ranks per node (default: the profile's); decides hybrid_shard's groups
+            and which collectives cross nodes.
+        styles, prefetch, min_unit_mb, reshard, remat: the axes searched (``remat``: default all
+            policies when ``spmd.compile`` has the option, else none).
+        efficiency: the profile's ``compute_efficiency`` for this plan (fraction of peak FLOP/s).
+    """
+    t_start = time.perf_counter()
+    check_call("spmd.plan", train_step, world_size, example_args, kwargs)
+    prof = get_profile(device, gpus_per_node=gpus_per_node, compute_efficiency=efficiency)
+    budget = parse_bytes(memory_per_rank)
+    tokens = tokens_per_step if tokens_per_step is not None else _tokens(example_args, kwargs)
+    if mixed_precision is None:
+        mixed_precision = getattr(train_step.parallel_mode, "mixed_precision", None)
+    configs = configurations(
+        world_size=world_size,
+        gpus_per_node=prof.gpus_per_node,
+        mixed_precision=mixed_precision,
+        styles=styles,
+        prefetch=prefetch,
+        min_unit_mb=min_unit_mb,
+        reshard=reshard,
+        remat=_remat_axis(remat),
+    )
+    if not configs:
+        raise ConfigError(f"spmd.plan: no configuration to try with styles={list(styles)!r}.")
+    trace_cache: dict[Any, Any] = {}
+    rows: list[PlanRow] = []
+    saved_local = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(prof.gpus_per_node)  # hybrid_shard's node (plan.hybrid_mesh_shape)
+    try:
+        with fake_world(world_size):
+            group_info = _group_info(prof.gpus_per_node)
+            for opts in configs:
+                rows.append(
+                    _one(train_step, opts, example_args, kwargs, trace_cache, prof, group_info, tokens)
+                )
+    finally:
+        if saved_local is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved_local
+    result = Plan(
+        rows=rows,
+        world_size=world_size,
+        device=prof.name,
+        tokens_per_step=tokens,
+        memory_per_rank=None,
+        plan_s=time.perf_counter() - t_start,
+        traces=sum(1 for k in trace_cache if k[0] == "trace"),
+        profile=prof.to_dict(),
+    ).with_budget(budget)
+    log.info("spmd.plan: %d configurations in %.1f s", len(rows), result.plan_s)
+    return result
+
+
+def _set_remat(sim: CompiledStep, remat: Any) -> None:
+    """Give ``sim`` the settings ``spmd.compile(remat=remat)`` makes, whatever attributes hold them."""
+    plain = api.compile(parallel_mode=sim.parallel_mode)(sim.fn)
+    with_remat = api.compile(parallel_mode=sim.parallel_mode, remat=remat)(sim.fn)
+    simple = (str, int, float, bool, tuple, type(None))
+    for k, v in vars(with_remat).items():
+        if isinstance(v, simple) and (k not in vars(plain) or vars(plain)[k] != v):
+            setattr(sim, k, v)
+
+
+def _one(
+    train_step: CompiledStep,
+    opts: dict[str, Any],
+    example_args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    trace_cache: dict[Any, Any],
+    prof: DeviceProfile,
+    group_info: Any,
+    tokens: int,
+) -> PlanRow:
+    t0 = time.perf_counter()
+    sim = fresh_copy(train_step)
+    dp_opts = {k: v for k, v in opts.items() if k != "remat"}
+    sim.parallel_mode = DataParallel(**dp_opts)
+    if "remat" in opts:
+        _set_remat(sim, opts["remat"])
+    sim._trace_cache = trace_cache
+    sim._keep_stages = False
+    args, kw = fake_copy(example_args, kwargs)
+    stages = sim.lower(*args, **kw)
+    gm = stages["final"]
+    report = build_report(gm, world_size=dist.get_world_size(), parallel_style=opts["parallel_style"])
+    cost: CostEstimate = estimate_step_time(gm, prof, group_info)
+    lower_s = time.perf_counter() - t0
+    log.info("spmd.plan: %s: %.2f s", _label(opts), lower_s)
+    return PlanRow(
+        label=_label(opts),
+        expression=expression(opts),
+        options=opts,
+        peak_bytes=report.peak_memory_bytes,
+        fits=None,
+        step_s=cost.step_s,
+        tokens_per_s=tokens / cost.step_s if cost.step_s > 0 else float("inf"),
+        exposed_comm_s=cost.exposed_comm_s,
+        comm_s=cost.comm_s,
+        compute_s=cost.compute_s,
+        flops=cost.flops,
+        comm_bytes=sum(C.bytes_of(n) for n in C.collectives(gm.graph)),
+        lower_s=lower_s,
+    )

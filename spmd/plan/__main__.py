@@ -1,0 +1,85 @@
+"""Plan a run: search data-parallel configurations of a model's train step and print them, fastest first.
+
+    python -m spmd.plan --preset llama3.1-8b --world-size 8 --batch 2 --seq 8192 --mixed-precision bf16 \
+        --device h100-80gb --memory-per-rank 80GiB
+    python -m spmd.plan --hf-config config.json --world-size 1024 --device h100-80gb --batch 2 --seq 8192
+    python -m spmd.plan --model gpt2-small --world-size 2 --device cpu-local --json
+
+The model is built under FakeTensorMode (no weights, no download); see spmd.models and spmd.plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import spmd
+from spmd import models
+from spmd.plan import plan
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def _bools(s: str) -> list[bool]:
+    words = {"true": True, "false": False, "1": True, "0": False}
+    return [words[x.strip().lower()] for x in s.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m spmd.plan", description=__doc__.split("\n\n")[0])
+    models.add_model_arguments(p)
+    p.add_argument("--world-size", type=int, required=True, help="ranks to plan for")
+    p.add_argument("--device", default="h100-80gb", help="h100-80gb, a100-80gb, cpu-local or a profile json")
+    p.add_argument("--memory-per-rank", default=None, help="budget per rank, e.g. 80GiB or 80GB")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: the device's)")
+    p.add_argument(
+        "--efficiency", type=float, default=None, help="fraction of peak FLOP/s reached (default 1)"
+    )
+    p.add_argument("--styles", default="replicate,fully_shard,hybrid_shard", help="comma-separated styles")
+    p.add_argument("--prefetch", type=_ints, default=[0, 1, 2], help="prefetch depths, e.g. 0,1,2")
+    p.add_argument("--min-unit-mb", type=_floats, default=[1.0, 64.0], help="min_unit_mb values, e.g. 1,64")
+    p.add_argument(
+        "--reshard",
+        type=_bools,
+        default=[True, False],
+        help="fully_shard reshard_after_forward values: true,false",
+    )
+    p.add_argument("--tokens-per-step", type=int, default=None, help="tokens per rank per step")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="log spmd's progress to stderr")
+    args = p.parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    fn, (model, optim, idx, targets), mp = models.build_from_args(args)
+    step = spmd.compile()(fn)
+    result = plan(
+        step,
+        model,
+        optim,
+        idx,
+        targets,
+        world_size=args.world_size,
+        device=args.device,
+        memory_per_rank=args.memory_per_rank,
+        tokens_per_step=args.tokens_per_step,
+        gpus_per_node=args.gpus_per_node,
+        mixed_precision=mp,
+        styles=[s for s in args.styles.split(",") if s],
+        prefetch=args.prefetch,
+        min_unit_mb=args.min_unit_mb,
+        reshard=args.reshard,
+        efficiency=args.efficiency,
+    )
+    print(result.to_json() if args.json else result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

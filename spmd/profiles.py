@@ -1,0 +1,110 @@
+"""Device profiles for the cost model (:mod:`passes.cost_model`): published GPU numbers and
+this machine's, measured by ``python -m spmd.calibrate``.
+
+Every number names its source in the profile's ``sources``. The GPU profiles are datasheet
+peaks: ``compute_efficiency`` and ``memory_efficiency`` stay 1.0 (the roofline), unless the
+caller gives another (``spmd.plan(..., efficiency=...)``), so a predicted time is a lower
+bound on what those GPUs reach. ``cpu-local`` is measured on this machine and cached in
+``~/.cache/spmd/cpu-local.json`` (``SPMD_PROFILE_DIR`` or ``--out`` to move it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from passes.cost_model import DeviceProfile
+from spmd.errors import ConfigError
+
+__all__ = ["PROFILES", "get_profile", "profile_path"]
+
+_H100_DATASHEET = "NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100), SXM column"
+_A100_DATASHEET = "NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100), 80GB SXM"
+_NCCL_TUNING = (
+    "NCCL src/graph/tuning.cc hwLat, Ring/Simple protocol: NVLink 3.4 us, network 14 us per step "
+    "(NCCL's own cost model)"
+)
+
+PROFILES: dict[str, DeviceProfile] = {
+    "h100-80gb": DeviceProfile(
+        name="h100-80gb",
+        # Datasheet: BF16/FP16 Tensor Core 1,979 TFLOPS *with sparsity*: dense is half.
+        peak_flops={"bf16": 989.5e12, "fp16": 989.5e12, "fp32": 66.9e12, "fp64": 33.5e12},
+        memory_bandwidth=3.35e12,  # HBM3 3.35 TB/s
+        # NVLink 900 GB/s is both directions together; a ring uses one direction per link.
+        intra_node_bandwidth=450e9,
+        # DGX H100: 8 ConnectX-7 NICs at 400 Gb/s, one per GPU = 50 GB/s per rank.
+        inter_node_bandwidth=50e9,
+        intra_node_latency_s=3.4e-6,
+        inter_node_latency_s=14e-6,
+        gpus_per_node=8,
+        sources={
+            "peak_flops": _H100_DATASHEET + " (dense = half the sparse figure)",
+            "memory_bandwidth": _H100_DATASHEET,
+            "intra_node_bandwidth": _H100_DATASHEET + ": NVLink 900 GB/s bidirectional, halved",
+            "inter_node_bandwidth": "NVIDIA DGX H100 datasheet: 8x ConnectX-7 400 Gb/s (one per GPU)",
+            "latency": _NCCL_TUNING,
+            "gpus_per_node": "NVIDIA DGX H100 datasheet: 8 GPUs per system",
+        },
+    ),
+    "a100-80gb": DeviceProfile(
+        name="a100-80gb",
+        # Datasheet: BF16/FP16 Tensor Core 312 TFLOPS dense (624 with sparsity); FP32 19.5.
+        peak_flops={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "fp64": 9.7e12},
+        memory_bandwidth=2.039e12,  # HBM2e 2,039 GB/s
+        intra_node_bandwidth=300e9,  # NVLink 600 GB/s bidirectional, halved
+        inter_node_bandwidth=25e9,  # DGX A100: 8x ConnectX-6 200 Gb/s HDR, one per GPU
+        intra_node_latency_s=3.4e-6,
+        inter_node_latency_s=14e-6,
+        gpus_per_node=8,
+        sources={
+            "peak_flops": _A100_DATASHEET,
+            "memory_bandwidth": _A100_DATASHEET,
+            "intra_node_bandwidth": _A100_DATASHEET + ": NVLink 600 GB/s bidirectional, halved",
+            "inter_node_bandwidth": "NVIDIA DGX A100 datasheet: 8x ConnectX-6 200 Gb/s HDR (one per GPU)",
+            "latency": _NCCL_TUNING,
+            "gpus_per_node": "NVIDIA DGX A100 datasheet: 8 GPUs per system",
+        },
+    ),
+}
+
+CPU_LOCAL = "cpu-local"
+
+
+def profile_path(path: str | os.PathLike[str] | None = None) -> Path:
+    """Where the calibrated ``cpu-local`` profile is cached."""
+    if path is not None:
+        return Path(path)
+    root = os.environ.get("SPMD_PROFILE_DIR") or os.path.join(Path.home(), ".cache", "spmd")
+    return Path(root) / f"{CPU_LOCAL}.json"
+
+
+def get_profile(device: str | DeviceProfile | os.PathLike[str], **overrides: Any) -> DeviceProfile:
+    """A profile by name (``"h100-80gb"``, ``"a100-80gb"``, ``"cpu-local"``), a path to a
+    profile json, or a :class:`DeviceProfile`; ``overrides`` replace fields
+    (``compute_efficiency=0.5``, ``gpus_per_node=4``)."""
+    if isinstance(device, DeviceProfile):
+        prof = device
+    elif str(device) in PROFILES:
+        prof = PROFILES[str(device)]
+    else:
+        path = profile_path() if str(device) == CPU_LOCAL else Path(device)
+        if not path.is_file():
+            if str(device) == CPU_LOCAL:
+                raise ConfigError(
+                    f"spmd: no calibrated cpu-local profile at {path}. Run `python -m spmd.calibrate` first "
+                    "(about a minute)."
+                )
+            raise ConfigError(
+                f"spmd: unknown device {str(device)!r}; known: {sorted([*PROFILES, CPU_LOCAL])}, "
+                "or a path to a profile json written by `python -m spmd.calibrate`."
+            )
+        prof = DeviceProfile.from_dict(json.loads(path.read_text()))
+    clean = {k: v for k, v in overrides.items() if v is not None}
+    if not clean:
+        return prof
+    import dataclasses
+
+    return dataclasses.replace(prof, **clean)

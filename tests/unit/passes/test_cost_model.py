@@ -1,0 +1,137 @@
+"""passes.cost_model on hand-built graphs: overlap shows, formulas are what they say.
+
+The profile below is made up (round numbers, one of each kind) so a matmul and a gather
+take comparable times; the tests assert orderings and relations, not times.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from passes import collectives as C
+from passes.cost_model import (
+    DeviceProfile,
+    GroupInfo,
+    collective_time,
+    estimate_step_time,
+    node_bytes,
+    node_flops,
+)
+from tests.unit.passes.graphs import Builder, aten
+
+PROFILE = DeviceProfile(
+    name="test",
+    peak_flops={"fp32": 1e9},
+    memory_bandwidth=1e10,
+    intra_node_bandwidth=1e7,
+    inter_node_bandwidth=1e6,
+    intra_node_latency_s=1e-5,
+    inter_node_latency_s=1e-4,
+    gpus_per_node=2,
+)
+GROUPS = {"0": GroupInfo(size=2, spans_nodes=False)}
+
+
+def _gather_then_matmul(prefetch: bool):
+    """Prefetched:  ag(p) ; mm(x, x) ; wait ; add(wait, mm)
+    At first use:  mm(x, x) ; ag(p) ; wait ; add(wait, mm)"""
+    b = Builder(world_size=2)
+    x = b.input("x", 256, 256)
+    p = b.input("p", 128, 256)
+    if prefetch:
+        wait = b.all_gather(p)
+        mm = b.op(aten.mm.default, x, x)
+        mm.append(wait)
+    else:
+        mm = b.op(aten.mm.default, x, x)
+        wait = b.all_gather(p)
+    out = b.op(aten.add.Tensor, wait, mm)
+    return b.finish(out)
+
+
+def test_prefetched_gather_hides_behind_compute_and_a_late_one_is_exposed() -> None:
+    early = estimate_step_time(_gather_then_matmul(True), PROFILE, GROUPS)
+    late = estimate_step_time(_gather_then_matmul(False), PROFILE, GROUPS)
+    # Same work either way.
+    assert early.compute_s == pytest.approx(late.compute_s)
+    assert early.comm_s == pytest.approx(late.comm_s) and early.comm_s > 0
+    # The matmul outlasts the gather here, so issued before it the gather is hidden entirely.
+    assert early.compute_s > early.comm_s
+    assert early.exposed_comm_s == 0
+    assert early.step_s == pytest.approx(early.compute_s)
+    # Issued at first use, all of it is on the critical path.
+    assert late.exposed_comm_s == pytest.approx(late.comm_s)
+    assert late.step_s == pytest.approx(late.compute_s + late.comm_s)
+    assert early.step_s < late.step_s
+
+
+def test_communication_that_shares_the_compute_resources_does_not_hide() -> None:
+    """With comm_compute_overlap=0 (a CPU whose cores run gloo's threads too) the prefetched
+    gather costs as much as an exposed one; in between, in between."""
+    serial = DeviceProfile(**{**PROFILE.to_dict(), "comm_compute_overlap": 0.0})
+    half = DeviceProfile(**{**PROFILE.to_dict(), "comm_compute_overlap": 0.5})
+    gm = _gather_then_matmul(True)
+    full = estimate_step_time(gm, PROFILE, GROUPS)
+    none = estimate_step_time(gm, serial, GROUPS)
+    mid = estimate_step_time(gm, half, GROUPS)
+    assert none.step_s == pytest.approx(full.compute_s + full.comm_s)
+    assert full.step_s < mid.step_s < none.step_s
+
+
+def test_views_and_getitems_cost_nothing() -> None:
+    """relu(x) vs relu(x) ; view ; t ; view: the same time."""
+    b = Builder()
+    x = b.input("x", 64, 64)
+    plain = b.finish(b.op(aten.relu.default, x))
+    b2 = Builder()
+    x2 = b2.input("x", 64, 64)
+    r = b2.op(aten.relu.default, x2)
+    v = b2.op(aten.view.default, b2.op(aten.t.default, b2.op(aten.view.default, r, [4096])), [64, 64])
+    viewed = b2.finish(v)
+    t_viewed = estimate_step_time(viewed, PROFILE, GROUPS).step_s
+    assert t_viewed == estimate_step_time(plain, PROFILE, GROUPS).step_s
+
+
+def test_matmul_flops_and_bytes_follow_shapes() -> None:
+    """mm(a[m,k], b[k,n]): torch's formula 2mkn; bytes = both inputs + the output."""
+    m, k, n = 8, 16, 32
+    b = Builder()
+    a, w = b.input("a", m, k), b.input("w", k, n)
+    mm = b.op(aten.mm.default, a, w)
+    b.finish(mm)
+    assert node_flops(mm) == 2 * m * k * n
+    assert node_bytes(mm) == 4 * (m * k + k * n + m * n)
+    relu = Builder()
+    node = relu.op(aten.relu.default, relu.input("y", 4, 4))
+    assert node_flops(node) == 0  # no formula: priced by bytes
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast"])
+@pytest.mark.parametrize("spans_nodes", [False, True])
+def test_collective_time_is_the_ring_formula(kind: str, spans_nodes: bool) -> None:
+    w, nbytes = 8, 3 * 2**20
+    got = collective_time(kind, nbytes, GroupInfo(size=w, spans_nodes=spans_nodes), PROFILE)
+    bw = PROFILE.inter_node_bandwidth if spans_nodes else PROFILE.intra_node_bandwidth
+    lat = PROFILE.inter_node_latency_s if spans_nodes else PROFILE.intra_node_latency_s
+    if kind == "all_reduce":  # reduce-scatter then all-gather
+        direct = 2 * (w - 1) * lat + 2 * (nbytes / w) * (w - 1) / bw
+    elif kind == "broadcast":
+        direct = (w - 1) * lat + nbytes / bw
+    else:  # W-1 steps, each moving one W-th of the unsharded bytes
+        direct = (w - 1) * lat + (nbytes / w) * (w - 1) / bw
+    assert got == pytest.approx(direct)
+    assert collective_time(kind, nbytes, GroupInfo(size=1, spans_nodes=False), PROFILE) == 0
+
+
+def test_measured_bandwidth_per_kind_overrides_the_intra_node_one() -> None:
+    prof = DeviceProfile(**{**PROFILE.to_dict(), "bandwidth_by_kind": {"all_gather": 2e7}})
+    g = GroupInfo(size=2, spans_nodes=False)
+    assert collective_time("all_gather", 1e6, g, prof) < collective_time("all_gather", 1e6, g, PROFILE)
+    assert collective_time("all_reduce", 1e6, g, prof) == collective_time("all_reduce", 1e6, g, PROFILE)
+
+
+def test_comm_time_by_kind_adds_up() -> None:
+    gm = _gather_then_matmul(False)
+    est = estimate_step_time(gm, PROFILE, GROUPS)
+    assert set(est.comm_by_kind) == {C.Kind.ALL_GATHER.value}
+    assert sum(est.comm_by_kind.values()) == pytest.approx(est.comm_s)

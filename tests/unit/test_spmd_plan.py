@@ -1,0 +1,139 @@
+"""spmd.plan (spmd/plan/): the configuration search, its table and its command line.
+
+The tiny built-in GPT at world size 8 on the H100 profile: rows come back fitting first and
+fastest first, each row's expression builds the configuration it names, the shared trace
+and partition give the graph a fresh ``spmd.simulate`` gives, and the command line takes a
+Hugging Face config file.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import spmd
+from spmd import models
+from spmd.plan import parse_bytes, plan
+from spmd.plan.__main__ import main as plan_main
+from spmd.simulate.__main__ import main as simulate_main
+
+W = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_plan() -> spmd.Plan:
+    model, optim, idx, targets = models.build("tiny", batch=2, fake=True)
+    step = spmd.compile()(models.train_step)
+    return plan(
+        step,
+        model,
+        optim,
+        idx,
+        targets,
+        world_size=W,
+        device="h100-80gb",
+        styles=("replicate", "fully_shard"),
+        prefetch=(0, 1),
+        min_unit_mb=(1.0,),
+    )
+
+
+def test_rows_are_sorted_and_each_expression_builds_its_configuration(tiny_plan: spmd.Plan) -> None:
+    rows = tiny_plan.rows
+    # replicate + fully_shard x {reshard, no reshard} x {prefetch 0, 1}
+    assert len(rows) == 5
+    assert tiny_plan.best is rows[0]
+    assert [r.step_s for r in rows] == sorted(r.step_s for r in rows)
+    for r in rows:
+        assert r.step_s > 0 and r.peak_bytes > 0 and r.fits is None
+        assert r.tokens_per_s == pytest.approx(tiny_plan.tokens_per_step / r.step_s)
+        compiled = eval(r.expression, {"spmd": spmd, "torch": torch})(models.train_step)
+        assert isinstance(compiled, spmd.CompiledStep)
+        want = {k: v for k, v in r.options.items() if k != "remat"}
+        assert compiled.parallel_mode == spmd.DataParallel(**want)
+    assert tiny_plan.tokens_per_step == 2 * models.CONFIGS["tiny"].seq  # the token ids' size
+    assert json.loads(tiny_plan.to_json())["rows"][0]["expression"] == rows[0].expression
+    assert "best: " + rows[0].expression in str(tiny_plan)
+
+
+def test_one_trace_serves_every_sharded_configuration(tiny_plan: spmd.Plan) -> None:
+    """replicate and fully_shard trace once each; the four fully_shard rows reuse one trace."""
+    assert tiny_plan.traces == 2
+
+
+def test_a_reused_trace_gives_the_graph_a_fresh_simulation_gives(tiny_plan: spmd.Plan) -> None:
+    model, optim, idx, targets = models.build("tiny", batch=2, fake=True)
+    for r in tiny_plan.rows:
+        if r.options["parallel_style"] == "fully_shard" and r.options["forward_prefetch"] == 1:
+            step = eval(r.expression, {"spmd": spmd, "torch": torch})(models.train_step)
+            rep = spmd.simulate(step, model, optim, idx, targets, world_size=W)
+            assert rep.peak_memory_bytes == r.peak_bytes
+            assert rep.comm_bytes == r.comm_bytes
+
+
+def test_a_budget_puts_what_does_not_fit_last(tiny_plan: spmd.Plan) -> None:
+    by_peak = sorted(tiny_plan.rows, key=lambda r: r.peak_bytes)
+    assert by_peak[0].options["parallel_style"] == "fully_shard"  # holds less than replicate
+    budget = by_peak[0].peak_bytes
+    tight = tiny_plan.with_budget(budget)
+    fits = [r.fits for r in tight.rows]
+    assert fits[0] is True and False in fits
+    assert fits == sorted(fits, reverse=True)  # every fitting row before every other
+    for group in (True, False):
+        times = [r.step_s for r in tight.rows if r.fits is group]
+        assert times == sorted(times)
+    assert all(r.fits == (r.peak_bytes <= budget) for r in tight.rows)
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes(1024) == 1024
+    with pytest.raises(spmd.ConfigError, match="80GiB"):
+        parse_bytes("eighty")
+
+
+def _tiny_llama_json(tmp_path) -> str:
+    path = tmp_path / "tiny_llama.json"
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 64,
+                "max_position_embeddings": 64,
+            }
+        )
+    )
+    return str(path)
+
+
+def test_command_lines_take_a_hugging_face_config_file(tmp_path, capsys) -> None:
+    pytest.importorskip("transformers")
+    cfg = _tiny_llama_json(tmp_path)
+    common = ["--hf-config", cfg, "--batch", "2", "--seq", "16"]
+    args = [
+        "--world-size",
+        "4",
+        "--device",
+        "a100-80gb",
+        "--styles",
+        "replicate",
+        "--memory-per-rank",
+        "1GiB",
+    ]
+    assert plan_main([*common, *args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["world_size"] == 4 and out["device"] == "a100-80gb" and out["tokens_per_step"] == 32
+    assert [r["fits"] for r in out["rows"]] == [True]
+    assert out["rows"][0]["expression"] == "spmd.compile(parallel_mode=spmd.DataParallel('replicate'))"
+    assert simulate_main([*common, "--world-size", "4", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["world_size"] == 4 and rep["collectives"]["all_gather"]["count"] > 0
