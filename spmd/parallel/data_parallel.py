@@ -70,6 +70,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from passes.invariants import InvariantViolation, Violation, check_reshard
 from spmd import optim as optim_utils
 from spmd.errors import ConfigError
 from spmd.parallel import buffers, gathers, plan, reductions, sharded_optim, sharding
@@ -475,4 +476,6 @@ def _partition(
     ps.graph.lint()
     ps.gm.recompile()
     refresh_vals(ps)
+    if broken := check_reshard(ps.gm):  # cheap (one walk); a violation is a partitioner bug
+        raise InvariantViolation([Violation("reshard", name, msg) for name, msg in broken])
     return ps.gm
