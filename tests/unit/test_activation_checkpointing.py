@@ -51,6 +51,12 @@ def _tiny_gpt(checkpoint: bool) -> torch.nn.Module:
     return models.TinyGPT(n_layers=2, checkpoint=checkpoint)
 
 
+def _tiny_gpt_reentrant(checkpoint: bool) -> torch.nn.Module:
+    """``use_reentrant=True``: the recompute runs a backward of its own inside backward."""
+    torch.manual_seed(0)
+    return models.TinyGPT(n_layers=2, checkpoint=checkpoint, reentrant=True)
+
+
 def _hf_step(model, opt, ids):
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -60,7 +66,11 @@ def _hf_step(model, opt, ids):
 
 
 _LOWERED: dict[tuple, dict[str, fx.GraphModule]] = {}
-_MODELS = {"hf_llama": (_hf_llama, _hf_step), "tiny_gpt": (_tiny_gpt, models.train_step)}
+_MODELS = {
+    "hf_llama": (_hf_llama, _hf_step),
+    "tiny_gpt": (_tiny_gpt, models.train_step),
+    "tiny_gpt_reentrant": (_tiny_gpt_reentrant, models.train_step),
+}
 
 
 def _lower(name: str, checkpoint: bool, reshard: bool = True) -> dict[str, fx.GraphModule]:
@@ -73,6 +83,8 @@ def _lower(name: str, checkpoint: bool, reshard: bool = True) -> dict[str, fx.Gr
         step = spmd.compile(parallel_mode=dp, check_invariants=True)(fn)
         ids = torch.randint(0, S.V, (2, 8), generator=torch.Generator().manual_seed(1))
         args = (ids,) if name == "hf_llama" else (ids, ids)
+        if not checkpoint and name == "tiny_gpt_reentrant":
+            return _lower("tiny_gpt", False, reshard)
         _LOWERED[key] = dict(step.lower(model, opt, *args))
     return _LOWERED[key]
 
