@@ -30,6 +30,10 @@ matters):
 - ``reused-buffer``: an op :func:`passes.reuse.reuse_dead_buffers` made write into an input
   (``out=``) writes into one fresh buffer of its own shape, dtype and layout that nothing
   reads after it (see :func:`passes.reuse.check_reuse`).
+- ``reshard``: where a parameter is resharded after forward (its placeholder carries
+  ``passes.meta.RESHARD``), no backward op reads what a forward all-gather of it gathered
+  (the wait, or a view, unpacking or copy of it made in forward: ``PASS_THROUGH_OPS``);
+  backward reads its own gather (see :func:`check_reshard`).
 
 ``fingerprint(gm)`` is the sequence of collectives as every rank will issue them;
 ranks compare theirs to catch a divergent graph before it hangs in a collective.
@@ -47,7 +51,8 @@ import torch.fx as fx
 from passes import collectives as C
 from passes.cross_step import CARRIED, check_carried
 from passes.flat_ops import COPY_IN, COPY_OUT
-from passes.meta import MICROBATCH, PHASE, ROLE, Phase, Role, module_of
+from passes.graph_utils import PASS_THROUGH_OPS
+from passes.meta import MICROBATCH, PHASE, RESHARD, ROLE, Phase, Role, module_of
 from passes.optimizer_overlap import check_optimizer_split
 from passes.reuse import check_reuse
 
@@ -129,6 +134,7 @@ def check_invariants(gm: fx.GraphModule) -> None:
     found.extend(Violation("carried", name, msg) for name, msg in check_carried(gm))
     found.extend(Violation("optimizer-split", name, msg) for name, msg in check_optimizer_split(gm))
     found.extend(Violation("reused-buffer", name, msg) for name, msg in check_reuse(gm))
+    found.extend(Violation("reshard", name, msg) for name, msg in check_reshard(gm))
     if found:
         raise InvariantViolation(found)
 
@@ -293,6 +299,63 @@ def _check_collective_val(coll: fx.Node) -> list[Violation]:
                     f"{str(x.dtype)}{list(want) if want is not None else '?'}",
                 )
             )
+    return out
+
+
+# ----------------------------------------------------------------------------- reshard
+
+
+def check_reshard(gm: fx.GraphModule) -> list[tuple[str, str]]:
+    r"""``(node name, message)`` for every backward op that reads a forward all-gather's result
+    where that gather serves a parameter resharded after forward (``passes.meta.RESHARD``).
+
+    With ``reshard_after_forward=True`` the memory model is FSDP's FULL_SHARD: a gathered
+    parameter lives from its gather to its unit's last forward use, and backward gathers
+    it again. A backward reader of the forward copy keeps the whole gathered buffer alive
+    across forward and backward -- numerically right, invisible to any parity test, but
+    the memory the user asked to save is spent. Activation checkpointing's recomputation
+    in backward is the case that once did this (its ops were labelled forward).
+
+    What forward gathered is the gather's wait and what forward derives from it by
+    :data:`~passes.graph_utils.PASS_THROUGH_OPS` (un-padding slices, a bucket's
+    ``copy_out`` and its ``getitem``\ s, views, transposes, casts of the gathered values).
+    A gather serves a resharded parameter if its input is computed from such a placeholder.
+    """
+    resharded: set[fx.Node] = set()  # placeholders flagged, and every node computed from one
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            if n.meta.get(RESHARD):
+                resharded.add(n)
+        elif any(i in resharded for i in n.all_input_nodes):
+            resharded.add(n)
+    if not resharded:
+        return []
+    out = []
+    for coll in C.collectives(gm.graph):
+        if C.kind_of(coll) is not C.Kind.ALL_GATHER or coll.meta.get(PHASE) is not Phase.FORWARD:
+            continue
+        if not any(i in resharded for i in coll.all_input_nodes):
+            continue
+        todo = list(C.waits_of(coll))
+        gathered: set[fx.Node] = set()
+        while todo:
+            n = todo.pop()
+            if n in gathered:
+                continue
+            gathered.add(n)
+            for u in n.users:
+                if u.meta.get(PHASE) is Phase.BACKWARD:
+                    out.append(
+                        (
+                            u.name,
+                            f"{describe(u)} runs in backward and reads {n.name}, gathered in forward by "
+                            f"{describe(coll)}, while its parameters are resharded after forward: the "
+                            "gathered copy would live from forward to backward; backward must read a "
+                            "gather of its own",
+                        )
+                    )
+                elif u.op == "call_function" and u.target in PASS_THROUGH_OPS:
+                    todo.append(u)
     return out
 
 

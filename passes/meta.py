@@ -32,6 +32,11 @@ INPUT_CAST = "<forward input>"
 # On a parameter placeholder, set by the partitioner: how the parameter is distributed, in words
 # (placements and the ranks of its groups, or "ignored"); the dump shows it.
 PLACEMENT = "spmd_placement"
+# On a parameter placeholder, set by the partitioner: True when the parameter is resharded after
+# forward (fully_shard's ``reshard_after_forward=True``): what forward gathered is freed after its
+# last forward reader and backward gathers the parameter again, so no backward op may read a
+# forward gather of it (the ``reshard`` invariant, passes.invariants.check_reshard).
+RESHARD = "spmd_reshard_after_forward"
 # On every node DTensorExpandMode expands: the DTensor placements of the value the traced node
 # computes (a tuple of Placements per tensor, a list of those for several outputs; a string for the
 # nodes of an Override stand-in that runs on local tensors). The dump shows them.

@@ -127,25 +127,46 @@ def swapped_optimizer(
             g.update(saved)
 
 
+@dataclasses.dataclass
+class BackwardState:
+    """Shared by :func:`backward_phases` (which updates it) and :func:`module_paths` (which
+    reads it): whether the trace is inside ``torch.autograd.backward`` now."""
+
+    depth: int = 0  # nested backward calls running (a reentrant checkpoint's backward nests)
+
+    @property
+    def inside(self) -> bool:
+        return self.depth > 0
+
+
 @contextlib.contextmanager
-def module_paths(module: nn.Module) -> Iterator[None]:
+def module_paths(module: nn.Module, backward: BackwardState | None = None) -> Iterator[None]:
     """Annotate every node made inside a submodule's forward with its module path.
 
-    A forward pre-hook also switches the phase back to forward (the next micro-batch).
+    Outside backward, a forward pre-hook also switches the phase back to forward: after a
+    backward has ended, a module's forward is the next micro-batch's. Inside backward
+    (``backward.inside``) a forward is activation checkpointing's recomputation
+    (``torch.utils.checkpoint`` re-runs the checkpointed module's forward while backward
+    unpacks its saved tensors): its ops get the module's path and stay backward, so the
+    partitioner feeds them the backward's gathers, units count them as the unit's backward,
+    and resharding after forward holds.
     """
     handles = []
     stack: list[dict[str, Any]] = []
 
     def pre(path: str) -> Callable[..., None]:
         def hook(mod: nn.Module, args: Any) -> None:
-            stack.append(annotate(**{MODULE_KEY: path, PHASE_KEY: Phase.FORWARD}))
+            if backward is not None and backward.inside:
+                stack.append(annotate(**{MODULE_KEY: path}))
+            else:
+                stack.append(annotate(**{MODULE_KEY: path, PHASE_KEY: Phase.FORWARD}))
 
         return hook
 
     def post(mod: nn.Module, args: Any, out: Any) -> None:
         if stack:
             old = stack.pop()
-            # keep the phase (forward), restore the enclosing module path
+            # keep the phase, restore the enclosing module path
             annotate(**{MODULE_KEY: old.get(MODULE_KEY, "")})
 
     for path, sub in module.named_modules():
@@ -269,25 +290,31 @@ def _nodes_after(graph: fx.Graph, node: fx.Node) -> Iterator[fx.Node]:
 
 
 @contextlib.contextmanager
-def backward_phases() -> Iterator[list[int]]:
+def backward_phases(state: BackwardState | None = None) -> Iterator[list[int]]:
     """Mark nodes made inside ``torch.autograd.backward`` as backward (and after it as optimizer).
 
     Backward nodes inherit the module path of the forward op whose autograd node
-    produced them (matched by autograd sequence number).
+    produced them (matched by autograd sequence number). ``state`` says, while the trace
+    runs, whether it is inside a backward (:func:`module_paths` reads it). A backward
+    called from inside another (a reentrant ``torch.utils.checkpoint`` runs one on its
+    recomputed forward) is part of the outer one: same phase and micro-batch, not counted.
     """
+    state = state if state is not None else BackwardState()
     real_backward = torch.autograd.backward
     calls: list[int] = []
     ends: list[fx.Node] = []  # the last graph node of each backward call
 
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
+        nested = state.inside
         roots = [t.grad_fn for t in pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor)]
         mode = get_proxy_mode()
         graph = mode.tracer.graph if mode is not None else None
-        if ends and graph is not None:
-            # Another backward: what ran since the last one is the next micro-batch's forward.
-            for n in _nodes_after(graph, ends[-1]):
-                n.meta.setdefault(CUSTOM_KEY, {})[PHASE_KEY] = Phase.FORWARD
+        if not nested:
+            calls.append(1)
+            if ends and graph is not None:
+                # Another backward: what ran since the last one is the next micro-batch's forward.
+                for n in _nodes_after(graph, ends[-1]):
+                    n.meta.setdefault(CUSTOM_KEY, {})[PHASE_KEY] = Phase.FORWARD
         seq_modules = _seq_nr_modules(graph) if graph is not None else {}
         handles = []
         for fn in _autograd_nodes(roots):
@@ -298,16 +325,22 @@ def backward_phases() -> Iterator[list[int]]:
                     annotate(**{MODULE_KEY: path})
 
                 handles.append(fn.register_prehook(prehook))
-        annotate(**{PHASE_KEY: Phase.BACKWARD, MODULE_KEY: ""})
+        # A nested backward keeps the module path of the backward node that runs it.
+        old = annotate(**{PHASE_KEY: Phase.BACKWARD}, **({} if nested else {MODULE_KEY: ""}))
+        state.depth += 1
         try:
             return real_backward(tensors, *args, **kwargs)
         finally:
+            state.depth -= 1
             for h in handles:
                 h.remove()
-            if graph is not None:
-                ends.append(next(reversed(graph.nodes)))
-            # Until another backward shows that a micro-batch follows, the optimizer runs.
-            annotate(**{PHASE_KEY: Phase.OPTIMIZER, MODULE_KEY: "", MICROBATCH_KEY: len(calls)})
+            if nested:
+                fx_traceback.current_meta[CUSTOM_KEY] = old
+            else:
+                if graph is not None:
+                    ends.append(next(reversed(graph.nodes)))
+                # Until another backward shows that a micro-batch follows, the optimizer runs.
+                annotate(**{PHASE_KEY: Phase.OPTIMIZER, MODULE_KEY: "", MICROBATCH_KEY: len(calls)})
 
     torch.autograd.backward = backward  # type: ignore[assignment]
     try:

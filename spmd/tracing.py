@@ -65,6 +65,7 @@ from spmd.trace_hooks import (
     MICROBATCH_KEY,
     MODULE_KEY,
     PHASE_KEY,
+    BackwardState,
     ComputeCasts,
     annotate,
     backward_phases,
@@ -302,10 +303,11 @@ def trace_step(
                                 st[id(p)][k] = v
                 stack.enter_context(swapped_optimizer(optimizer, by_id, st, lrs))
             stack.enter_context(grad_tags(params, got_grad, old_grads, accumulate_after_reduce))
-            stack.enter_context(module_paths(module))
+            in_backward = BackwardState()
+            stack.enter_context(module_paths(module, in_backward))
             stack.enter_context(traced_rng_state())
             stack.enter_context(cast_forward_io(module, casts))
-            calls = stack.enter_context(backward_phases())
+            calls = stack.enter_context(backward_phases(in_backward))
             annotate(**{PHASE_KEY: Phase.FORWARD, MODULE_KEY: "", MICROBATCH_KEY: 0})
             out = fn(*args, **kwargs)
             out_box["backward_calls"] = len(calls)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 # ----------------------------------------------------------------------------- models
 
@@ -62,12 +63,24 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """Token + position embedding, pre-LN blocks, causal SDPA, head tied to the token embedding."""
+    """Token + position embedding, pre-LN blocks, causal SDPA, head tied to the token embedding.
+
+    ``checkpoint=True``: each block runs under ``torch.utils.checkpoint`` (non-reentrant, or
+    ``reentrant=True``), as a user trades compute for memory: its forward runs again in backward.
+    """
 
     def __init__(
-        self, vocab: int = 64, d_model: int = 32, n_layers: int = 2, n_heads: int = 4, seq: int = 16
+        self,
+        vocab: int = 64,
+        d_model: int = 32,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        seq: int = 16,
+        checkpoint: bool = False,
+        reentrant: bool = False,
     ):
         super().__init__()
+        self.checkpoint, self.reentrant = checkpoint, reentrant
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
@@ -79,7 +92,10 @@ class TinyGPT(nn.Module):
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok(idx) + self.pos(pos)
         for blk in self.blocks:
-            x = blk(x)
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=self.reentrant)
+            else:
+                x = blk(x)
         return self.head(self.ln_f(x))
 
 

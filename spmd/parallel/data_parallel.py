@@ -70,6 +70,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from passes.invariants import InvariantViolation, Violation, check_reshard
 from spmd import optim as optim_utils
 from spmd.errors import ConfigError
 from spmd.parallel import buffers, gathers, plan, reductions, sharded_optim, sharding
@@ -348,10 +349,13 @@ class DataParallel(ParallelMode):
 
         The first compiled call does this by itself; call it yourself to load a checkpoint
         (``torch.distributed.checkpoint``) into the distributed state before training.
-        Optimizer state is created (zeros) if the optimizer has none yet. A model on the
-        meta device is materialised here (see ``param_init_fn``).
+        Optimizer state is created (zeros) if the optimizer has none yet, at world size 1
+        too (nothing is distributed there, but DCP loads optimizer state only into entries
+        that exist). A model on the meta device is materialised here (see ``param_init_fn``).
         """
         self.prepare(module, optimizer, None)
+        if optimizer is not None and sharding.world_info()[1] == 1 and self.mesh is None:
+            optim_utils.ensure_state(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
 
     def prepare(
         self, module: nn.Module, optimizer: torch.optim.Optimizer | None, args: StepArgs | None
@@ -496,4 +500,6 @@ def _partition(
     ps.graph.lint()
     ps.gm.recompile()
     refresh_vals(ps)
+    if broken := check_reshard(ps.gm):  # cheap (one walk); a violation is a partitioner bug
+        raise InvariantViolation([Violation("reshard", name, msg) for name, msg in broken])
     return ps.gm

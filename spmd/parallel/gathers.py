@@ -4,7 +4,10 @@ Under fully_shard / hybrid_shard every parameter placeholder holds this rank's d
 An all-gather (of the shard padded to equal size) restores the full parameter just before its
 first forward use, once per micro-batch; with ``reshard_after_forward`` backward gathers it
 again (and recomputes the cheap parameter-only ops forward derived from it, such as a
-transpose, so nothing gathered in forward lives into backward). With mixed precision the
+transpose, so nothing gathered in forward lives into backward; the parameter placeholder is
+marked ``passes.meta.RESHARD`` and ``passes.invariants.check_reshard`` holds the partitioner to
+it). Ops that activation checkpointing recomputes in backward are backward ops (the tracer
+labels them so) and read the backward gather. With mixed precision the
 tracer's compute cast moves before the gather: each rank casts its fp32 shard and the gather
 sends ``param_dtype``. A channels_last shard is gathered in memory order
 (:mod:`spmd.parallel.layout`); an offloaded one is copied host-to-device first
@@ -24,7 +27,7 @@ import torch.fx as fx
 
 from passes import collectives as C
 from passes.graph_utils import mutated_nodes, storage_of
-from passes.meta import CAST_OF, MICROBATCH, MODULE, PHASE, Phase, Role, copy_meta
+from passes.meta import CAST_OF, MICROBATCH, MODULE, PHASE, RESHARD, Phase, Role, copy_meta
 from spmd.errors import ConfigError
 from spmd.parallel import layout
 from spmd.parallel.partition_state import PartitionState
@@ -99,6 +102,7 @@ def gather_param(ps: PartitionState, name: str) -> None:
     live at once.
     """
     p = ps.by_name[name]
+    p.meta[RESHARD] = bool(ps.dp.reshard_after_forward)
     cast = ps.casts.get(name)
     sources: list[tuple[fx.Node, torch.dtype | None]] = [(p, None)]
     if cast is not None:

@@ -20,3 +20,17 @@ def test_sync_module_states_and_full_state_dict(style: str) -> None:
     results = run_ranks(workers.sync_and_export, 2, style)
     problems = [p for r in results for p in r]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(600)  # five spawned runs; about 4 minutes on the 2 shared cores under load
+def test_resume_at_other_world_sizes(tmp_path) -> None:
+    """Elastic resume: a DCP checkpoint saved by fully_shard at 2 ranks loads at 4 and 3 ranks,
+    at 1 process without a process group, and under replicate at 2 -- every parameter and
+    optimizer state exact -- and training goes on (workers.elastic_resume). At 1 process it
+    needs ``DataParallel.distribute`` to create the optimizer state DCP loads into."""
+    ckpt = str(tmp_path)
+    run_ranks(workers.elastic_save, 2, ckpt)
+    problems = workers.elastic_resume(0, 1, "fully_shard", ckpt)  # this process: no process group
+    for world, style in ((4, "fully_shard"), (3, "fully_shard"), (2, "replicate")):
+        problems += [p for r in run_ranks(workers.elastic_resume, world, style, ckpt) for p in r]
+    assert not problems, "\n".join(problems)

@@ -10,7 +10,7 @@ import torch.fx as fx
 
 from passes import collectives as C
 from passes.invariants import InvariantViolation, check_invariants, describe, fingerprint
-from passes.meta import PHASE, ROLE, Phase, Role
+from passes.meta import PHASE, RESHARD, ROLE, Phase, Role
 from tests.unit.passes.graphs import Builder, aten, c10d
 
 
@@ -152,6 +152,32 @@ def test_every_violation_is_listed():
         b.op(c10d.all_reduce.default, x, "sum", "0", role=Role.COMM)
     err = _violations(b.finish(x))
     assert len(err.violations) == 3 and str(err).startswith("3 graph invariant violation(s)")
+
+
+def _resharded(backward_reads_forward_gather: bool, flag: bool = True) -> fx.GraphModule:
+    """p (resharded) -> all_gather -> wait -> t -> mm(x, .)            forward
+    g -> mm(g, W) where W = t of the forward gather (the bug) or
+                        t of a second all_gather of p (FULL_SHARD) backward"""
+    b = Builder()
+    p, x, g = b.input("p", 2, 4), b.input("x", 3, 4, role=Role.INPUT), b.input("g", 3, 4, role=Role.INPUT)
+    p.meta[RESHARD] = flag
+    w = b.op(aten.t.default, b.all_gather(p))
+    y = b.op(aten.mm.default, x, w)
+    b.phase = Phase.BACKWARD
+    if not backward_reads_forward_gather:
+        w = b.op(aten.t.default, b.all_gather(p))
+    dx = b.op(aten.mm.default, g, b.op(aten.t.default, w))
+    return b.finish(y, dx)
+
+
+def test_backward_reading_a_forward_gather_of_a_resharded_parameter():
+    """With reshard after forward, backward must gather again, not read forward's copy
+    (activation checkpointing's recompute, once labelled forward, did)."""
+    check_invariants(_resharded(backward_reads_forward_gather=False))
+    check_invariants(_resharded(backward_reads_forward_gather=True, flag=False))  # SHARD_GRAD_OP
+    err = _violations(_resharded(backward_reads_forward_gather=True))
+    assert err.rules == {"reshard"}
+    assert len(err.violations) == 1 and "backward" in str(err) and "resharded after forward" in str(err)
 
 
 def test_describe_names_kind_shape_module_and_node():
