@@ -173,9 +173,7 @@ def _bench_gpt() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], object]:
 
 CASES = [
     ("tinygpt", "fully_shard", False),
-    ("tinygpt", "replicate", False),
     ("llama", "fully_shard", True),
-    ("bench_gpt", "fully_shard", False),
     ("bench_gpt", "replicate", False),
 ]
 
