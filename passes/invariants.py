@@ -34,6 +34,17 @@ matters):
   ``passes.meta.RESHARD``), no backward op reads what a forward all-gather of it gathered
   (the wait, or a view, unpacking or copy of it made in forward: ``PASS_THROUGH_OPS``);
   backward reads its own gather (see :func:`check_reshard`).
+- ``collective-buffer``: no buffer an issued collective reads or writes (its inputs, its
+  outputs, through any alias) is written in place -- by an in-place op, another in-place
+  collective (``all_reduce_``) or an ``out=`` op of :func:`passes.reuse.reuse_dead_buffers` --
+  or freed between the collective and its (last) wait; a carried collective
+  (:mod:`passes.cross_step`) is in flight to the end of the graph. Freed: the eager runtime
+  drops the graph's last reference to a value after its last use
+  (:func:`passes.memory.buffer_liveness`), which frees the buffer unless the process group
+  holds it until the wait or copied it at the issue (:data:`INPUT_HELD`). The process
+  group's background thread reads and writes these buffers while the step runs on: a
+  write races it (wrong values), a freed buffer is a use-after-free (heap corruption).
+  See :func:`check_collective_buffers`.
 
 ``fingerprint(gm)`` is the sequence of collectives as every rank will issue them;
 ranks compare theirs to catch a divergent graph before it hangs in a collective.
@@ -51,10 +62,11 @@ import torch.fx as fx
 from passes import collectives as C
 from passes.cross_step import CARRIED, check_carried
 from passes.flat_ops import COPY_IN, COPY_OUT
-from passes.graph_utils import PASS_THROUGH_OPS
+from passes.graph_utils import PASS_THROUGH_OPS, mutated_nodes
+from passes.memory import buffer_liveness
 from passes.meta import MICROBATCH, PHASE, RESHARD, ROLE, Phase, Role, module_of
 from passes.optimizer_overlap import check_optimizer_split
-from passes.reuse import check_reuse
+from passes.reuse import REUSED, check_reuse
 
 # How many violations one error message lists before it summarises the rest.
 _MAX_LISTED = 20
@@ -135,8 +147,104 @@ def check_invariants(gm: fx.GraphModule) -> None:
     found.extend(Violation("optimizer-split", name, msg) for name, msg in check_optimizer_split(gm))
     found.extend(Violation("reused-buffer", name, msg) for name, msg in check_reuse(gm))
     found.extend(Violation("reshard", name, msg) for name, msg in check_reshard(gm))
+    found.extend(Violation("collective-buffer", name, msg) for name, msg in check_collective_buffers(gm))
     if found:
         raise InvariantViolation(found)
+
+
+# Collectives whose input buffer stays alive until the wait although the graph drops its last
+# reference at the issue: the process group's work object holds the input (``all_reduce_``,
+# the all-gathers, ``all_to_all_single``), or the op copied it when issued (the functional
+# ``all_reduce``, ``reduce_scatter_tensor``, ``broadcast`` send a clone). Measured on gloo,
+# torch 2.13.0 (``benchmarks/collective_refs.py``: the input's reference count after the issue,
+# and a correct result after the input is dropped and the heap churned while the peer joins
+# late); ``tests/dist/test_collective_refs.py`` keeps it true on the installed torch.
+INPUT_HELD = frozenset(
+    {
+        C._c10d.all_reduce.default,
+        C._c10d.all_reduce_.default,
+        C._c10d.all_reduce_coalesced.default,
+        C._c10d.all_reduce_coalesced_.default,
+        C._c10d.all_gather_into_tensor.default,
+        C._c10d.all_gather_into_tensor_coalesced.default,
+        C._c10d.reduce_scatter_tensor.default,
+        C._c10d.reduce_scatter_tensor_coalesced.default,
+        C._c10d.broadcast.default,
+        C._c10d.all_to_all_single.default,
+    }
+)
+
+
+def check_collective_buffers(
+    gm: fx.GraphModule, *, input_held: frozenset[object] = INPUT_HELD
+) -> list[tuple[str, str]]:
+    """(node, message) for every buffer of an issued collective written or freed before its wait.
+
+    A collective is in flight from its node to its last wait (to the end of the graph for a
+    carried one). Its buffers are those of its inputs and of its result (an in-place
+    ``all_reduce_``'s result is its input's), with every alias (views, ``out=`` results).
+    Inside that window no node may write one of them in place (``mutated_nodes``: in-place
+    ops, in-place collectives, ``out=`` ops), and the graph may drop its last reference to an
+    input's buffer only where the process group holds or copied it (``input_held``, the
+    collective ops measured so; :data:`INPUT_HELD`). Placeholders and returned values are
+    never freed by the runtime."""
+    colls = C.collectives(gm.graph)
+    if not colls:
+        return []
+    lv = buffer_liveness(gm)
+    index = {n: i for i, n in enumerate(lv.nodes)}
+    writers: list[tuple[int, fx.Node, fx.Node, set[int]]] = []  # (at, writer, written arg, buffers)
+    for n in lv.nodes:
+        for arg in mutated_nodes(n):
+            bufs = {b for b in lv.bufs_of.get(arg, []) if b is not None}
+            if bufs:
+                writers.append((index[n], n, arg, bufs))
+    found: list[tuple[str, str]] = []
+    for coll in colls:
+        waits = C.waits_of(coll)
+        if CARRIED in coll.meta:
+            stop, until = len(lv.nodes), "the end of the step (it is waited by the next call)"
+        elif waits:
+            last = max(waits, key=index.__getitem__)
+            stop, until = index[last], f"its wait {last.name}"
+        else:
+            continue  # one-wait-per-output reports it
+        start = index[coll]
+        ins = {b for x in C.inputs_of(coll) for b in lv.bufs_of.get(x, []) if b is not None}
+        flight = ins | {b for b in lv.bufs_of.get(coll, []) if b is not None}
+        for at, writer, arg, bufs in writers:
+            if not start < at < stop or not bufs & flight:
+                continue
+            if REUSED in writer.meta:
+                how = f"reuse_dead_buffers made {writer.name} write its result into {arg.name}"
+            elif C.is_collective(writer):
+                how = f"the in-place collective {describe(writer)} writes {arg.name}"
+            else:
+                how = f"{describe(writer)} writes {arg.name} in place"
+            found.append(
+                (
+                    writer.name,
+                    f"{how}, a buffer that {describe(coll)} still reads or writes until {until}: "
+                    "the process group's thread races the write (move the write after the wait, "
+                    "or give it another buffer)",
+                )
+            )
+        if coll.target in input_held:
+            continue
+        for x in C.inputs_of(coll):
+            for b in lv.bufs_of.get(x, []):
+                if b is None or b in lv.pinned or lv.last_use.get(b, stop) >= stop:
+                    continue
+                dropped = lv.nodes[lv.last_use[b]]
+                found.append(
+                    (
+                        coll.name,
+                        f"the eager runtime frees {x.name} after {dropped.name}, but {describe(coll)} "
+                        f"still reads it until {until} and the process group does not hold it "
+                        "(not in passes.invariants.INPUT_HELD): keep a reader of it after the wait",
+                    )
+                )
+    return found
 
 
 def _check_flat(node: fx.Node) -> list[Violation]:

@@ -17,6 +17,9 @@ returned, and it was allocated by an ATen op of the graph (not a collective, who
 output a wait hands over, nor a custom op, whose aliasing the trace may not show).
 Result and buffer must have the same shape, dtype, strides and a storage of exactly
 the result's bytes, contiguous, so the ``out=`` kernel never resizes or restrides it.
+Nor may it belong to a collective in flight at the op (issued before it, waited after):
+the graph's last reader of a collective's input can come before the wait, but the process
+group still reads it (``collective-buffer`` in :mod:`passes.invariants`).
 Liveness is :func:`passes.memory.buffer_liveness` (fake storages and op schemas).
 
 Where it must run: last among the passes that move nodes (a later reorder could put a
@@ -90,10 +93,26 @@ def _allocator_ok(node: fx.Node) -> bool:
     )
 
 
+def _in_flight(lv: Liveness, index: dict[fx.Node, int]) -> list[tuple[int, int, set[int]]]:
+    """(issue index, last wait index, buffers) of each collective: what it reads and writes
+    between its issue and its wait. A collective without a wait in this graph (a carried
+    gather) is in flight to the end."""
+    out = []
+    for coll in lv.nodes:
+        if not C.is_collective(coll):
+            continue
+        waits = C.waits_of(coll)
+        stop = max(index[w] for w in waits) if waits else len(lv.nodes)
+        bufs = {b for x in [*C.inputs_of(coll), coll] for b in lv.bufs_of.get(x, []) if b is not None}
+        out.append((index[coll], stop, bufs))
+    return out
+
+
 def reuse_dead_buffers(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite ops of :data:`REUSABLE` to write into an input that dies at them (module docstring)."""
     lv = buffer_liveness(gm)
     index = {n: i for i, n in enumerate(lv.nodes)}
+    flights = _in_flight(lv, index)
     producer = {b: n for n, bs in lv.fresh_of.items() for b in bs}
     rep: dict[int, int] = {}  # a result's buffer -> the input buffer it now lives in
 
@@ -127,6 +146,7 @@ def reuse_dead_buffers(gm: fx.GraphModule) -> fx.GraphModule:
                 or arg_bufs.count(b) != 1
                 or lv.size[b] != tensor_bytes(val)
                 or not _allocator_ok(producer[b])
+                or any(start < at < stop and b in {find(x) for x in bufs} for start, stop, bufs in flights)
             ):
                 continue
             out_op = entry[0]

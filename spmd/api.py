@@ -40,7 +40,7 @@ from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.parallel.sharding import local
 from spmd.pipeline import build_pipeline, chunk_loss
 from spmd.report import StepReport, build_report, describe_mode
-from spmd.runtime import Executable, make_executable
+from spmd.runtime import Executable, check_final_graph, make_executable
 
 log = logging.getLogger("spmd")
 
@@ -385,6 +385,7 @@ class CompiledStep:
             gm = self.gm_transformation(gm)
             graphs.record("gm_transformation", gm)
         graphs["final"] = gm
+        check_final_graph(gm, "the pass pipeline" if self.gm_transformation is None else "gm_transformation")
         check_rank_agreement(gm, step_name=self.__name__)
         exe = make_executable(gm, traced, state)
         exe.carry = self._carry

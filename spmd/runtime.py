@@ -27,11 +27,12 @@ from torch.distributed.tensor import DTensor
 
 from passes import collectives as C
 from passes import cross_step
+from passes.invariants import check_collective_buffers
 from passes.layouts import FAILING_NODE, fix_layouts
 from passes.meta import Role
 from spmd import step_inputs, tracing
 from spmd.carry import CarriedGathers
-from spmd.errors import CollectiveError, KernelError, ModelChangedError, SpmdError
+from spmd.errors import CollectiveError, KernelError, ModelChangedError, PassError, SpmdError
 from spmd.parallel.sharding import local
 
 # Backend errors of a broken or timed-out collective, where the failing op is not
@@ -192,9 +193,31 @@ class Executable:
         """Run the graph checking real against traced layouts, fixing it where they differ."""
         _, outs, fixes = fix_layouts(self.gm, flat)
         self.layouts_checked = True
-        if fixes and self.on_layout_fix is not None:
-            self.on_layout_fix(self.gm)
+        if fixes:
+            # The fix-ups copy and write back in place: not into an in-flight collective's buffer
+            # (checked after this first run, which ran the fixed graph; a violation stops the next).
+            check_final_graph(self.gm, "the first run's layout fix-ups")
+            if self.on_layout_fix is not None:
+                self.on_layout_fix(self.gm)
         return outs
+
+
+def check_final_graph(gm: fx.GraphModule, after: str = "the pass pipeline") -> None:
+    """The check the final graph always gets, debug mode or not: no buffer of an issued
+    collective is written in place or freed before the collective's wait
+    (``collective-buffer`` in ``passes/invariants.py``). A violation is a memory-safety bug
+    (the process group's thread would read or write freed or overwritten memory), so it
+    never runs: :class:`PassError`."""
+    found = check_collective_buffers(gm)
+    if found:
+        lines = "\n  ".join(msg for _, msg in found[:20])
+        more = f"\n  ... and {len(found) - 20} more" if len(found) > 20 else ""
+        raise PassError(
+            f"spmd: after {after}, the graph would touch buffers of in-flight collectives "
+            f"({len(found)} violation(s) of the collective-buffer invariant):\n  {lines}{more}\n"
+            "This is a bug in a pass (or in gm_transformation): disable the pass named in the "
+            "message with disabled_passes=[...] and report it."
+        )
 
 
 def set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:

@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -26,10 +25,10 @@ DEADLINE_S = 150  # per script; generous because CI machines are shared (idle: 2
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
-def run_example(args: list[str], cwd: Path, *, retry_crash: bool = True) -> str:
+def run_example(args: list[str], cwd: Path) -> str:
     """Run one command to completion in ``cwd``; returns stdout+stderr, fails on error or deadline.
-    A torchrun worker that crashed natively (SIGABRT/SIGSEGV, seen rarely at gloo teardown under
-    load) gets the command run once more, with a warning; a second crash fails."""
+    A worker that crashed natively (SIGABRT/SIGSEGV, even at exit after its work was done)
+    fails, never retried, with the signal named and the output (faulthandler's stacks)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     env.pop("SPMD_DUMP_DIR", None)
@@ -50,11 +49,8 @@ def run_example(args: list[str], cwd: Path, *, retry_crash: bool = True) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"{' '.join(map(str, args))} ran past {DEADLINE_S} s:\n{out[-4000:]}")
-    crash = torchrun_crash(out) if proc.returncode != 0 else None
-    if crash and retry_crash:
-        cmd = " ".join(map(str, args))
-        warnings.warn(f"{cmd}: a worker crashed ({crash}); running once more", stacklevel=2)
-        return run_example(args, cwd, retry_crash=False)
+    crash = torchrun_crash(out)
+    assert crash is None, f"{' '.join(map(str, args))}: native crash ({crash}), not retried:\n{out[-8000:]}"
     assert proc.returncode == 0, f"{' '.join(map(str, args))} exited {proc.returncode}:\n{out[-4000:]}"
     return out
 

@@ -10,12 +10,13 @@ Fault tests pass ``pg_timeout`` (seconds, the process group's collective timeout
 ``may_die`` (ranks allowed to exit without a result, e.g. one that SIGKILLs itself);
 such a rank's result is ``None``.
 
-A rank killed by a signal it did not ask for (SIGABRT from glibc's heap checks, SIGSEGV)
-is a native crash, not a Python error: every rank prints its Python stacks on such a
-signal (``faulthandler``), and the whole run is repeated once, with a warning naming the
-crash. The suite has seen this rarely under load (a gloo rank aborting with "malloc():
-unaligned tcache chunk detected"; not reproduced in 30 isolated runs): a second crash
-fails the test as before, so a crash that our code causes every time still fails.
+A rank killed by a signal it did not ask for (SIGABRT from glibc's heap checks, SIGSEGV,
+SIGBUS) is a native crash, a memory-safety bug, and fails the run at once with
+:class:`RankCrashed`, never retried: its message names the signal and holds every rank's
+Python stacks -- the crashed rank's as ``faulthandler`` wrote them when the signal hit, the
+others' dumped on request (``SIGUSR1``) just before they are killed. A retry would hide
+a bug that in training could as well corrupt values silently instead of crashing
+(issue 23; ``benchmarks/crash_hunt.sh`` hunts such crashes under load).
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ import os
 import pickle
 import queue
 import re
-import socket
 import signal
+import socket
+import sys
+import tempfile
+import time
 import traceback
-import warnings
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -49,11 +52,16 @@ def _entry(
     q: Any,
     args: tuple[Any, ...],
     pg_timeout: float = 60,
+    stacks: str | None = None,
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import faulthandler
 
-    faulthandler.enable(all_threads=True)  # a native crash prints where each thread was
+    # A native crash writes where each thread was; SIGUSR1 (sent by the parent when a peer
+    # crashed) writes the same without stopping the rank. To a file the parent reads back.
+    out = open(stacks, "w") if stacks else sys.stderr  # noqa: SIM115 - open until the process ends
+    faulthandler.enable(file=out, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -82,19 +90,29 @@ class RankFailure(AssertionError):
 
 
 class RankCrashed(RankFailure):
-    """A rank was killed by a signal it did not expect (a native crash)."""
+    """A rank was killed by a signal it did not expect (a native crash): never retried."""
 
 
 # How torchrun reports a worker killed by a native crash (not SIGKILL, which tests send).
 _TORCHRUN_CRASH = re.compile(r"Signal (6|7|11) \((SIGABRT|SIGBUS|SIGSEGV)\)")
+# A crash that torchrun does not report as such (at exit, after the worker's result was in):
+# faulthandler's header, which PYTHONFAULTHANDLER=1 prints on any fatal signal.
+_FATAL = re.compile(r"Fatal Python error: (Aborted|Segmentation fault|Bus error)")
 
 
 def torchrun_crash(output: str) -> str | None:
     """The signal a torchrun job's worker crashed with, read from its output, if any.
 
-    Callers run such a job once more (see the module docstring); a second crash fails."""
+    Callers fail on it (see the module docstring): a native crash is never retried."""
     m = _TORCHRUN_CRASH.search(output)
-    return m.group(2) if m else None
+    if m:
+        return m.group(2)
+    f = _FATAL.search(output)
+    return (
+        {"Aborted": "SIGABRT", "Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS"}[f.group(1)]
+        if f
+        else None
+    )
 
 
 def run_ranks(
@@ -105,26 +123,42 @@ def run_ranks(
     pg_timeout: float = 60,
     may_die: Collection[int] = (),
 ) -> list[Any]:
+    with tempfile.TemporaryDirectory(prefix="run_ranks_") as tmp:
+        stacks = [os.path.join(tmp, f"rank{r}.stacks") for r in range(world_size)]
+        return _run(fn, world_size, args, timeout, pg_timeout, may_die, stacks)
+
+
+def _crashed(procs: list[Any], may_die: Collection[int]) -> dict[int, str]:
+    """Ranks killed by a signal they did not ask for (SIGKILL is what fault tests send)."""
+    return {
+        r: signal.Signals(-p.exitcode).name
+        for r, p in enumerate(procs)
+        if r not in may_die and p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGKILL
+    }
+
+
+def _read(path: str) -> str:
     try:
-        return _run_once(fn, world_size, args, timeout, pg_timeout, may_die)
-    except RankCrashed as crash:
-        warnings.warn(f"run_ranks({fn.__name__}): native crash, running once more: {crash}", stacklevel=2)
-        return _run_once(fn, world_size, args, timeout, pg_timeout, may_die)
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
-def _run_once(
+def _run(
     fn: Callable[..., Any],
     world_size: int,
     args: tuple[Any, ...],
     timeout: float,
     pg_timeout: float,
     may_die: Collection[int],
+    stacks: list[str],
 ) -> list[Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, port, q, args, pg_timeout))
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, q, args, pg_timeout, stacks[r]))
         for r in range(world_size)
     ]
     for p in procs:
@@ -147,6 +181,8 @@ def _run_once(
             left = (deadline - datetime.datetime.now()).total_seconds()
             if left <= 0:
                 raise RankFailure(f"ranks did not finish within {timeout} s (finished: {sorted(results)})")
+            if _crashed(procs, may_die):
+                break  # a native crash: the others would only wait for the dead rank
             try:
                 take(q.get(timeout=min(left, 1.0)))
             except queue.Empty:
@@ -159,18 +195,39 @@ def _run_once(
                     break
                 continue
     finally:
+        signalled: set[int] = set()
+        if _crashed(procs, may_die):
+            # Where was everyone else? Their stacks (faulthandler, SIGUSR1), then they are
+            # stopped like any leftover.
+            for r, p in enumerate(procs):
+                if p.is_alive() and p.pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGUSR1)
+                        signalled.add(r)
+            time.sleep(1.0)
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
                 p.join()
+    # After the joins: a crash at exit, after the rank's result was in, fails as well. A rank
+    # that SIGUSR1 stopped before its handler was installed is no crash.
     crashed = {
-        r: signal.Signals(-p.exitcode).name
-        for r, p in enumerate(procs)
-        if r not in may_die and p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGKILL
+        r: sig
+        for r, sig in _crashed(procs, may_die).items()
+        if not (r in signalled and procs[r].exitcode == -signal.SIGUSR1)
     }
     if crashed:  # the others' errors (a failed collective) follow from it
-        raise RankCrashed(f"ranks killed by a signal: {crashed}; the others reported:\n" + "\n".join(errors))
+        where = "\n".join(
+            f"--- rank {r} ({crashed.get(r) or ('reported' if r in reported else 'stopped after the crash')}):\n"
+            f"{_read(path) or '(no stacks written)'}"
+            for r, path in enumerate(stacks)
+        )
+        names = ", ".join(f"rank {r} killed by {sig}" for r, sig in sorted(crashed.items()))
+        raise RankCrashed(
+            f"native crash ({names}): a memory-safety bug, not retried. Python stacks of every rank:\n"
+            f"{where}\nThe others reported:\n" + "\n".join(errors)
+        )
     if errors:
         raise RankFailure("\n".join(errors))
     missing = [r for r in range(world_size) if r not in results and r not in may_die]

@@ -8,11 +8,9 @@ group session, killed as a whole if they overrun their deadline.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import warnings
 
 import torch
 
@@ -22,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STEPS, EVERY, KILL_AT = 9, 3, 7  # checkpoints after steps 3, 6, 9; the kill comes before step 7
 
 
-def _torchrun(*args: str, timeout: float = 240, retry_crash: bool = True) -> subprocess.CompletedProcess:
+def _torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "tests/dist/resume_script.py"]
     env = {
@@ -50,16 +48,10 @@ def _torchrun(*args: str, timeout: float = 240, retry_crash: bool = True) -> sub
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
         out, _ = proc.communicate()
         raise AssertionError(f"torchrun did not finish within {timeout} s:\n{out[-4000:]}") from None
-    # A native crash (not the test's SIGKILL; see tests/dist/launcher.py) spends torchrun's one
-    # restart even when it comes at exit after the work is done (the restart then overwrites
-    # --out), so any crash in the output means: run the job once more, from an empty checkpoint dir.
+    # A native crash (not the test's SIGKILL; see tests/dist/launcher.py) fails, never retried,
+    # even when torchrun's one restart covered it.
     crash = torchrun_crash(out)
-    if crash and retry_crash:
-        warnings.warn(
-            f"torchrun {' '.join(args)}: a worker crashed ({crash}); running once more", stacklevel=2
-        )
-        shutil.rmtree(args[args.index("--ckpt") + 1], ignore_errors=True)
-        return _torchrun(*args, timeout=timeout, retry_crash=False)
+    assert crash is None, f"torchrun {' '.join(args)}: native crash ({crash}), not retried:\n{out[-8000:]}"
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{out[-4000:]}"
     return subprocess.CompletedProcess(cmd, proc.returncode, out)
 

@@ -1,0 +1,76 @@
+"""Many compiled steps on 2 gloo ranks, twice side by side: a crash or a race shows (issue 23).
+
+Each rank trains two identical copies of each model (same init, same batches) with the
+eager backend and the passes that free, reuse or write buffers around collectives
+(reduce-scatter as all-to-all, in-place all-reduce, ``reuse_dead_buffers``, optimizer
+overlap), one step of copy A then the same step of copy B. The math is deterministic, so
+the two copies' losses and parameters must be equal bit for bit after every step: a buffer
+written or freed while gloo's background thread still reads or writes it gives a
+difference (or, with ``MALLOC_PERTURB_``, garbage), a corrupted heap aborts. Used by
+``benchmarks/crash_hunt.sh`` (``MODE=steps``); tracing happens once per copy, so nearly all
+the time goes to running steps, unlike the test suite.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/crash_hunt_steps.py --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+
+import spmd
+from tests import models as shared
+from tests.dist import parity_models as pm
+from tests.dist.launcher import run_ranks
+from tests.dist.workers import _full, train_step, train_step_clip
+
+# (model, style, optimizer, step function): the passes in question all fire on these
+# (fully_shard: reduce-scatters as all-to-alls; replicate: in-place bucket all-reduces;
+# tinygpt: reuse of the logits' buffers; clip: a small all-reduce of the norm).
+CONFIGS = [
+    ("tinygpt", "fully_shard", "adamw_fused", train_step),
+    ("uneven", "fully_shard", "adam_fused", train_step_clip),
+    ("tinygpt", "replicate", "adamw_fused", train_step),
+    ("nested", "replicate", "sgd_momentum_foreach", train_step_clip),
+]
+
+
+def body(rank: int, world: int, steps: int) -> list[str]:
+    problems: list[str] = []
+    for name, style, optim, fn in CONFIGS:
+        copies = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            model = pm.build(name)
+            opt = shared.make_optimizer(optim, model)
+            step = spmd.compile(parallel_mode=spmd.DataParallel(style))(fn)
+            copies.append((model, opt, step))
+        for i in range(steps):
+            batch = pm.batch(name, i % 7, rank)
+            la, lb = (step(model, opt, *batch) for model, opt, step in copies)
+            if not torch.equal(la, lb):
+                problems.append(f"{name}/{style} step {i}: loss {la.item()!r} != {lb.item()!r}")
+                break
+        for (n, a), b in zip(copies[0][0].named_parameters(), copies[1][0].parameters(), strict=True):
+            if not torch.equal(_full(a), _full(b)):
+                problems.append(f"{name}/{style}: parameter {n} differs after {steps} steps")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=100)
+    args = ap.parse_args(argv)
+    results: Any = run_ranks(body, 2, args.steps, timeout=3600)
+    problems = [p for r in results for p in r]
+    for p in problems:
+        print("MISMATCH", p)
+    print(f"{len(CONFIGS)} configs x {args.steps} steps x 2 copies: {'ok' if not problems else 'MISMATCH'}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
