@@ -50,6 +50,7 @@ from spmd.errors import (
     TraceError,
     UntraceableOpError,
 )
+from spmd.hf_compat import hf_static_masks
 from spmd.step_inputs import (
     LiftedState,
     Slot,
@@ -285,6 +286,7 @@ def trace_step(
             stack.enter_context(grad_tags(params, got_grad, old_grads, accumulate_after_reduce))
             stack.enter_context(module_paths(module))
             stack.enter_context(traced_rng_state())
+            stack.enter_context(hf_static_masks())
             stack.enter_context(cast_forward_io(module, casts))
             calls = stack.enter_context(backward_phases())
             annotate(**{PHASE_KEY: Phase.FORWARD, MODULE_KEY: "", MICROBATCH_KEY: 0})

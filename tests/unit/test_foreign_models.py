@@ -206,3 +206,45 @@ def test_hf_classifier_compiles_once(name: str) -> None:
     _assert_same(model, ref, "after 3 calls")
     assert model.config.problem_type == "single_label_classification"
     assert compiled.num_graphs == 1
+
+
+def _lm_step(model, opt, ids, labels, *mask):
+    kw = {"attention_mask": mask[0]} if mask else {}
+    loss = model(input_ids=ids, labels=labels, use_cache=False, **kw).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize(
+    ("name", "padded"), [("llama", False), ("qwen2", False), ("mistral", False), ("llama", True)]
+)
+def test_hf_sdpa_takes_eagers_attention_path(name: str, padded: bool) -> None:
+    """HF's default attention (sdpa), a training step without cache: eager calls SDPA with
+    ``is_causal=True`` and no mask, so must the compiled step (bit for bit with eager); a padded
+    ``attention_mask`` still takes the mask path."""
+    from tests import sweep_models as S
+
+    pytest.importorskip("transformers")
+    model = S.hf_sdpa_causal_lm(name)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _fused_adamw(model), _fused_adamw(ref)
+    compiled = spmd.compile()(_lm_step)
+    g = torch.Generator().manual_seed(1)
+    for i in range(2):
+        ids = torch.randint(1, 64, (4, 8), generator=g)
+        batch: tuple[torch.Tensor, ...] = (ids, ids.clone())
+        if padded:
+            mask = torch.ones(4, 8, dtype=torch.long)
+            mask[0, 5:] = 0
+            batch += (mask,)
+        assert torch.equal(compiled(model, opt, *batch), _lm_step(ref, ref_opt, *batch)), f"call {i}"
+    _assert_same(model, ref, "after 2 calls")
+    calls = S.sdpa_calls(compiled.graphs["traced"])
+    assert len(calls) == 2, calls
+    for call in calls:
+        if padded:
+            assert call.get("attn_mask") is not None and not call.get("is_causal"), call
+        else:
+            assert call.get("attn_mask") is None and call.get("is_causal") is True, call
