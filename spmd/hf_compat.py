@@ -79,9 +79,13 @@ def constant_value(t: Any) -> torch.Tensor | None:
         return None
     env: dict[fx.Node, Any] = {}
     with disable_proxy_modes_tracing(), unset_fake_temporarily():
-        for node in order:
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-            env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+        try:
+            for node in order:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+                env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+        except Exception as exc:  # e.g. a device the trace only pretended to have: stay traced
+            log.debug("spmd: cannot evaluate %s outside the trace: %r", proxy.node, exc)
+            return None
     value = env[proxy.node]
     return value if isinstance(value, torch.Tensor) else None
 
