@@ -20,7 +20,9 @@ of ``x`` into the traced layout, which is what eager computed with (its
 on, so the checking run *is* the first real run and its outputs are the step's
 results. Readers that are correct on any layout (pointwise ops, reductions, matmuls,
 views that always succeed, copies, collectives' waits) get nothing, so they keep
-computing on the layout eager used; an ``aten.view`` gets a fix-up only when the view
+computing on the layout eager used; so do random fills (``bernoulli_``, ``rand_like``,
+...), whose layout decides which element gets which draw: on the real layout dropout's
+mask is eager's, element for element; an ``aten.view`` gets a fix-up only when the view
 of the real tensor would fail. Where layouts agree nothing is added: a graph without
 mismatches is returned untouched.
 
@@ -148,6 +150,37 @@ _ANY_LAYOUT_KERNELS = {
 _INSENSITIVE |= _ANY_LAYOUT_KERNELS
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
+# Random ops that fill their result element by element in memory order: correct on any
+# layout, and the layout decides which element gets which draw. Eager calls them on the
+# layout the real kernels returned (dropout: ``empty_like(x).bernoulli_(1 - p)`` on the
+# real ``x``), so they run on the real layout too: a copy into the traced layout would
+# put eager's draws on other elements (another dropout mask than eager's under the same
+# seed). Their results keep that layout; later readers get fix-ups as usual.
+_RANDOM_FILLS = frozenset(
+    {
+        "aten::bernoulli",
+        "aten::bernoulli_",
+        "aten::rand_like",
+        "aten::randn_like",
+        "aten::randint_like",
+        "aten::uniform",
+        "aten::uniform_",
+        "aten::normal",
+        "aten::normal_",
+        "aten::exponential",
+        "aten::exponential_",
+        "aten::geometric",
+        "aten::geometric_",
+        "aten::log_normal",
+        "aten::log_normal_",
+        "aten::cauchy",
+        "aten::cauchy_",
+        "aten::random_",
+        "aten::native_dropout",
+        "aten::poisson",
+    }
+)
+
 
 def _insensitive(target: Any) -> bool:
     if not isinstance(target, torch._ops.OpOverload):
@@ -156,6 +189,8 @@ def _insensitive(target: Any) -> bool:
         return True
     name = target._schema.name
     if name.startswith("_c10d_functional::wait_tensor") or name in ("spmd::tag_grad", "spmd::restride"):
+        return True
+    if name in _RANDOM_FILLS:
         return True
     return torch.Tag.pointwise in target.tags
 

@@ -344,6 +344,8 @@ class CompiledStep:
             )
         state = step_inputs.lift_state(module, optimizer)
         traced, read, trace_key = self._trace(step_args, state)
+        if guards.first_failing(read) is not None:
+            read = self._guards_after_first_call(step_args, state, traced, read)
         unused_fresh = _forget_unused_state(traced, optimizer, fresh, module)
         if unused_fresh:
             state = step_inputs.lift_state(module, optimizer)
@@ -472,6 +474,35 @@ class CompiledStep:
             cache[key] = tracing.copy_graph_module(gm)
         return gm
 
+    def _guards_after_first_call(
+        self,
+        step_args: step_inputs.StepArgs,
+        state: step_inputs.LiftedState,
+        traced: tracing.TracedStep,
+        read: list[guards.Guard],
+    ) -> list[guards.Guard]:
+        """The trace changed an attribute it read (HF classifiers set ``config.problem_type``
+        in their first forward), so its guards fail at once and the next call would trace
+        again. Trace once more, from the values the first call left: if that gives the same
+        graph and changes nothing it reads, the graph is right for the state after the first
+        call too, and that trace's guards (those values) replace the first one's. Otherwise the
+        attributes are put back as the first trace left them and the guards stay (the next
+        call retraces, as before).
+        """
+        changed = guards.first_failing(read)
+        saved = guards.snapshot(read)
+        again, reread, _ = self._trace(step_args, state)
+        if guards.first_failing(reread) is None and _same_trace(traced, again):
+            log.info(
+                "spmd: %s: %s by the traced step itself; a second trace from the new values gives the "
+                "same graph: guarding the values after the first call",
+                self.__name__,
+                changed.describe() if changed is not None else "a module attribute",
+            )
+            return reread
+        guards.restore(saved)
+        return read
+
     def _record_layout_fix(self, entry: _Entry, gm: fx.GraphModule) -> None:
         """The first run inserted layout fix-ups into the final graph: show them as a stage."""
         old_index = list(entry.graphs).index("final")
@@ -484,6 +515,33 @@ class CompiledStep:
             if os.path.exists(stale):
                 os.remove(stale)
             dump_report(where, _report(entry, "final"))
+
+
+def _same_trace(a: tracing.TracedStep, b: tracing.TracedStep) -> bool:
+    """The same graph (code, constants, outputs and gradients) from two traces of a step."""
+    if a.gm.code != b.gm.code or a.out_spec != b.out_spec or a.grads != b.grads:
+        return False
+    if a.grad_outs != b.grad_outs or a.grad_cleared != b.grad_cleared or len(a.slots) != len(b.slots):
+        return False
+    if not all(_same_constant(x, y) for x, y in zip(a.out_constants, b.out_constants, strict=True)):
+        return False
+    return all(
+        _same_constant(getattr(a.gm, n.target, None), getattr(b.gm, n.target, None))
+        for n in a.gm.graph.nodes
+        if n.op == "get_attr"
+    )
+
+
+def _same_constant(x: Any, y: Any) -> bool:
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return (
+            isinstance(x, torch.Tensor)
+            and isinstance(y, torch.Tensor)
+            and x.shape == y.shape
+            and x.dtype == y.dtype
+            and torch.equal(x, y)
+        )
+    return type(x) is type(y) and bool(x == y)
 
 
 def _report(entry: _Entry, stage: str) -> StepReport:

@@ -190,6 +190,20 @@ def first_failing(guards: list[Guard]) -> Guard | None:
     return None
 
 
+def snapshot(guards: list[Guard]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """A shallow copy of every namespace (module or config ``__dict__``) the guards read."""
+    spaces = {id(g.namespace): g.namespace for g in guards if g.attr}
+    return [(ns, dict(ns)) for ns in spaces.values()]
+
+
+def restore(saved: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+    """Put the attributes :func:`snapshot` copied back (added ones removed)."""
+    for ns, copy in saved:
+        for name in [n for n in ns if n not in copy]:
+            del ns[name]
+        ns.update(copy)
+
+
 def _held_objects(
     module: nn.Module, depth: int = 2
 ) -> tuple[dict[int, tuple[str, Any]], list[tuple[str, str, dict[str, Any], Any, bool]]]:
@@ -258,8 +272,11 @@ def record_reads(module: nn.Module) -> Iterator[list[Guard]]:
     non-module objects they hold (:func:`_held_objects`), read inside the block.
 
     The first read of each (object, attribute) decides the guarded value. Reads of a value
-    the block itself wrote first are still recorded as read (the step changing an
-    attribute it then reads is not supported: it would retrace on the next call).
+    the block itself wrote first are still recorded as read. A step that changes an
+    attribute it reads (Hugging Face classifiers set ``config.problem_type`` in their first
+    forward) leaves guards that fail right after the trace: ``spmd.api`` then traces once
+    more and keeps that trace's guards (the values after the first call) where the second
+    trace gives the same graph and changes nothing it reads.
     """
     paths = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
     held, holders = _held_objects(module)

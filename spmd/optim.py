@@ -72,12 +72,25 @@ def register_fused_meta_kernels() -> list[str]:
 def traceable_optimizers() -> Iterator[None]:
     """Make ``torch.optim`` take its traceable code paths (tensor ``step``, no ``.item()``).
 
-    The one place that touches the private ``torch.compiler._is_compiling_flag``. Also makes
+    With :func:`not_compiling`, the one place that touches the private
+    ``torch.compiler._is_compiling_flag``. Also makes
     sure the fused kernels can be traced without running them (:func:`register_fused_meta_kernels`).
     """
     register_fused_meta_kernels()
     old = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
+
+
+@contextlib.contextmanager
+def not_compiling() -> Iterator[None]:
+    """Inside :func:`traceable_optimizers`: ``torch.compiler.is_compiling()`` false again, for a
+    block that runs real (untraced) code in the middle of a trace (:mod:`spmd.hf_compat`)."""
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = False
     try:
         yield
     finally:

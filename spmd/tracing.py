@@ -51,6 +51,7 @@ from spmd.errors import (
     TraceError,
     UntraceableOpError,
 )
+from spmd.hf_compat import hf_static_masks
 from spmd.step_inputs import (
     LiftedState,
     Slot,
@@ -306,6 +307,7 @@ def trace_step(
             in_backward = BackwardState()
             stack.enter_context(module_paths(module, in_backward))
             stack.enter_context(traced_rng_state())
+            stack.enter_context(hf_static_masks())
             stack.enter_context(cast_forward_io(module, casts))
             calls = stack.enter_context(backward_phases(in_backward))
             annotate(**{PHASE_KEY: Phase.FORWARD, MODULE_KEY: "", MICROBATCH_KEY: 0})

@@ -19,34 +19,38 @@ import torch.nn.functional as F
 N_CLASSES = 4
 _B, _T, _C = 4, 6, 8  # batch, sequence length, channels
 _H = _W = 6
+_P = 0.5  # dropout probability of the *_dropout models
 
 
 class TransposedNorm(nn.Module):
-    """``(B, T, C)`` -> Linear -> transpose(1, 2) -> ``norm`` over channels -> transpose back -> Linear."""
+    """``(B, T, C)`` -> Linear -> transpose(1, 2) -> ``norm`` over channels (-> dropout) ->
+    transpose back -> Linear."""
 
-    def __init__(self, norm: nn.Module):
+    def __init__(self, norm: nn.Module, dropout: float = 0.0):
         super().__init__()
         self.inp = nn.Linear(_C, _C)
         self.norm = norm
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
         self.out = nn.Linear(_C, N_CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
-        h = self.norm(h.transpose(1, 2)).transpose(1, 2)
+        h = self.drop(self.norm(h.transpose(1, 2))).transpose(1, 2)
         return self.out(F.relu(h + x)).mean(1)
 
 
 class PermutedNorm2d(nn.Module):
-    """``(B, H, W, C)`` -> Linear -> permute to NCHW -> ``norm`` -> permute back -> Linear."""
+    """``(B, H, W, C)`` -> Linear -> permute to NCHW -> ``norm`` (-> dropout) -> permute back -> Linear."""
 
-    def __init__(self, norm: nn.Module):
+    def __init__(self, norm: nn.Module, dropout: float = 0.0):
         super().__init__()
         self.inp = nn.Linear(_C, _C)
         self.norm = norm
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
         self.out = nn.Linear(_C, N_CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(self.inp(x).permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+        h = self.drop(self.norm(self.inp(x).permute(0, 3, 1, 2))).permute(0, 2, 3, 1)
         return self.out(F.gelu(h)).mean((1, 2))
 
 
@@ -65,18 +69,20 @@ class TransposedLayerNorm(nn.Module):
 
 
 class ChannelsLastConvBN(nn.Module):
-    """A conv net in channels_last memory format, BatchNorm2d between the convolutions."""
+    """A conv net in channels_last memory format, BatchNorm2d between the convolutions
+    (dropout after each convolution when ``dropout``)."""
 
-    def __init__(self):
+    def __init__(self, dropout: float = 0.0):
         super().__init__()
         self.c1 = nn.Conv2d(3, _C, 3, padding=1)
         self.bn = nn.BatchNorm2d(_C)
         self.c2 = nn.Conv2d(_C, _C, 3, padding=1)
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
         self.out = nn.Linear(_C * _H * _W, N_CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.bn(self.c1(x.contiguous(memory_format=torch.channels_last))))
-        return self.out(self.c2(h).flatten(1))
+        h = F.relu(self.bn(self.drop(self.c1(x.contiguous(memory_format=torch.channels_last)))))
+        return self.out(self.drop(self.c2(h)).flatten(1))
 
 
 class Unfold(nn.Module):
@@ -163,7 +169,16 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tor
     "unfold": (Unfold, _image),
     "expand_view": (ExpandView, lambda g: torch.randn(_B, _C, generator=g)),
     "as_strided": (AsStrided, _seq),
+    # dropout right after a kernel that may return another layout than traced: the mask must
+    # be eager's, element for element (the step is run under the same seed as eager's)
+    "transpose_batchnorm1d_dropout": (lambda: TransposedNorm(nn.BatchNorm1d(_C), _P), _seq),
+    "transpose_conv1d_dropout": (lambda: TransposedNorm(nn.Conv1d(_C, _C, 3, padding=1), _P), _seq),
+    "permute_batchnorm2d_dropout": (lambda: PermutedNorm2d(nn.BatchNorm2d(_C), _P), _hwc),
+    "permute_groupnorm_dropout": (lambda: PermutedNorm2d(nn.GroupNorm(4, _C), _P), _hwc),
+    "channels_last_conv_bn_dropout": (lambda: ChannelsLastConvBN(_P), _image),
 }
+# Models with dropout: their steps draw random numbers (seed before each step to compare).
+DROPOUT = {name for name in MODELS if name.endswith("_dropout")}
 
 
 def build(name: str, seed: int = 0) -> nn.Module:

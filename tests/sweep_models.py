@@ -572,3 +572,34 @@ def build(name: str) -> Case:
     """The model of ``name`` with the same initial values on every call (and every rank)."""
     torch.manual_seed(0)
     return MODELS[name]()
+
+
+# --- Hugging Face causal LMs with SDPA attention (HF's default), for the attention-path tests --
+
+HF_SDPA = ("llama", "qwen2", "mistral")
+
+
+def hf_sdpa_causal_lm(name: str) -> nn.Module:
+    """A tiny HF causal LM (``HF_SDPA``) with ``attn_implementation="sdpa"``; the same values every call.
+
+    Mistral keeps its default sliding window (4096 > T): eager skips the mask as for the others.
+    """
+    tf = _transformers()
+    config = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}[name]
+    kw = {**_LLAMA_LIKE, "attn_implementation": "sdpa"}
+    torch.manual_seed(0)
+    cfg = getattr(tf, config)(vocab_size=V, max_position_embeddings=32, **kw)
+    return getattr(tf, config.replace("Config", "ForCausalLM"))(cfg)
+
+
+def sdpa_calls(gm: Any) -> list[dict[str, Any]]:
+    """The forward SDPA calls of a graph, each as its keyword arguments (``is_causal``, ``attn_mask``)."""
+    from torch.fx.operator_schemas import normalize_function
+
+    calls = []
+    for n in gm.graph.nodes:
+        name = getattr(n.target, "__name__", "")
+        if n.op == "call_function" and "scaled_dot_product" in name and "backward" not in name:
+            bound = normalize_function(n.target, n.args, n.kwargs, normalize_to_only_use_kwargs=True)
+            calls.append(dict(bound.kwargs) if bound is not None else {})
+    return calls

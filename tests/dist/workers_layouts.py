@@ -42,7 +42,11 @@ def layout_family(
         g = torch.Generator().manual_seed(100 + rank)
         for i in range(steps):
             x, y = L.batch(model_name, g)
-            loss, ref = step(model, opt, x, y), train_step(ddp, ref_opt, x, y)
+            # The same seed for both: dropout must draw DDP's mask, element for element.
+            torch.manual_seed(1000 * rank + i)
+            loss = step(model, opt, x, y)
+            torch.manual_seed(1000 * rank + i)
+            ref = train_step(ddp, ref_opt, x, y)
             # Keep stepping after a mismatch: a rank that stopped early would hang the other.
             if not torch.equal(loss, ref):
                 out.append(f"{tag}: step {i} loss {loss.item()!r} != ddp {ref.item()!r}")

@@ -165,3 +165,86 @@ def test_hf_default_use_cache_under_inductor(build, tmp_path, monkeypatch) -> No
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=n, i=i: f"step {i}, {n}: {m}")
     assert "aten.cat.default([lift_fresh_copy" in ind.graphs["final"].code  # the final graph keeps it
+
+
+def _hf_classifier(name: str) -> tuple[nn.Module, tuple[int, ...]]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "vit":
+        config = transformers.ViTConfig(
+            image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=1,
+            num_attention_heads=2, intermediate_size=64, num_labels=4,
+        )  # fmt: skip
+        return transformers.ViTForImageClassification(config), (4, 3, 8, 8)
+    config = transformers.ResNetConfig(
+        num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
+        num_labels=4,
+    )  # fmt: skip
+    return transformers.ResNetForImageClassification(config), (4, 3, 16, 16)
+
+
+@pytest.mark.parametrize("name", ["vit", "resnet"])
+def test_hf_classifier_compiles_once(name: str) -> None:
+    """HF classifiers set ``config.problem_type`` in their first forward: the guard takes the
+    value the first call left, so the second call reuses the graph (one compile)."""
+
+    def step(model, opt, x, y):
+        loss = model(pixel_values=x, labels=y).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    model, shape = _hf_classifier(name)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _fused_adamw(model), _fused_adamw(ref)
+    compiled = spmd.compile()(step)
+    g = torch.Generator().manual_seed(1)
+    for i in range(3):
+        x, y = torch.randn(*shape, generator=g), torch.randint(0, 4, (shape[0],), generator=g)
+        assert torch.equal(compiled(model, opt, x, y), step(ref, ref_opt, x, y)), f"call {i}"
+    _assert_same(model, ref, "after 3 calls")
+    assert model.config.problem_type == "single_label_classification"
+    assert compiled.num_graphs == 1
+
+
+def _lm_step(model, opt, ids, labels, *mask):
+    kw = {"attention_mask": mask[0]} if mask else {}
+    loss = model(input_ids=ids, labels=labels, use_cache=False, **kw).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize(
+    ("name", "padded"), [("llama", False), ("qwen2", False), ("mistral", False), ("llama", True)]
+)
+def test_hf_sdpa_takes_eagers_attention_path(name: str, padded: bool) -> None:
+    """HF's default attention (sdpa), a training step without cache: eager calls SDPA with
+    ``is_causal=True`` and no mask, so must the compiled step (bit for bit with eager); a padded
+    ``attention_mask`` still takes the mask path."""
+    from tests import sweep_models as S
+
+    pytest.importorskip("transformers")
+    model = S.hf_sdpa_causal_lm(name)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _fused_adamw(model), _fused_adamw(ref)
+    compiled = spmd.compile()(_lm_step)
+    g = torch.Generator().manual_seed(1)
+    for i in range(2):
+        ids = torch.randint(1, 64, (4, 8), generator=g)
+        batch: tuple[torch.Tensor, ...] = (ids, ids.clone())
+        if padded:
+            mask = torch.ones(4, 8, dtype=torch.long)
+            mask[0, 5:] = 0
+            batch += (mask,)
+        assert torch.equal(compiled(model, opt, *batch), _lm_step(ref, ref_opt, *batch)), f"call {i}"
+    _assert_same(model, ref, "after 2 calls")
+    calls = S.sdpa_calls(compiled.graphs["traced"])
+    assert len(calls) == 2, calls
+    for call in calls:
+        if padded:
+            assert call.get("attn_mask") is not None and not call.get("is_causal"), call
+        else:
+            assert call.get("attn_mask") is None and call.get("is_causal") is True, call

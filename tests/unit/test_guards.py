@@ -318,3 +318,58 @@ def test_replaced_config_object_retraces() -> None:
         model.holder.sub = sub  # no module write: the fast path must see it
         assert torch.equal(step(model, x), model(x))
         assert step.num_graphs == 3
+
+
+class SetsOnFirstCall(nn.Module):
+    """Sets ``config.act`` (unset) in its first forward and reads it (as HF classifiers set
+    ``config.problem_type``), and counts calls in ``self.calls``, baked into the output."""
+
+    def __init__(self, count: bool = False) -> None:
+        super().__init__()
+        self.config = Config()
+        self.config.act = None
+        self.count = count
+        self.calls = 0
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.act is None:
+            self.config.act = "relu" if self.fc.out_features > 4 else "gelu"
+        x = F.relu(self.fc(x)) if self.config.act == "relu" else F.gelu(self.fc(x))
+        if self.count:  # a write that changes the graph on every call: no graph may be reused
+            x = x * self.calls
+            self.calls += 1
+        return x
+
+
+def test_attribute_set_by_the_first_call_compiles_once(caplog: pytest.LogCaptureFixture) -> None:
+    model = SetsOnFirstCall()
+    ref = SetsOnFirstCall()
+    ref.load_state_dict(model.state_dict())
+    step = spmd.compile()(fwd_step)
+    x = _x()
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="spmd"):
+        for _ in range(3):
+            assert torch.equal(step(model, x), fwd_step(ref, x))
+        assert step.num_graphs == 1
+        assert "config.act changed from None to 'relu' by the traced step itself" in caplog.text
+        model.config.act = "gelu"  # a real change after compile still retraces
+        ref.config.act = "gelu"
+        assert torch.equal(step(model, x), fwd_step(ref, x))
+        assert step.num_graphs == 2
+
+
+def test_attribute_the_step_changes_every_call_retraces_as_eager() -> None:
+    """A write that the second trace does not repeat identically (a call counter baked into the
+    graph): every call retraces, and the counter ends where eager's does (the verifying trace's
+    write is undone)."""
+    model = SetsOnFirstCall(count=True)
+    ref = SetsOnFirstCall(count=True)
+    ref.load_state_dict(model.state_dict())
+    step = spmd.compile()(fwd_step)
+    x = _x()
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(step(model, x), fwd_step(ref, x))
+    assert model.calls == ref.calls == 3
+    assert step.num_graphs == 3

@@ -199,3 +199,24 @@ def test_an_input_written_in_place_through_a_copy_is_updated() -> None:
     want2 = aten.cumsum(buf2.contiguous(), 1)
     gm(buf2)  # the fixed graph does the same on later runs
     assert torch.equal(buf2, want2)
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda x: torch.empty_like(x).bernoulli_(0.5),  # nn.Dropout's mask
+        lambda x: torch.rand_like(x),
+        lambda x: torch.empty_like(x).uniform_(),
+        lambda x: torch.bernoulli(x.sigmoid()),
+    ],
+)
+def test_random_fills_draw_on_the_real_layout(draw) -> None:
+    """A random op fills memory in order: on the real (eager's) layout each element gets eager's
+    draw. A copy into the traced layout would put the same draws on other elements."""
+    gm = _trace(lambda x: draw(x) * x, (4, 6))
+    x = _transposed(4, 6)
+    torch.manual_seed(0)
+    _, out, fixes = fix_layouts(gm, [x])
+    torch.manual_seed(0)
+    want = draw(x) * x
+    assert fixes == [] and torch.equal(out, want)

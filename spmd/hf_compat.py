@@ -1,0 +1,127 @@
+"""Compatibility with Hugging Face ``transformers`` under spmd's trace: the one shim.
+
+``transformers.utils.is_tracing(t)`` is true for any ``FakeTensor``, and spmd traces the
+step under fake tensors. Where Hugging Face decides from a tensor's *values* whether it
+may skip work, it then takes the conservative path under spmd's trace even where eager,
+with the same inputs, takes the other one. The case that changes results:
+``masking_utils.find_packed_sequence_indices(position_ids)``, asked whenever a causal LM
+runs without a cache and without an ``attention_mask`` (training with ``use_cache=False``).
+Eager finds the positions ``0..T-1`` of one sequence per row, returns ``None``, and SDPA
+runs with ``is_causal=True`` and no mask; under the trace the check is skipped, the model
+builds an explicit ``T x T`` causal mask and SDPA runs with it: other kernels, other bits
+(up to 1e-4 in step-0 gradients of a tiny Llama), and on a GPU no flash attention and an
+s^2 mask per sequence.
+
+The position ids the model builds itself (``torch.arange(T) + past_seen_tokens``) depend
+on no input of the step: their values are known at trace time. :func:`hf_static_masks`
+wraps ``find_packed_sequence_indices`` for the duration of the trace: when its argument's
+value follows from constants alone (:func:`constant_value`: its ancestors in the graph
+being traced are functional, non-random ops with no placeholder among them), the check
+runs on that concrete value, as eager's does, and a row of one sequence gives eager's
+``None``. Position ids that come from the step's inputs (packed sequences passed by the
+user), and a 2-D ``attention_mask`` passed to the step (padded or not: its values are
+data), keep Hugging Face's mask path, so padding is always masked. Nothing else in
+``transformers`` is changed; without ``transformers`` imported this is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot
+
+from spmd.optim import not_compiling
+
+log = logging.getLogger("spmd")
+
+# A value computed from more nodes than this is not an index tensor; leave it traced.
+_MAX_NODES = 64
+
+
+def constant_value(t: Any) -> torch.Tensor | None:
+    """The real value of ``t``, a tensor of the graph being traced, when it follows from
+    constants alone (no placeholder, attribute, random or in-place op among the ops that
+    computed it); else ``None``. Evaluates those ops again on real tensors, outside the trace."""
+    mode = get_proxy_mode()
+    if mode is None or not isinstance(t, FakeTensor):
+        return None
+    proxy = get_proxy_slot(t, mode.tracer, None, lambda p: p.proxy)
+    if proxy is None:
+        return None
+    order: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+
+    def visit(node: fx.Node) -> bool:
+        if node in seen:
+            return True
+        seen.add(node)
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            return False
+        schema = target._schema
+        if torch.Tag.nondeterministic_seeded in target.tags or schema.is_mutable:
+            return False
+        for arg in node.all_input_nodes:
+            if not visit(arg):
+                return False
+        order.append(node)
+        return len(order) <= _MAX_NODES
+
+    if not visit(proxy.node):
+        return None
+    env: dict[fx.Node, Any] = {}
+    with disable_proxy_modes_tracing(), unset_fake_temporarily():
+        try:
+            for node in order:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+                env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+        except Exception as exc:  # e.g. a device the trace only pretended to have: stay traced
+            log.debug("spmd: cannot evaluate %s outside the trace: %r", proxy.node, exc)
+            return None
+    value = env[proxy.node]
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _static_packed_check(original: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    @functools.wraps(original)
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
+        value = constant_value(position_ids)
+        if value is not None:
+            # On the real value, as eager: outside the trace, and with is_compiling() false
+            # (spmd.optim sets it for the whole trace; transformers' is_tracing() reads it).
+            with disable_proxy_modes_tracing(), unset_fake_temporarily(), not_compiling():
+                packed = original(value)
+        if value is not None and packed is None:
+            log.debug("spmd: position ids are constants of one sequence per row: no packed-sequence mask")
+            return None
+        return original(position_ids)
+
+    find_packed_sequence_indices.__spmd_shim__ = True  # type: ignore[attr-defined]
+    return find_packed_sequence_indices
+
+
+@contextlib.contextmanager
+def hf_static_masks() -> Iterator[None]:
+    """For the duration of a trace, let ``transformers`` decide from position ids whose values
+    are known at trace time as eager does (see the module docstring)."""
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None or getattr(original, "__spmd_shim__", False):
+        yield
+        return
+    masking.find_packed_sequence_indices = _static_packed_check(original)  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original  # type: ignore[union-attr]
+
+
+__all__ = ["constant_value", "hf_static_masks"]

@@ -1,0 +1,56 @@
+"""``spmd.hf_compat``: which traced tensors count as constants, and the shim's scope. The models
+it is for (HF causal LMs with sdpa attention) are in tests/unit/test_foreign_models.py and
+tests/dist/test_hf_attention.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from spmd.hf_compat import constant_value, hf_static_masks
+
+
+def _seen(f, *inputs: torch.Tensor) -> list:
+    """``constant_value`` of what ``f`` returns, while make_fx traces it on fake tensors."""
+    seen: list = []
+
+    def traced(*xs: torch.Tensor) -> torch.Tensor:
+        out = f(*xs)
+        seen.append(constant_value(out))
+        return out
+
+    make_fx(traced, tracing_mode="fake")(*inputs)
+    return seen
+
+
+def test_values_computed_from_constants_are_concrete() -> None:
+    x = torch.randn(2, 5)
+    (value,) = _seen(lambda x: (torch.arange(x.shape[1]) + 3).unsqueeze(0).expand(x.shape[0], -1), x)
+    assert torch.equal(value, (torch.arange(5) + 3).expand(2, -1))
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda x: torch.arange(x.shape[1]) + x[0].long(),  # reads an input
+        lambda x: torch.rand(x.shape[1]),  # random: evaluating it again would draw other numbers
+        lambda x: torch.zeros(3).add_(1),  # in place
+    ],
+)
+def test_inputs_random_and_in_place_ops_stay_traced(f) -> None:
+    assert _seen(f, torch.randn(2, 5)) == [None]
+
+
+def test_outside_a_trace_nothing_is_constant() -> None:
+    assert constant_value(torch.arange(3)) is None
+
+
+def test_the_shim_lives_only_for_the_block() -> None:
+    masking = pytest.importorskip("transformers.masking_utils")
+    original = masking.find_packed_sequence_indices
+    with hf_static_masks():
+        assert masking.find_packed_sequence_indices is not original
+        with hf_static_masks():  # nested (a trace inside a trace): wrapped once
+            assert masking.find_packed_sequence_indices.__wrapped__ is original
+    assert masking.find_packed_sequence_indices is original
