@@ -38,7 +38,7 @@ from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.parallel.sharding import local
-from spmd.pipeline import build_pipeline
+from spmd.pipeline import build_pipeline, build_trace_pipeline, check_remat
 from spmd.report import StepReport, build_report, describe_mode
 from spmd.runtime import Executable, make_executable
 
@@ -57,6 +57,9 @@ _OPTIONS: dict[str, str] = {
     "inductor_gemm": "'onednn' (default: float32 CPU matmuls call oneDNN's matmul) or 'aten' (inductor "
     "calls torch's mm/addmm: MKL's sgemm in x86 builds); backend='inductor' only",
     "inductor_config": "dict of torch._inductor.config settings for backend='inductor' (applied over spmd's)",
+    "remat": "None (default: save what autograd saves), 'selective' (recompute cheap ops in backward), "
+    "'full' (recompute each block from its input) or a float in (0, 1] (fraction of saved-activation "
+    "bytes to keep); see passes.remat and docs/remat.md",
     "share_compile": "backend='inductor': ranks of a host with the same graph compile it once and load it "
     "from inductor's caches (default False: no gain measured with 2 ranks on 2 cores; True or env "
     "SPMD_SHARE_COMPILE=1 turns it on where safe; see spmd.compile_once)",
@@ -125,6 +128,7 @@ def compile(
     check_backend(options.get("backend", "eager"))
     check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
     check_gemm(options.get("inductor_gemm", "onednn"))
+    check_remat(options.get("remat"))
 
     def decorate(fn: Callable[..., Any]) -> CompiledStep:
         return CompiledStep(
@@ -152,6 +156,7 @@ class _Entry:
     lowered_code: str | None = None  # the backend's generated code (None for eager)
     lower_role: str | None = None  # shared compile: "alone", "leader" or "follower" (None for eager)
     lower_wait_s: float | None = None  # a follower's wait for its leader (part of lower_s)
+    remat: str | float | None = None  # the remat policy the graph was built with
     # Plain module attributes the trace read (spmd.guards): the graph is reused only while they hold.
     attr_guards: list[guards.Guard] = dataclasses.field(default_factory=list)
 
@@ -184,6 +189,7 @@ class CompiledStep:
         self.inductor_config: dict[str, Any] = dict(options.get("inductor_config") or {})
         self.inductor_optimizer: str = check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
         self.inductor_gemm: str = check_gemm(options.get("inductor_gemm", "onednn"))
+        self.remat: str | float | None = check_remat(options.get("remat"))
         self.share_compile: bool = bool(
             options.get("share_compile", os.environ.get("SPMD_SHARE_COMPILE", "0") not in ("", "0"))
         )
@@ -351,7 +357,13 @@ class CompiledStep:
         # Stages keeps a cheap copy per stage and builds its GraphModule when looked up.
         graphs = Stages()
         graphs.record("traced", traced.gm)
-        gm = self.parallel_mode.partition(traced.gm, state, step_args)
+        # Passes over the traced graph (single-device semantics), before partitioning.
+        traced_passes = build_trace_pipeline(remat=self.remat)
+        before = {p.name for p in traced_passes.passes}
+        gm = traced_passes.run(
+            traced.gm, disabled=[d for d in self.disabled_passes if d in before], record=graphs.record
+        )
+        gm = self.parallel_mode.partition(gm, state, step_args)
         flat_state = state.tensors(optimizer) + step_args.tensors
         for o in self.module_override:
             res = o.transform(gm, flat_state)
@@ -372,7 +384,7 @@ class CompiledStep:
         )
         gm = pipeline.run(
             gm,
-            disabled=self.disabled_passes,
+            disabled=[d for d in self.disabled_passes if d not in before],
             check=self.check_invariants,
             record=graphs.record,
         )
@@ -409,6 +421,7 @@ class CompiledStep:
             lowered_code=lowered.code if lowered else None,
             lower_role=lowered.role if lowered else None,
             lower_wait_s=lowered.wait_s if lowered else None,
+            remat=self.remat,
             attr_guards=read,
         )
         exe.on_layout_fix = functools.partial(self._record_layout_fix, entry)
@@ -434,8 +447,11 @@ class CompiledStep:
 
 
 def _report(entry: _Entry, stage: str) -> StepReport:
+    traced_stage = "rematerialize" if "rematerialize" in entry.graphs else "traced"
     return build_report(
         entry.graphs[stage],
+        traced=entry.graphs[traced_stage],
+        remat=entry.remat,
         world_size=entry.world_size,
         parallel_style=entry.parallel_style,
         stage=stage,
