@@ -162,6 +162,19 @@ def _is_aten(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims")
 
 
+def _is_random(n: fx.Node) -> bool:
+    """Whether ``n`` draws from a random generator. Attention ops are tagged
+    ``nondeterministic_seeded`` for their dropout: with ``dropout_p == 0`` they draw nothing."""
+    target = n.target
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    for i, a in enumerate(target._schema.arguments):
+        if a.name == "dropout_p":
+            p = n.kwargs.get("dropout_p", n.args[i] if i < len(n.args) else a.default_value)
+            return p != 0.0
+    return True
+
+
 def _tensors(val: Any) -> list[torch.Tensor]:
     vals = val if isinstance(val, list | tuple) else [val]
     return [v for v in vals if isinstance(v, torch.Tensor)]
@@ -241,7 +254,7 @@ def _analyse(gm: fx.GraphModule) -> _Graph:
             ins
             and _is_aten(n.target)
             and not mutated_nodes(n)
-            and torch.Tag.nondeterministic_seeded not in n.target.tags  # type: ignore[union-attr]
+            and not _is_random(n)
             and all(
                 i in free or (i.op == "placeholder" and i.meta.get(ROLE) in (Role.PARAM, Role.BUFFER))
                 for i in ins
@@ -255,7 +268,7 @@ def _analyse(gm: fx.GraphModule) -> _Graph:
             tags = n.target.tags if isinstance(n.target, torch._ops.OpOverload) else ()
             ok = (
                 _is_aten(n.target)
-                and torch.Tag.nondeterministic_seeded not in tags
+                and not _is_random(n)
                 and torch.Tag.nondeterministic_bitwise not in tags
                 and not mutated_nodes(n)
                 and n.meta.get(CAST_OF) != INPUT_CAST
