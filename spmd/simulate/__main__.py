@@ -2,6 +2,7 @@
 
     python -m spmd.simulate --model gpt2-small --world-size 1024 --style fully_shard
     python -m spmd.simulate --model tiny --world-size 8 --style replicate --json
+    python -m spmd.simulate --model gpt2-small --world-size 8 --batch 8 --remat selective
 
 The model is built under FakeTensorMode (no memory for its weights); see spmd.models.
 """
@@ -24,13 +25,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-reshard", action="store_true", help="fully_shard: reshard_after_forward=False")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    p.add_argument(
+        "--remat",
+        default=None,
+        help="rematerialization policy: selective, full, or a float in (0, 1] (default: none)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="log spmd's progress to stderr")
     args = p.parse_args(argv)
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     dp = spmd.DataParallel(args.style, reshard_after_forward=not args.no_reshard)
-    step = spmd.compile(parallel_mode=dp)(models.train_step)
+    remat: str | float | None = args.remat
+    if remat is not None and remat not in ("selective", "full", "none"):
+        try:
+            remat = float(remat)
+        except ValueError:
+            p.error(f"--remat {remat!r}: must be selective, full or a float in (0, 1]")
+    step = spmd.compile(parallel_mode=dp, remat=None if remat == "none" else remat)(models.train_step)
     model, optim, idx, targets = models.build(args.model, batch=args.batch, seq=args.seq, fake=True)
     report = spmd.simulate(step, model, optim, idx, targets, world_size=args.world_size)
     print(report.to_json() if args.json else report)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmd
@@ -69,6 +70,10 @@ def _hf(name: str) -> sm.Case:
     return sm.MODELS[name]()
 
 
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
 def _run(case_name: str, style: str, remat):
     torch.manual_seed(0)
     case = _hf(case_name)
@@ -107,7 +112,7 @@ def test_policies_bit_for_bit(gloo1, name: str, style: str) -> None:
                     f"{name} {style} remat={policy}: gradient {j} of call {i}"
                 )
         for (pname, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert torch.equal(p.full_tensor(), q.full_tensor()), f"{name} {style} remat={policy}: {pname}"
+            assert torch.equal(_full(p), _full(q)), f"{name} {style} remat={policy}: {pname}"
 
 
 def _gpt(remat, parallel_mode=None, *, batch: int = 8):
@@ -303,3 +308,23 @@ def test_no_remat_is_not_a_stage() -> None:
     step, _ = _gpt(None, batch=1)
     assert "rematerialize" not in step.graphs
     assert copy.copy(step.report()).remat is None
+
+
+def test_composes_with_user_checkpoint(gloo1) -> None:
+    """A model under Hugging Face gradient checkpointing (torch.utils.checkpoint): the ops the
+    checkpoint recomputes inside backward are left where they are (never copied again), and
+    every policy gives the bits of remat=None."""
+    ref, ref_out, _ = _run("hf_qwen2_grad_checkpointing", "replicate", None)
+    for policy in POLICIES:
+        model, out, compiled = _run("hf_qwen2_grad_checkpointing", "replicate", policy)
+        traced = compiled.graphs["traced"]
+        order = {n.name: i for i, n in enumerate(traced.graph.nodes)}
+        bw_start = min(i for i, n in enumerate(traced.graph.nodes) if n.meta.get(PHASE) is Phase.BACKWARD)
+        for n in compiled.graphs["rematerialize"].graph.nodes:
+            if REMAT in n.meta:
+                assert order[n.meta[REMAT]] < bw_start, f"{n.name} recomputes {n.meta[REMAT]}, run in backward"
+        for (loss, grads), (rloss, rgrads) in zip(out, ref_out):
+            assert torch.equal(loss, rloss)
+            assert all(torch.equal(a, b) for a, b in zip(grads, rgrads) if a is not None)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(_full(p), _full(q))
