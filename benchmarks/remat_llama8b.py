@@ -42,7 +42,8 @@ def main() -> None:
 
     cfg = transformers.LlamaConfig(
         num_hidden_layers=args.layers, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=args.seq, attn_implementation="sdpa",
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=args.seq,
+        attn_implementation="sdpa",
     )  # fmt: skip
     for pol in args.policies:
         remat = None if pol == "none" else pol if pol in ("selective", "full") else float(pol)

@@ -491,7 +491,9 @@ def summarize(gm: fx.GraphModule) -> RematSummary:
     g = _analyse(gm)
     copies = [n for n in gm.graph.nodes if REMAT in n.meta]
     # What backward reads of the copies: the recomputed values (not every intermediate).
-    read = [c for c in copies if any(u.meta.get(PHASE) is Phase.BACKWARD and REMAT not in u.meta for u in c.users)]
+    read = [
+        c for c in copies if any(u.meta.get(PHASE) is Phase.BACKWARD and REMAT not in u.meta for u in c.users)
+    ]
     step_flops = sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function")
     return RematSummary(
         saved_bytes=_bytes(g.saved),

@@ -135,19 +135,30 @@ def test_full_saves_only_block_inputs() -> None:
     gm = step.graphs["rematerialize"]
     for n in gm.graph.nodes:
         unit = unit_path(n.meta.get(MODULE, ""))
-        if n.op != "call_function" or n.meta.get(PHASE) is not Phase.FORWARD or not unit.startswith("blocks."):
+        if (
+            n.op != "call_function"
+            or n.meta.get(PHASE) is not Phase.FORWARD
+            or not unit.startswith("blocks.")
+        ):
             continue
         if all(i.op == "placeholder" for i in n.all_input_nodes):
             continue  # a parameter's transpose: not an activation (fully_shard re-gathers it)
         if any(u.meta.get(PHASE) is Phase.BACKWARD for u in n.users):
-            others = {unit_path(u.meta.get(MODULE, "")) for u in n.users if u.meta.get(PHASE) is Phase.FORWARD}
+            others = {
+                unit_path(u.meta.get(MODULE, "")) for u in n.users if u.meta.get(PHASE) is Phase.FORWARD
+            }
             assert others - {unit}, f"{n.name} ({unit}) is saved for backward but is not a block output"
     copies = [n for n in gm.graph.nodes if REMAT in n.meta]
     kinds = {str(n.target) for n in copies}
     assert "aten.addmm.default" in kinds and any("scaled_dot_product" in k for k in kinds), kinds
     for c in copies:
         assert c.meta[PHASE] is Phase.BACKWARD
-        assert unit_path(c.meta[MODULE]).startswith("blocks.") or c.meta[MODULE] in ("", "ln_f", "head", "tok")
+        assert unit_path(c.meta[MODULE]).startswith("blocks.") or c.meta[MODULE] in (
+            "",
+            "ln_f",
+            "head",
+            "tok",
+        )
 
 
 def test_selective_keeps_matmuls_and_attention() -> None:
@@ -290,7 +301,11 @@ def test_accumulation_recomputes_within_its_micro_batch() -> None:
                 assert all(u.meta[MICROBATCH] == c.meta[MICROBATCH] for u in c.users)
                 mb = c.meta[MICROBATCH]
                 fwd = {
-                    m: [order[n] for n in gm.graph.nodes if n.meta.get(PHASE) is Phase.FORWARD and n.meta.get(MICROBATCH) == m]
+                    m: [
+                        order[n]
+                        for n in gm.graph.nodes
+                        if n.meta.get(PHASE) is Phase.FORWARD and n.meta.get(MICROBATCH) == m
+                    ]
                     for m in (mb, mb + 1)
                 }
                 assert max(fwd[mb]) < order[c] < min(fwd[mb + 1], default=len(order))
@@ -322,7 +337,9 @@ def test_composes_with_user_checkpoint(gloo1) -> None:
         bw_start = min(i for i, n in enumerate(traced.graph.nodes) if n.meta.get(PHASE) is Phase.BACKWARD)
         for n in compiled.graphs["rematerialize"].graph.nodes:
             if REMAT in n.meta:
-                assert order[n.meta[REMAT]] < bw_start, f"{n.name} recomputes {n.meta[REMAT]}, run in backward"
+                assert order[n.meta[REMAT]] < bw_start, (
+                    f"{n.name} recomputes {n.meta[REMAT]}, run in backward"
+                )
         for (loss, grads), (rloss, rgrads) in zip(out, ref_out):
             assert torch.equal(loss, rloss)
             assert all(torch.equal(a, b) for a, b in zip(grads, rgrads) if a is not None)
