@@ -171,7 +171,7 @@ def _is_random(n: fx.Node) -> bool:
     for i, a in enumerate(target._schema.arguments):
         if a.name == "dropout_p":
             p = n.kwargs.get("dropout_p", n.args[i] if i < len(n.args) else a.default_value)
-            return p != 0.0
+            return bool(p != 0.0)
     return True
 
 
