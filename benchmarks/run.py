@@ -25,6 +25,10 @@ Ablations (only when named in --variants): ``spmd_replicate_no_optoverlap`` and
 with ``reuse_dead_buffers`` disabled (peak memory before/after in one run);
 ``spmd_fully_shard_xstep`` runs with ``cross_step_prefetch=True``; ``spmd_fully_shard_rs`` with
 ``reduce_scatter_as_all_to_all`` disabled (gloo's reduce-scatter instead of all-to-all + local sum).
+Rematerialization (issue 21): ``spmd_fully_shard_remat_selective``, ``spmd_fully_shard_remat_half``
+(``remat=0.5``) and ``spmd_fully_shard_remat_full``, against ``fsdp2_ckpt`` (FSDP2 with
+``torch.utils.checkpoint`` around every block) and ``no_comm_compiled_budget`` (one rank's
+``torch.compile`` with ``activation_memory_budget=0.5``).
 
 Then ``plan_check.py``: the cost model of ``spmd.plan`` predicted vs measured over 10 spmd
 configurations (``--no-plan-check`` skips it).
@@ -51,7 +55,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from worker import ABLATIONS, OPTION_VARIANTS, VARIANTS  # noqa: E402
+from worker import ABLATIONS, OPTION_VARIANTS, REFERENCES, VARIANTS  # noqa: E402
 
 MODELS = ("overhead", "gpt")
 INDUCTOR = ("spmd_replicate_inductor", "spmd_fully_shard_inductor")
@@ -368,7 +372,7 @@ def _div(a: float | None, b: float | None) -> float | None:
 def main() -> None:
     models = [m for m in args.models.split(",") if m]
     variants = [v for v in args.variants.split(",") if v]
-    known = (*VARIANTS, *ABLATIONS, *OPTION_VARIANTS)
+    known = (*VARIANTS, *ABLATIONS, *OPTION_VARIANTS, *REFERENCES)
     bad = [m for m in models if m not in MODELS] + [v for v in variants if v not in known]
     if bad:
         sys.exit(f"unknown model/variant {bad}; models: {', '.join(MODELS)}; variants: {', '.join(VARIANTS)}")

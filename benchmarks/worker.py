@@ -66,7 +66,15 @@ ABLATIONS = {
 # (``--variants spmd_fully_shard,spmd_fully_shard_xstep``).
 OPTION_VARIANTS = {
     "spmd_fully_shard_xstep": ("spmd_fully_shard", {"cross_step_prefetch": True}),
+    # Rematerialization chosen by spmd (issue 21): against fsdp2_ckpt and no_comm_compiled_budget.
+    "spmd_fully_shard_remat_selective": ("spmd_fully_shard", {"remat": "selective"}),
+    "spmd_fully_shard_remat_half": ("spmd_fully_shard", {"remat": 0.5}),
+    "spmd_fully_shard_remat_full": ("spmd_fully_shard", {"remat": "full"}),
 }
+# Not run by default: the references for remat. fsdp2 with torch.utils.checkpoint (non-reentrant)
+# around every block, what a user writes; torch.compile of one rank's model with
+# torch._functorch.config.activation_memory_budget = 0.5 (its min-cut partitioner + knapsack).
+REFERENCES = ("fsdp2_ckpt", "no_comm_compiled_budget")
 
 
 @dataclasses.dataclass
@@ -97,12 +105,16 @@ def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
     step: Callable[..., Any] = train_step
     if name == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
-    elif name == "fsdp2":
+    elif name in ("fsdp2", "fsdp2_ckpt"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        from torch.utils.checkpoint import checkpoint
 
         mesh = init_device_mesh("cpu", (world,))
         for block in spec.blocks(model):
+            if name == "fsdp2_ckpt":
+                fwd = block.forward
+                block.forward = lambda *a, _f=fwd, **k: checkpoint(_f, *a, use_reentrant=False, **k)
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     elif name.startswith("spmd_"):
@@ -125,8 +137,18 @@ def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
         # torch.compile of the single-device forward (and, through AOTAutograd, backward);
         # the optimizer stays eager. The bar the inductor backend is measured against.
         model = torch.compile(model)  # type: ignore[assignment]
+    elif name == "no_comm_compiled_budget":
+        from torch._inductor.compile_fx import compile_fx
+
+        def budget_backend(gm, example_inputs):  # noqa: ANN001, ANN202
+            # AOTAutograd's partitioner reads the budget while compile_fx compiles; a backend of
+            # its own also keeps dynamo from reusing no_comm_compiled's code (its guards check it).
+            with torch._functorch.config.patch(activation_memory_budget=0.5):
+                return compile_fx(gm, example_inputs)
+
+        model = torch.compile(model, backend=budget_backend)  # type: ignore[assignment]
     elif name != "no_comm":
-        raise KeyError(f"unknown variant {name!r}; the variants are {VARIANTS}")
+        raise KeyError(f"unknown variant {name!r}; the variants are {VARIANTS + REFERENCES}")
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     return Variant(name, model, optim, step)
 
@@ -292,7 +314,7 @@ def main() -> None:
                 rec["timed_steps"] = len(per_step)
                 rec["wire_bytes"] = int(max(w[v.name] for w in wire))
                 rec.update(v.extra)
-                compiled = v.name.startswith("spmd_") or v.name == "no_comm_compiled"
+                compiled = v.name.startswith(("spmd_", "no_comm_compiled"))
                 rec["compile_s"] = max(v.first_call_s - step_s, 0.0) if compiled else 0.0
                 if v.name == "spmd_fully_shard" and overlap is not None:
                     rec["overlap"] = overlap

@@ -38,7 +38,7 @@ from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.parallel.sharding import local
-from spmd.pipeline import build_pipeline, chunk_loss
+from spmd.pipeline import build_pipeline, build_trace_pipeline, check_remat, chunk_loss
 from spmd.report import StepReport, build_report, describe_mode
 from spmd.runtime import Executable, check_final_graph, make_executable
 
@@ -61,6 +61,9 @@ _OPTIONS: dict[str, str] = {
     "that runs over chunks of tokens, so the [tokens, vocab] logits never exist: 'auto' (default: when "
     "one logits buffer is >= 1 GiB), True (whenever recognised), False (never) or an int (tokens per "
     "chunk); data-parallel modes only; see docs/loss-head.md",
+    "remat": "None (default: save what autograd saves), 'selective' (recompute cheap ops in backward), "
+    "'full' (recompute each block from its input) or a float in (0, 1] (fraction of saved-activation "
+    "bytes to keep); see passes.remat and docs/remat.md",
     "share_compile": "backend='inductor': ranks of a host with the same graph compile it once and load it "
     "from inductor's caches (default False: no gain measured with 2 ranks on 2 cores; True or env "
     "SPMD_SHARE_COMPILE=1 turns it on where safe; see spmd.compile_once)",
@@ -130,6 +133,7 @@ def compile(
     check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
     check_gemm(options.get("inductor_gemm", "onednn"))
     _check_chunked_loss(options.get("chunked_loss", "auto"), parallel_mode)
+    check_remat(options.get("remat"))
 
     def decorate(fn: Callable[..., Any]) -> CompiledStep:
         return CompiledStep(
@@ -157,6 +161,7 @@ class _Entry:
     lowered_code: str | None = None  # the backend's generated code (None for eager)
     lower_role: str | None = None  # shared compile: "alone", "leader" or "follower" (None for eager)
     lower_wait_s: float | None = None  # a follower's wait for its leader (part of lower_s)
+    remat: str | float | None = None  # the remat policy the graph was built with
     # Plain module attributes the trace read (spmd.guards): the graph is reused only while they hold.
     attr_guards: list[guards.Guard] = dataclasses.field(default_factory=list)
 
@@ -190,6 +195,7 @@ class CompiledStep:
         self.inductor_optimizer: str = check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
         self.inductor_gemm: str = check_gemm(options.get("inductor_gemm", "onednn"))
         self.chunked_loss = _check_chunked_loss(options.get("chunked_loss", "auto"), parallel_mode)
+        self.remat: str | float | None = check_remat(options.get("remat"))
         self.share_compile: bool = bool(
             options.get("share_compile", os.environ.get("SPMD_SHARE_COMPILE", "0") not in ("", "0"))
         )
@@ -357,7 +363,13 @@ class CompiledStep:
         graphs.record("traced", traced.gm)
         if chunk_loss(traced.gm, self.chunked_loss, self.parallel_mode):
             graphs.record("chunk_loss_heads", traced.gm)
-        gm = self._partition(traced, state, step_args, trace_key)
+        # Passes over the traced graph (single-device semantics), before partitioning.
+        traced_passes = build_trace_pipeline(remat=self.remat)
+        before = {p.name for p in traced_passes.passes}
+        gm = traced_passes.run(
+            traced.gm, disabled=[d for d in self.disabled_passes if d in before], record=graphs.record
+        )
+        gm = self._partition(gm, state, step_args, trace_key)
         flat_state = state.tensors(optimizer) + step_args.tensors
         for o in self.module_override:
             res = o.transform(gm, flat_state)
@@ -378,7 +390,7 @@ class CompiledStep:
         )
         gm = pipeline.run(
             gm,
-            disabled=self.disabled_passes,
+            disabled=[d for d in self.disabled_passes if d not in before],
             check=self.check_invariants,
             # A plan keeps only the final graph: a copy per pass is a third of its time.
             record=graphs.record if self._keep_stages else None,
@@ -417,6 +429,7 @@ class CompiledStep:
             lowered_code=lowered.code if lowered else None,
             lower_role=lowered.role if lowered else None,
             lower_wait_s=lowered.wait_s if lowered else None,
+            remat=self.remat,
             attr_guards=read,
         )
         exe.on_layout_fix = functools.partial(self._record_layout_fix, entry)
@@ -457,19 +470,21 @@ class CompiledStep:
 
     def _partition(
         self,
-        traced: tracing.TracedStep,
+        traced_gm: fx.GraphModule,
         state: step_inputs.LiftedState,
         step_args: step_inputs.StepArgs,
         trace_key: Hashable,
     ) -> fx.GraphModule:
-        """The parallel mode's partition of ``traced``; with ``_trace_cache``, shared by the
-        modes whose ``partition_key`` is equal (they differ only in pass options)."""
+        """The parallel mode's partition of ``traced_gm`` (the traced graph after the passes over
+        it: the chunked loss head, remat); with ``_trace_cache``, shared by the modes whose
+        ``partition_key`` is equal (they differ only in pass options) and whose traced-graph
+        passes are configured alike."""
         cache = self._trace_cache
         mode_key = self.parallel_mode.partition_key()
-        key = ("partition", trace_key, mode_key)
+        key = ("partition", trace_key, mode_key, repr(self.chunked_loss), repr(self.remat))
         if cache is not None and mode_key is not None and key in cache:
             return tracing.copy_graph_module(cache[key])
-        gm = self.parallel_mode.partition(traced.gm, state, step_args)
+        gm = self.parallel_mode.partition(traced_gm, state, step_args)
         if cache is not None and mode_key is not None:
             cache[key] = tracing.copy_graph_module(gm)
         return gm
@@ -545,8 +560,11 @@ def _same_constant(x: Any, y: Any) -> bool:
 
 
 def _report(entry: _Entry, stage: str) -> StepReport:
+    traced_stage = "rematerialize" if "rematerialize" in entry.graphs else "traced"
     return build_report(
         entry.graphs[stage],
+        traced=entry.graphs[traced_stage],
+        remat=entry.remat,
         world_size=entry.world_size,
         parallel_style=entry.parallel_style,
         stage=stage,

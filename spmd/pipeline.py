@@ -19,10 +19,11 @@ from passes.inplace import inplace_all_reduce
 from passes.invariants import check_invariants
 from passes.optimizer_overlap import overlap_optimizer
 from passes.prefetch import default_unit_of, prefetch_all_gathers
+from passes.remat import check_policy, rematerialize
 from passes.reuse import reuse_dead_buffers
 from passes.scheduling import limit_inflight, sink_waits
 from passes.units import assign_units
-from spmd.errors import PassError
+from spmd.errors import ConfigError, PassError
 from spmd.parallel import DataParallel, ParallelMode
 
 
@@ -59,6 +60,31 @@ def _checker() -> Callable[[fx.GraphModule, str], None]:
         check_invariants(gm)
 
     return check
+
+
+def check_remat(remat: object) -> str | float | None:
+    """The ``remat=`` option of ``spmd.compile``, validated (ConfigError naming the valid values)."""
+    try:
+        return check_policy(remat)
+    except ValueError as exc:
+        raise ConfigError(f"spmd.compile: {exc}") from None
+
+
+def build_trace_pipeline(*, remat: str | float | None = None) -> Pipeline:
+    """The passes over the traced graph (single-device semantics, phases in meta), run before the
+    parallel mode's partitioner. Empty unless ``remat`` asks for recompute."""
+    passes: list[NamedPass] = []
+    if check_remat(remat) not in (None, 1.0):
+        passes.append(
+            NamedPass(
+                name="rematerialize",
+                fn=functools.partial(rematerialize, policy=remat),
+                reason="before the partitioner: a recomputed matmul is a backward reader of its parameter, "
+                "so fully_shard (reshard_after_forward) gathers it in backward; and the graph still has "
+                "single-device semantics (no collective to keep in order)",
+            )
+        )
+    return Pipeline(passes)
 
 
 def build_pipeline(

@@ -18,6 +18,7 @@ import torch.fx as fx
 from passes import collectives as C
 from passes.memory import estimate_peak_memory
 from passes.meta import CHUNKED_LOSS, GRAD_OF, ROLE, Role
+from passes.remat import summarize
 
 _MiB = 1024 * 1024
 
@@ -61,6 +62,18 @@ class StepReport:
     lower_wait_s: float | None = None  # a follower's wait for its leader's compile, part of lower_s
     # Loss heads passes.chunked_loss rewrote, in words (tokens x vocab, chunks); empty if none.
     loss_heads: list[str] = dataclasses.field(default_factory=list)
+    # Rematerialization (spmd.compile(remat=...); passes.remat), read off the traced graph after it:
+    remat: str | float | None = None  # the policy
+    activation_saved_bytes: int = 0  # forward values backward reads (what autograd keeps)
+    activation_recomputed_bytes: int = 0  # forward values backward computes again instead
+    recompute_flops: int = 0  # FLOPs of the recompute (torch.utils.flop_counter)
+    step_flops: int = 0  # FLOPs of the step, recompute included
+
+    @property
+    def extra_flops_fraction(self) -> float:
+        """Recompute FLOPs over the step's FLOPs without them."""
+        base = self.step_flops - self.recompute_flops
+        return self.recompute_flops / base if base else 0.0
 
     @property
     def comm_bytes(self) -> int:
@@ -70,6 +83,7 @@ class StepReport:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["comm_bytes"] = self.comm_bytes
+        d["extra_flops_fraction"] = self.extra_flops_fraction
         return d
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -102,6 +116,12 @@ class StepReport:
         ]
         rows += [(f"  peak in {phase}", _size(b)) for phase, b in self.peak_by_phase.items()]
         rows += [("chunked loss head", h) for h in self.loss_heads]
+        rows += [
+            ("remat", str(self.remat)),
+            ("  activations saved", _size(self.activation_saved_bytes)),
+            ("  recomputed", _size(self.activation_recomputed_bytes)),
+            ("  FLOPs", f"{self.step_flops:.3e}, +{100 * self.extra_flops_fraction:.1f}% recompute"),
+        ]
         width = max(len(k) for k, _ in rows)
         lines = [f"spmd step report (per rank, rank 0 of {self.world_size})"]
         lines += [f"  {k:<{width}}  {v}" for k, v in rows]
@@ -151,8 +171,13 @@ def build_report(
     lower_s: float | None = None,
     lower_role: str | None = None,
     lower_wait_s: float | None = None,
+    traced: fx.GraphModule | None = None,
+    remat: str | float | None = None,
 ) -> StepReport:
-    """The report of one graph stage of a compiled step (see :class:`StepReport`)."""
+    """The report of one graph stage of a compiled step (see :class:`StepReport`).
+
+    ``traced``: the traced graph after rematerialization (single-device semantics), for the
+    activation and FLOP numbers; ``remat``: the policy it was built with."""
     by_role: dict[Role, int] = {}
     num_params = 0
     grads: dict[str, int] = {}
@@ -170,6 +195,7 @@ def build_report(
         old = colls.get(kind, CollectiveStats(0, 0))
         colls[kind] = CollectiveStats(old.count + 1, old.bytes + C.bytes_of(n))
     mem = estimate_peak_memory(gm)
+    act = summarize(traced) if traced is not None else None
     return StepReport(
         world_size=world_size,
         parallel_style=parallel_style,
@@ -193,6 +219,11 @@ def build_report(
         lower_role=lower_role,
         lower_wait_s=lower_wait_s,
         loss_heads=[n.meta[CHUNKED_LOSS] for n in gm.graph.nodes if n.meta.get(CHUNKED_LOSS)],
+        remat=remat,
+        activation_saved_bytes=act.saved_bytes if act else 0,
+        activation_recomputed_bytes=act.recomputed_bytes if act else 0,
+        recompute_flops=act.recompute_flops if act else 0,
+        step_flops=act.step_flops if act else 0,
     )
 
 

@@ -1,0 +1,351 @@
+"""passes/remat.py through ``spmd.compile(remat=...)``: the policies recompute what they say,
+keep the budget, and change no bit of the result.
+
+Parity: each policy against ``remat=None`` on models we did not write (Hugging Face Llama,
+GPT-2, BERT, T5, tiny configs), eager backend, world size 1 (gloo), replicate (every policy)
+and fully_shard ("full": the recompute reads the backward gather), two steps,
+``torch.equal`` on the loss, every parameter and every gradient. Each parity case also
+asserts that something was recomputed, so it fails with the pass switched off.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import spmd
+from passes import collectives as C
+from passes.meta import MODULE, PHASE, Phase
+from passes.prefetch import unit_path
+from passes.remat import REMAT, summarize
+from spmd.parallel import sharding
+from tests import sweep_models as sm
+from tests.models import TinyGPT, train_step
+
+POLICIES = ["selective", 0.5, "full"]
+
+
+@pytest.fixture
+def gloo1():
+    assert not dist.is_initialized(), "a process group leaked from another test"
+    saved = dict(sharding._DEFAULT_MESHES)
+    sharding._DEFAULT_MESHES.clear()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sharding._DEFAULT_MESHES.clear()
+        sharding._DEFAULT_MESHES.update(saved)
+
+
+@pytest.fixture
+def fake2():
+    assert not dist.is_initialized(), "a process group leaked from another test"
+    saved = dict(sharding._DEFAULT_MESHES)
+    sharding._DEFAULT_MESHES.clear()
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sharding._DEFAULT_MESHES.clear()
+        sharding._DEFAULT_MESHES.update(saved)
+
+
+def _hf(name: str) -> sm.Case:
+    pytest.importorskip("transformers")
+    if name == "hf_llama":
+        return sm._causal("LlamaConfig", "LlamaForCausalLM", **sm._LLAMA_LIKE)()
+    if name == "hf_gpt2":  # dropout 0.1 everywhere: random ops stay saved
+        return sm._causal("GPT2Config", "GPT2LMHeadModel", n_embd=32, n_layer=2, n_head=4)()
+    return sm.MODELS[name]()
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def _run(case_name: str, style: str, remat):
+    torch.manual_seed(0)
+    case = _hf(case_name)
+    model = case.model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+
+    def step(model, opt, *batch):
+        loss = case.loss(model, *batch)
+        loss.backward()
+        opt.step()
+        grads = [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+        opt.zero_grad()
+        return loss, grads
+
+    compiled = spmd.compile(parallel_mode=spmd.DataParallel(style), remat=remat)(step)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(2):
+        torch.manual_seed(10 + i)  # dropout draws the same bits in both runs
+        out.append(compiled(model, opt, *case.batch(g)))
+    return model, out, compiled
+
+
+@pytest.mark.parametrize("style", ["replicate", "fully_shard"])
+@pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2", "hf_bert", "hf_t5"])
+def test_policies_bit_for_bit(gloo1, name: str, style: str) -> None:
+    ref, ref_out, _ = _run(name, style, None)
+    # fully_shard: "full" only, the policy that recomputes matmuls (backward gathers); every
+    # policy under fully_shard runs at 2 ranks in tests/dist/test_remat.py. Keeps the suite short.
+    for policy in POLICIES if style == "replicate" else ["full"]:
+        model, out, compiled = _run(name, style, policy)
+        recomputed = [n for n in compiled.graphs["rematerialize"].graph.nodes if REMAT in n.meta]
+        assert recomputed, f"{name} {style} remat={policy}: nothing recomputed"
+        for i, ((loss, grads), (rloss, rgrads)) in enumerate(zip(out, ref_out)):
+            assert torch.equal(loss, rloss), f"{name} {style} remat={policy}: loss of call {i}"
+            for j, (a, b) in enumerate(zip(grads, rgrads)):
+                assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (
+                    f"{name} {style} remat={policy}: gradient {j} of call {i}"
+                )
+        for (pname, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(_full(p), _full(q)), f"{name} {style} remat={policy}: {pname}"
+
+
+def _gpt(remat, parallel_mode=None, *, batch: int = 8):
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=128, d_model=64, n_layers=3, n_heads=4, seq=64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 128, (batch, 65), generator=g)
+    x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    step = spmd.compile(parallel_mode=parallel_mode, remat=remat)(train_step)
+    step(model, opt, x, y)
+    return step, (model, opt, x, y)
+
+
+def test_full_saves_only_block_inputs() -> None:
+    """remat='full': of the values a block computes, backward reads only the block's output
+    (the next block's input); the block's matmuls and attention are recomputed in backward,
+    each copy in the block of its original."""
+    step, _ = _gpt("full")
+    gm = step.graphs["rematerialize"]
+    for n in gm.graph.nodes:
+        unit = unit_path(n.meta.get(MODULE, ""))
+        if (
+            n.op != "call_function"
+            or n.meta.get(PHASE) is not Phase.FORWARD
+            or not unit.startswith("blocks.")
+        ):
+            continue
+        if all(i.op == "placeholder" for i in n.all_input_nodes):
+            continue  # a parameter's transpose: not an activation (fully_shard re-gathers it)
+        if any(u.meta.get(PHASE) is Phase.BACKWARD for u in n.users):
+            others = {
+                unit_path(u.meta.get(MODULE, "")) for u in n.users if u.meta.get(PHASE) is Phase.FORWARD
+            }
+            assert others - {unit}, f"{n.name} ({unit}) is saved for backward but is not a block output"
+    copies = [n for n in gm.graph.nodes if REMAT in n.meta]
+    kinds = {str(n.target) for n in copies}
+    assert "aten.addmm.default" in kinds and any("scaled_dot_product" in k for k in kinds), kinds
+    for c in copies:
+        assert c.meta[PHASE] is Phase.BACKWARD
+        assert unit_path(c.meta[MODULE]).startswith("blocks.") or c.meta[MODULE] in (
+            "",
+            "ln_f",
+            "head",
+            "tok",
+        )
+
+
+def test_selective_keeps_matmuls_and_attention() -> None:
+    """remat='selective' recomputes no matmul or attention, and recomputes layer norms and GELU."""
+    step, _ = _gpt("selective")
+    copies = [n for n in step.graphs["rematerialize"].graph.nodes if REMAT in n.meta]
+    kinds = {str(n.target) for n in copies}
+    assert not any(k.startswith(("aten.addmm", "aten.mm", "aten._scaled_dot")) for k in kinds), kinds
+    assert "aten.native_layer_norm.default" in kinds and "aten.gelu.default" in kinds, kinds
+    rep = step.report()
+    assert rep.recompute_flops == 0 and rep.activation_recomputed_bytes > 0
+
+
+def test_budget_is_kept() -> None:
+    """A float keeps at most that fraction of the saved-activation bytes (or, below what recomputing
+    every block keeps, exactly that); less budget never saves more or recomputes fewer FLOPs."""
+    none = summarize(_gpt(None)[0].graphs["traced"])
+    floor = summarize(_gpt("full")[0].graphs["rematerialize"]).saved_bytes
+    last = None
+    for b in (0.9, 0.6, 0.4, 0.2):
+        s = summarize(_gpt(b)[0].graphs["rematerialize"])
+        assert s.saved_bytes <= max(b * none.saved_bytes, floor), (b, s, none.saved_bytes, floor)
+        if last is not None:
+            assert s.saved_bytes <= last.saved_bytes and s.recompute_flops >= last.recompute_flops
+        last = s
+    assert last is not None and last.recompute_flops > 0
+
+
+def _measured_peak(step, args) -> int:
+    mt = MemTracker()
+    mt.track_external(*args)
+    with mt:
+        for _ in range(2):
+            step(*args)
+            mt.reset_mod_stats()
+    return mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+@pytest.mark.parametrize("remat", [None, *POLICIES])
+def test_predicted_peak_matches_memtracker(remat) -> None:
+    """The report's predicted peak within 5% of MemTracker's measured one, for each policy, on a
+    step whose peak is mostly activations; and each policy lowers the peak."""
+    step, args = _gpt(remat, batch=16)
+    rep = step.report()
+    measured = _measured_peak(step, args)
+    print(f"\nremat={remat}: predicted {rep.peak_memory_bytes} B, measured {measured} B")
+    assert abs(rep.peak_memory_bytes - measured) <= 0.05 * measured
+    if remat is not None:
+        none_peak = _gpt(None, batch=16)[0].report().peak_memory_bytes
+        assert rep.peak_memory_bytes < none_peak
+
+
+def test_fully_shard_recompute_reads_backward_gather(fake2) -> None:
+    """fully_shard (reshard_after_forward) at 2 ranks: with remat='full' the recomputed matmuls
+    read parameters gathered in backward (not kept from forward), and after bucketing the step
+    gathers each unit once per phase, as without remat."""
+    counts = {}
+    for remat in (None, "full"):
+        step, _ = _gpt(remat, spmd.DataParallel("fully_shard"), batch=2)
+        part = step.graphs["partitioned"]
+        matmuls = [n for n in part.graph.nodes if REMAT in n.meta and str(n.target) == "aten.addmm.default"]
+        assert bool(matmuls) == (remat is not None)
+        for n in matmuls:
+            waits = [a for a in n.all_input_nodes if C.is_wait(a)] + [
+                b for a in n.all_input_nodes for b in a.all_input_nodes if C.is_wait(b)
+            ]
+            assert waits and all(w.meta[PHASE] is Phase.BACKWARD for w in waits), n.name
+        final = step.graphs["final"]
+        counts[remat] = sum(C.kind_of(c) is C.Kind.ALL_GATHER for c in C.collectives(final.graph))
+    assert counts["full"] == counts[None]
+
+
+def test_random_and_mutated_values_are_not_recomputed() -> None:
+    """Dropout's mask is saved, not drawn again; a value written in place before backward reads
+    it is saved; and the result is the same as without remat."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            h = F.dropout(self.fc1(x), 0.5, training=True)
+            a = torch.tanh(h)  # backward reads a; recomputing it would read the written h
+            h.add_(1)
+            return self.fc2(a).sum() + h.sum()
+
+    def step(model, opt, x):
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    results = {}
+    for remat in (None, "full"):
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiled = spmd.compile(remat=remat)(step)
+        torch.manual_seed(1)
+        loss = compiled(model, opt, torch.randn(4, 16))
+        results[remat] = (loss, [p.detach().clone() for p in model.parameters()])
+        if remat is not None:
+            copies = [n for n in compiled.graphs["rematerialize"].graph.nodes if REMAT in n.meta]
+            kinds = {str(n.target) for n in copies}
+            assert copies and not any("dropout" in k or "bernoulli" in k for k in kinds), kinds
+            assert "aten.tanh.default" not in kinds, kinds
+    assert torch.equal(results[None][0], results["full"][0])
+    for a, b in zip(results[None][1], results["full"][1]):
+        assert torch.equal(a, b)
+
+
+def test_accumulation_recomputes_within_its_micro_batch() -> None:
+    """Two forward/backward micro-batches in one step: each copy belongs to its original's
+    micro-batch and runs in that micro-batch's backward; same bits as without remat."""
+    from passes.meta import MICROBATCH
+
+    def accum(model, opt, x, y):
+        for i in range(2):
+            logits = model(x[i::2])
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[i::2].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    outs = {}
+    for remat in (None, "selective"):
+        torch.manual_seed(0)
+        model = TinyGPT(vocab=64, d_model=32, n_layers=2, n_heads=4, seq=16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        idx = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+        compiled = spmd.compile(remat=remat)(accum)
+        compiled(model, opt, idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
+        outs[remat] = [p.detach().clone() for p in model.parameters()]
+        if remat is not None:
+            gm = compiled.graphs["rematerialize"]
+            copies = [n for n in gm.graph.nodes if REMAT in n.meta]
+            assert {c.meta[MICROBATCH] for c in copies} == {0, 1}
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}
+            for c in copies:
+                assert all(u.meta[MICROBATCH] == c.meta[MICROBATCH] for u in c.users)
+                mb = c.meta[MICROBATCH]
+                fwd = {
+                    m: [
+                        order[n]
+                        for n in gm.graph.nodes
+                        if n.meta.get(PHASE) is Phase.FORWARD and n.meta.get(MICROBATCH) == m
+                    ]
+                    for m in (mb, mb + 1)
+                }
+                assert max(fwd[mb]) < order[c] < min(fwd[mb + 1], default=len(order))
+    for a, b in zip(outs[None], outs["selective"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad", ["some", 0.0, 1.5, -0.5, True, [0.5]])
+def test_bad_policy_raises_config_error(bad) -> None:
+    with pytest.raises(spmd.ConfigError, match="remat="):
+        spmd.compile(remat=bad)
+
+
+def test_no_remat_is_not_a_stage() -> None:
+    step, _ = _gpt(None, batch=1)
+    assert "rematerialize" not in step.graphs
+    assert copy.copy(step.report()).remat is None
+
+
+def test_composes_with_user_checkpoint(gloo1) -> None:
+    """A model under Hugging Face gradient checkpointing (torch.utils.checkpoint): the ops the
+    checkpoint recomputes inside backward are left where they are (never copied again), and
+    every policy gives the bits of remat=None."""
+    ref, ref_out, _ = _run("hf_qwen2_grad_checkpointing", "replicate", None)
+    for policy in POLICIES:
+        model, out, compiled = _run("hf_qwen2_grad_checkpointing", "replicate", policy)
+        traced = compiled.graphs["traced"]
+        order = {n.name: i for i, n in enumerate(traced.graph.nodes)}
+        bw_start = min(i for i, n in enumerate(traced.graph.nodes) if n.meta.get(PHASE) is Phase.BACKWARD)
+        assert any(REMAT in n.meta for n in compiled.graphs["rematerialize"].graph.nodes), policy
+        for n in compiled.graphs["rematerialize"].graph.nodes:
+            if REMAT in n.meta:
+                assert order[n.meta[REMAT]] < bw_start, (
+                    f"{n.name} recomputes {n.meta[REMAT]}, run in backward"
+                )
+        for (loss, grads), (rloss, rgrads) in zip(out, ref_out):
+            assert torch.equal(loss, rloss)
+            assert all(torch.equal(a, b) for a, b in zip(grads, rgrads) if a is not None)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(_full(p), _full(q))
