@@ -37,13 +37,14 @@ def tiny_plan() -> spmd.Plan:
         styles=("replicate", "fully_shard"),
         prefetch=(0, 1),
         min_unit_mb=(1.0,),
+        remat=(None, "selective"),
     )
 
 
 def test_rows_are_sorted_and_each_expression_builds_its_configuration(tiny_plan: spmd.Plan) -> None:
     rows = tiny_plan.rows
-    # replicate + fully_shard x {reshard, no reshard} x {prefetch 0, 1}
-    assert len(rows) == 5
+    # replicate + fully_shard x {reshard, no reshard} x {prefetch 0, 1} x {remat None, selective}
+    assert len(rows) == 9
     assert tiny_plan.best is rows[0]
     assert [r.step_s for r in rows] == sorted(r.step_s for r in rows)
     for r in rows:
@@ -53,13 +54,14 @@ def test_rows_are_sorted_and_each_expression_builds_its_configuration(tiny_plan:
         assert isinstance(compiled, spmd.CompiledStep)
         want = {k: v for k, v in r.options.items() if k != "remat"}
         assert compiled.parallel_mode == spmd.DataParallel(**want)
+        assert compiled.remat == r.options.get("remat")
     assert tiny_plan.tokens_per_step == 2 * models.CONFIGS["tiny"].seq  # the token ids' size
     assert json.loads(tiny_plan.to_json())["rows"][0]["expression"] == rows[0].expression
     assert "best: " + rows[0].expression in str(tiny_plan)
 
 
 def test_one_trace_serves_every_sharded_configuration(tiny_plan: spmd.Plan) -> None:
-    """replicate and fully_shard trace once each; the four fully_shard rows reuse one trace."""
+    """replicate and fully_shard trace once each; the eight fully_shard rows reuse one trace."""
     assert tiny_plan.traces == 2
 
 
