@@ -23,14 +23,10 @@ and with what command it was taken, so it can be re-taken.
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import os
 import socket
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +34,7 @@ from typing import Any
 import torch
 
 from passes.cost_model import DeviceProfile, ring_bus_factor
-from spmd.profiles import CPU_LOCAL, profile_path
+from spmd.profiles import CPU_LOCAL
 
 _COMM_BYTES = 16 * 2**20
 
@@ -196,33 +192,3 @@ def calibrate(threads: int = 1) -> DeviceProfile:
         bandwidth_by_kind=by_kind,
         sources={k: "measured: " + cmd for k in ("peak_flops", "memory_bandwidth", "op_overhead_s", "gloo")},
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m spmd.calibrate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None, help=f"profile json to write (default {profile_path()})")
-    p.add_argument("--threads", type=int, default=1, help="torch threads for the compute measurements")
-    args = p.parse_args(argv)
-    t0 = time.perf_counter()
-    prof = calibrate(args.threads)
-    out = profile_path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, suffix=".tmp") as f:
-        json.dump(prof.to_dict(), f, indent=2)
-    os.replace(f.name, out)
-    d = prof.to_dict()
-    print(f"calibrated in {time.perf_counter() - t0:.1f} s -> {out}")
-    for k in (
-        "peak_flops",
-        "memory_bandwidth",
-        "op_overhead_s",
-        "intra_node_latency_s",
-        "bandwidth_by_kind",
-        "comm_compute_overlap",
-    ):
-        print(f"  {k}: {d[k]}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
