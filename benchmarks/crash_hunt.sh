@@ -29,6 +29,9 @@ if [ ${#TARGETS[@]} -eq 0 ]; then
            "tests/dist/test_data_parallel.py::test_bitwise_parity_with_ddp")
 fi
 mkdir -p "$OUT_DIR/cores"
+# Spawned ranks, not the suite's fork server: only a spawned rank runs the interpreter's teardown,
+# where a crash at exit happens (tests/dist/launcher.py).
+export SPMD_TEST_SPAWN=1
 
 # stress-ng from Debian's packages (installed here, never by hand).
 if ! command -v stress-ng >/dev/null; then

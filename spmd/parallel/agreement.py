@@ -58,6 +58,7 @@ def check_rank_agreement(gm: fx.GraphModule, *, step_name: str, timeout_s: float
     deadline = time.monotonic() + timeout_s
     while not store.check(mine):
         if store.check([abort]):
+            store.set(f"{abort}/seen/{rank}", "1")
             raise RankDivergenceError(store.get(abort).decode())
         for r in range(world):
             key = f"{prefix}/latest/{r}"
@@ -66,7 +67,7 @@ def check_rank_agreement(gm: fx.GraphModule, *, step_name: str, timeout_s: float
             their_seq, their_digest, their_fp, their_where = pickle.loads(store.get(key))
             if their_digest != digest and their_seq > seq:
                 msg = _divergence_message(step_name, (rank, fp, where), (r, their_fp, their_where))
-                store.set(abort, msg)
+                _post_abort(store, abort, msg, rank, world)
                 raise RankDivergenceError(msg)
         if time.monotonic() > deadline:
             missing = [r for r, k in enumerate(mine) if not store.check([k])]
@@ -78,6 +79,17 @@ def check_rank_agreement(gm: fx.GraphModule, *, step_name: str, timeout_s: float
             )
         time.sleep(0.1)
     log.debug("spmd: %d ranks agree on %d collectives of %s", world, len(fp), step_name)
+
+
+def _post_abort(store: dist.Store, abort: str, msg: str, rank: int, world: int, wait_s: float = 5.0) -> None:
+    """Post the divergence for every waiting rank and give them ``wait_s`` to read it before this
+    rank raises: the rank that found it may host the store (rank 0 under ``init_method="tcp://"``),
+    and if its process ended first the others would meet a dropped connection instead of the error."""
+    store.set(abort, msg)
+    seen = [f"{abort}/seen/{r}" for r in range(world) if r != rank]
+    deadline = time.monotonic() + wait_s
+    while not store.check(seen) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _divergence_message(

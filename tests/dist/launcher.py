@@ -10,6 +10,16 @@ Fault tests pass ``pg_timeout`` (seconds, the process group's collective timeout
 ``may_die`` (ranks allowed to exit without a result, e.g. one that SIGKILLs itself);
 such a rank's result is ``None``.
 
+Ranks start from a fork server that has imported torch, spmd and the test workers once per
+pytest process (:func:`_context`): a spawned rank spent ~3 s of CPU importing them, and the suite
+starts ~200 ranks. Each rank still gets the parent's environment and working directory as they
+are at the call. A variable only read when a process starts (glibc's ``MALLOC_*``, the loader's,
+the interpreter's, OpenMP's) cannot be handed to a forked rank, so a call whose environment
+differs from the fork server's in one of those spawns fresh processes instead, as does every call
+under ``SPMD_TEST_SPAWN=1`` (``benchmarks/crash_hunt.sh`` sets it: a forked rank ends in
+``os._exit`` after its exit handlers, so the interpreter's own teardown, where a crash at exit
+would happen, runs only in spawned ranks).
+
 A rank killed by a signal it did not ask for (SIGABRT from glibc's heap checks, SIGSEGV,
 SIGBUS) is a native crash, a memory-safety bug, and fails the run at once with
 :class:`RankCrashed`, never retried: its message names the signal and holds every rank's
@@ -53,7 +63,14 @@ def _entry(
     args: tuple[Any, ...],
     pg_timeout: float = 60,
     stacks: str | None = None,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
 ) -> None:
+    if env is not None:  # a forked rank: the caller's environment, not the fork server's
+        os.environ.clear()
+        os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     os.environ["OMP_NUM_THREADS"] = "1"
     import faulthandler
 
@@ -83,6 +100,12 @@ def _entry(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if env is not None:
+            # A forked rank ends in os._exit, which skips the interpreter's exit: run its exit
+            # handlers here, so a crash in one still fails the test as a spawned rank's would.
+            import atexit
+
+            atexit._run_exitfuncs()
 
 
 class RankFailure(AssertionError):
@@ -145,6 +168,35 @@ def _read(path: str) -> str:
         return ""
 
 
+# What the fork server imports once; a rank imports the rest of what its function needs itself.
+_PRELOAD = ["torch", "torch.distributed", "spmd", "tests.dist.launcher"]
+_PRELOAD += sorted(
+    "tests.dist." + os.path.splitext(f)[0]
+    for f in os.listdir(os.path.dirname(os.path.abspath(__file__)))
+    if f.startswith("workers") and f.endswith(".py")
+)
+# Read by glibc, the loader, the interpreter or OpenMP when a process starts: a fork cannot change them.
+_STARTUP_ONLY = ("MALLOC_", "LD_", "PYTHON", "OMP_", "MKL_", "KMP_", "GLIBC_")
+_server_env: dict[str, str] | None = None
+
+
+def _context() -> tuple[Any, bool]:
+    """The multiprocessing context for a call, and whether its ranks are forked (see the module
+    docstring): the fork server, started with this process's environment at the first call, or
+    ``spawn`` when a start-up-only variable has changed since."""
+    global _server_env
+    env = dict(os.environ)
+    if _server_env is None:
+        _server_env = env
+        mp.set_forkserver_preload(_PRELOAD)
+    startup = {k: v for k, v in env.items() if k.startswith(_STARTUP_ONLY)}
+    if os.environ.get("SPMD_TEST_SPAWN") == "1" or startup != {
+        k: v for k, v in _server_env.items() if k.startswith(_STARTUP_ONLY)
+    }:
+        return mp.get_context("spawn"), False
+    return mp.get_context("forkserver"), True
+
+
 def _run(
     fn: Callable[..., Any],
     world_size: int,
@@ -154,11 +206,12 @@ def _run(
     may_die: Collection[int],
     stacks: list[str],
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx, forked = _context()
+    env, cwd = (dict(os.environ), os.getcwd()) if forked else (None, None)
     q = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, port, q, args, pg_timeout, stacks[r]))
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, q, args, pg_timeout, stacks[r], env, cwd))
         for r in range(world_size)
     ]
     for p in procs:
