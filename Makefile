@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,docs]'
 	touch $(STAMP)
 
+# Two phases: the single-process tests on $(NPROC) pytest-xdist workers (one thread each), then the
+# multi-process tests (tests/dist: each already runs its ranks on every core) one at a time.
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(NPROC) tests --ignore=tests/dist
+	$(BIN)/python -m pytest -q tests/dist
 
 demo: install
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_gpt.py

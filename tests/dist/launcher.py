@@ -271,9 +271,12 @@ def _run(
         if not (r in signalled and procs[r].exitcode == -signal.SIGUSR1)
     }
     if crashed:  # the others' errors (a failed collective) follow from it
+        state = {
+            r: crashed.get(r) or ("reported" if r in reported else "stopped after the crash")
+            for r in range(world_size)
+        }
         where = "\n".join(
-            f"--- rank {r} ({crashed.get(r) or ('reported' if r in reported else 'stopped after the crash')}):\n"
-            f"{_read(path) or '(no stacks written)'}"
+            f"--- rank {r} ({state[r]}):\n{_read(path) or '(no stacks written)'}"
             for r, path in enumerate(stacks)
         )
         names = ", ".join(f"rank {r} killed by {sig}" for r, sig in sorted(crashed.items()))
