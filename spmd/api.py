@@ -26,12 +26,12 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from passes import collectives as C
 from passes.stages import Stages
-from spmd import guards, step_inputs, tracing
-from spmd import optim as optim_utils
 from spmd.carry import CarriedGathers
 from spmd.carry import install as carry_install
 from spmd.dump import dump_code, dump_report, dump_stages
 from spmd.errors import CacheLimitError, ConfigError
+from spmd.frontend import guards, step_inputs, tracing
+from spmd.frontend import optim as optim_utils
 from spmd.lastcall import LastCall
 from spmd.lowering import check_backend, check_gemm, check_optimizer_lowering, compile_graph
 from spmd.parallel import DataParallel, ParallelMode

@@ -30,9 +30,9 @@ from passes import cross_step
 from passes.invariants import check_collective_buffers
 from passes.layouts import FAILING_NODE, fix_layouts
 from passes.meta import Role
-from spmd import step_inputs, tracing
 from spmd.carry import CarriedGathers
 from spmd.errors import CollectiveError, KernelError, ModelChangedError, PassError, SpmdError
+from spmd.frontend import step_inputs, tracing
 from spmd.parallel.sharding import local
 
 # Backend errors of a broken or timed-out collective, where the failing op is not

@@ -44,9 +44,10 @@ import torch.distributed as dist
 
 from passes import collectives as C
 from passes.cost_model import CostEstimate, DeviceProfile, GroupInfo, estimate_step_time
-from spmd import api, step_inputs
+from spmd import api
 from spmd.api import CompiledStep
 from spmd.errors import ConfigError
+from spmd.frontend import step_inputs
 from spmd.parallel import DataParallel, MixedPrecision
 from spmd.profiles import get_profile
 from spmd.report import build_report

@@ -99,7 +99,7 @@ def _swap_first_independent_collectives(graph: fx.Graph) -> None:
 
 def reorder_detected(step: spmd.CompiledStep, *step_args: Any) -> str:
     """Lower ``step``'s final graph with a pass that reorders two collectives; return the error."""
-    from spmd import step_inputs
+    from spmd.frontend import step_inputs
 
     exe = step._last.exe  # type: ignore[union-attr]
     flat = [local(t) for t in exe.inputs(step_inputs.split_args(step_args, {}))]

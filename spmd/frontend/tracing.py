@@ -10,7 +10,7 @@ While tracing we record, once, what every node is and when it runs
 ``torch.autograd.backward``; module paths from forward hooks (and, for backward
 nodes, from the autograd node that produced them); gradients from a ``tag_grad``
 op applied by a hook on every parameter. Those hooks and contexts live in
-:mod:`spmd.trace_hooks`, the lifted inputs in :mod:`spmd.step_inputs`; this module runs
+:mod:`spmd.frontend.trace_hooks`, the lifted inputs in :mod:`spmd.frontend.step_inputs`; this module runs
 ``make_fx`` and finishes the metadata.
 """
 
@@ -44,15 +44,15 @@ from passes.graph_utils import mutated_nodes
 from passes.meta import CAST_OF, GRAD_OF, MICROBATCH, MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
 from passes.ops import TAG_GRAD, keep_rnn_workspaces
 from passes.stages import copy_graph
-from spmd import optim as optim_utils
 from spmd.errors import (
     DataDependentControlFlowError,
     SpmdError,
     TraceError,
     UntraceableOpError,
 )
-from spmd.hf_compat import hf_static_masks
-from spmd.step_inputs import (
+from spmd.frontend import optim as optim_utils
+from spmd.frontend.hf_compat import hf_static_masks
+from spmd.frontend.step_inputs import (
     LiftedState,
     Slot,
     StepArgs,
@@ -60,7 +60,7 @@ from spmd.step_inputs import (
     compute_device,
     param_fqns,
 )
-from spmd.trace_hooks import (
+from spmd.frontend.trace_hooks import (
     CAST_KEY,
     CUSTOM_KEY,
     MICROBATCH_KEY,
