@@ -9,7 +9,7 @@ import torch.fx as fx
 
 import spmd
 from passes import collectives as C
-from spmd.lowering import code_order, compile_graph, graph_order
+from spmd.backend.lowering import code_order, compile_graph, graph_order
 from spmd.parallel.sharding import local
 from tests import models as shared
 from tests.dist import parity_models as pm

@@ -50,9 +50,9 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
-from spmd.compile_once import Role, compile_once_per_host, graph_key, sharing_safe
+from spmd.backend.compile_once import Role, compile_once_per_host, graph_key, sharing_safe
+from spmd.backend.inductor_rewrites import for_inductor
 from spmd.errors import ConfigError, LoweringError
-from spmd.inductor_rewrites import for_inductor
 
 log = logging.getLogger("spmd")
 
