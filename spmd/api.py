@@ -31,7 +31,6 @@ from spmd.backend.carry import install as carry_install
 from spmd.backend.lastcall import LastCall
 from spmd.backend.lowering import check_backend, check_gemm, check_optimizer_lowering, compile_graph
 from spmd.backend.runtime import Executable, check_final_graph, make_executable
-from spmd.dump import dump_code, dump_report, dump_stages
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.frontend import guards, step_inputs, tracing
 from spmd.frontend import optim as optim_utils
@@ -40,7 +39,8 @@ from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.parallel.sharding import local
 from spmd.pipeline import build_pipeline, build_trace_pipeline, check_remat, chunk_loss
-from spmd.report import StepReport, build_report, describe_mode
+from spmd.reporting.dump import dump_code, dump_report, dump_stages
+from spmd.reporting.report import StepReport, build_report, describe_mode
 
 log = logging.getLogger("spmd")
 

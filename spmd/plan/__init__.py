@@ -50,7 +50,7 @@ from spmd.errors import ConfigError
 from spmd.frontend import step_inputs
 from spmd.parallel import DataParallel, MixedPrecision
 from spmd.profiles import get_profile
-from spmd.report import build_report
+from spmd.reporting.report import build_report
 from spmd.simulate import check_call, fake_copy, fake_world, fresh_copy
 
 log = logging.getLogger("spmd")

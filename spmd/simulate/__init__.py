@@ -34,7 +34,7 @@ from spmd.api import CompiledStep
 from spmd.errors import ConfigError, SpmdError
 from spmd.frontend import step_inputs
 from spmd.parallel import sharding
-from spmd.report import StepReport
+from spmd.reporting.report import StepReport
 
 log = logging.getLogger("spmd")
 

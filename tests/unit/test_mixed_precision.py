@@ -25,7 +25,7 @@ import spmd
 from passes import collectives as C
 from passes.fused_align import ALIGNED_FUSED
 from passes.meta import CAST_OF, GRAD_OF, INPUT_CAST, PHASE, ROLE, STATE_NAME, Phase, Role
-from spmd.dump import annotated_code
+from spmd.reporting.dump import annotated_code
 from tests import models
 from tests.unit.fake_pg import fake_process_group
 
