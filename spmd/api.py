@@ -34,6 +34,7 @@ from spmd.backend.runtime import Executable, check_final_graph, make_executable
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.frontend import guards, step_inputs, tracing
 from spmd.frontend import optim as optim_utils
+from spmd.frontend.signature import same_trace, signature
 from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
@@ -291,7 +292,7 @@ class CompiledStep:
             self._apply_overrides(module)
             self._overridden.add(id(module))
         self.parallel_mode.prepare(module, optimizer, step_args)
-        key = _signature(step_args)
+        key = signature(step_args)
         candidates = self._cache.get(key, [])
         entry = next((e for e in candidates if guards.first_failing(e.attr_guards) is None), None)
         if entry is None:
@@ -438,7 +439,7 @@ class CompiledStep:
             if lowered is not None:
                 dump_code(where, len(graphs), lowered.backend, lowered.code)
             dump_report(where, _report(entry, "final"))
-        return entry, _signature(step_args)
+        return entry, signature(step_args)
 
     def _trace(
         self, step_args: step_inputs.StepArgs, state: step_inputs.LiftedState
@@ -507,7 +508,7 @@ class CompiledStep:
         changed = guards.first_failing(read)
         saved = guards.snapshot(read)
         again, reread, _ = self._trace(step_args, state)
-        if guards.first_failing(reread) is None and _same_trace(traced, again):
+        if guards.first_failing(reread) is None and same_trace(traced, again):
             log.info(
                 "spmd: %s: %s by the traced step itself; a second trace from the new values gives the "
                 "same graph: guarding the values after the first call",
@@ -530,33 +531,6 @@ class CompiledStep:
             if os.path.exists(stale):
                 os.remove(stale)
             dump_report(where, _report(entry, "final"))
-
-
-def _same_trace(a: tracing.TracedStep, b: tracing.TracedStep) -> bool:
-    """The same graph (code, constants, outputs and gradients) from two traces of a step."""
-    if a.gm.code != b.gm.code or a.out_spec != b.out_spec or a.grads != b.grads:
-        return False
-    if a.grad_outs != b.grad_outs or a.grad_cleared != b.grad_cleared or len(a.slots) != len(b.slots):
-        return False
-    if not all(_same_constant(x, y) for x, y in zip(a.out_constants, b.out_constants, strict=True)):
-        return False
-    return all(
-        _same_constant(getattr(a.gm, n.target, None), getattr(b.gm, n.target, None))
-        for n in a.gm.graph.nodes
-        if n.op == "get_attr"
-    )
-
-
-def _same_constant(x: Any, y: Any) -> bool:
-    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-        return (
-            isinstance(x, torch.Tensor)
-            and isinstance(y, torch.Tensor)
-            and x.shape == y.shape
-            and x.dtype == y.dtype
-            and torch.equal(x, y)
-        )
-    return type(x) is type(y) and bool(x == y)
 
 
 def _report(entry: _Entry, stage: str) -> StepReport:
@@ -605,49 +579,6 @@ def _forget_unused_state(
     gm.recompile()
     optim_utils.drop_state(optimizer, unused)
     return True
-
-
-def _tensor_sig(t: torch.Tensor) -> tuple[Any, ...]:
-    # Strides too: the graph bakes in layout decisions (view vs copy, as_strided), so a
-    # differently laid-out input (a transposed or channels_last batch) gets its own graph.
-    layout = None if t.is_contiguous() else tuple(t.stride())
-    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, layout)
-
-
-def _signature(step_args: step_inputs.StepArgs) -> Hashable:
-    """Everything the traced graph bakes in: argument shapes and values, model and optimizer structure."""
-    arg_sig: list[Any] = []
-    for x in step_args.leaves:
-        if isinstance(x, torch.Tensor):
-            arg_sig.append(_tensor_sig(x))
-        elif isinstance(x, nn.Module | torch.optim.Optimizer):
-            arg_sig.append(type(x))
-        else:
-            arg_sig.append((type(x), x))
-    module, optimizer = step_args.module, step_args.optimizer
-    model_sig: tuple[Any, ...] = tuple(m.training for m in module.modules())
-    # A parameter's existing .grad is a graph input (accumulated onto): its presence picks the graph.
-    model_sig += tuple((n, id(p), *_tensor_sig(p), p.grad is None) for n, p in module.named_parameters())
-    model_sig += tuple((n, *_tensor_sig(b)) for n, b in module.named_buffers())
-    optim_sig: tuple[Any, ...] = ()
-    if optimizer is not None:
-        groups = []
-        for g in optimizer.param_groups:
-            lifted = optim_utils.lr_is_liftable(optimizer, g)
-            state_sig = tuple(
-                (k, _tensor_sig(v) if isinstance(v, torch.Tensor) else v)
-                for p in g["params"]
-                for k, v in optimizer.state.get(p, {}).items()
-            )
-            groups.append(
-                (
-                    tuple(id(p) for p in g["params"]),
-                    optim_utils.hyperparameters(g, skip_lr=lifted),
-                    state_sig,
-                )
-            )
-        optim_sig = (type(optimizer), tuple(groups))
-    return (tuple(arg_sig), step_args.spec, model_sig, optim_sig, torch.is_grad_enabled())
 
 
 def _check_chunked_loss(value: Any, parallel_mode: ParallelMode | None) -> bool | int | str:

@@ -49,7 +49,7 @@ def _kind(x: Any) -> tuple[Any, ...]:
 
 
 def _layout(t: torch.Tensor) -> tuple[int, ...] | None:
-    """As the signature keys layouts (spmd.api._tensor_sig): strides unless contiguous."""
+    """As the signature keys layouts (spmd.frontend.signature.tensor_sig): strides unless contiguous."""
     return None if t.is_contiguous() else tuple(t.stride())
 
 
