@@ -353,7 +353,7 @@ class CompiledStep:
         traced, read, trace_key = self._trace(step_args, state)
         if guards.first_failing(read) is not None:
             read = self._guards_after_first_call(step_args, state, traced, read)
-        unused_fresh = _forget_unused_state(traced, optimizer, fresh, module)
+        unused_fresh = tracing.forget_unused_state(traced, optimizer, fresh, module)
         if unused_fresh:
             state = step_inputs.lift_state(module, optimizer)
         log.info(
@@ -549,36 +549,6 @@ def _report(entry: _Entry, stage: str) -> StepReport:
         lower_role=entry.lower_role,
         lower_wait_s=entry.lower_wait_s,
     )
-
-
-def _forget_unused_state(
-    traced: tracing.TracedStep,
-    optimizer: torch.optim.Optimizer | None,
-    fresh: list[torch.Tensor],
-    module: nn.Module,
-) -> bool:
-    """Drop state created for tracing for parameters that got no gradient (eager never creates it)."""
-    if optimizer is None or not fresh:
-        return False
-    fqns = step_inputs.param_fqns(module)
-    # A parameter with a .grad from an earlier call is stepped on it even without a new one.
-    used = set(traced.grads) | {s.key for s in traced.slots if s.role.value == "param_grad"}
-    unused = [p for p in fresh if fqns.get(id(p)) not in used]
-    if not unused:
-        return False
-    unused_names = {fqns[id(p)] for p in unused}
-    gm = traced.gm
-    keep = []
-    for node, slot in zip([n for n in gm.graph.nodes if n.op == "placeholder"], traced.slots):
-        if slot.key is not None and slot.role.value == "optim_state" and slot.key[0] in unused_names:
-            assert not node.users, f"state of unused parameter {slot.name} is read by the graph"
-            gm.graph.erase_node(node)
-        else:
-            keep.append(slot)
-    traced.slots[:] = keep
-    gm.recompile()
-    optim_utils.drop_state(optimizer, unused)
-    return True
 
 
 def _check_chunked_loss(value: Any, parallel_mode: ParallelMode | None) -> bool | int | str:

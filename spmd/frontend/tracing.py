@@ -461,3 +461,33 @@ def _write_back_buffer_casts(graph: fx.Graph, buffers: dict[str, fx.Node]) -> No
         back.meta[ROLE] = Role.ACTIVATION
         if "val" in buf.meta:
             back.meta["val"] = buf.meta["val"]
+
+
+def forget_unused_state(
+    traced: TracedStep,
+    optimizer: torch.optim.Optimizer | None,
+    fresh: list[torch.Tensor],
+    module: nn.Module,
+) -> bool:
+    """Drop state created for tracing for parameters that got no gradient (eager never creates it)."""
+    if optimizer is None or not fresh:
+        return False
+    fqns = param_fqns(module)
+    # A parameter with a .grad from an earlier call is stepped on it even without a new one.
+    used = set(traced.grads) | {s.key for s in traced.slots if s.role.value == "param_grad"}
+    unused = [p for p in fresh if fqns.get(id(p)) not in used]
+    if not unused:
+        return False
+    unused_names = {fqns[id(p)] for p in unused}
+    gm = traced.gm
+    keep = []
+    for node, slot in zip([n for n in gm.graph.nodes if n.op == "placeholder"], traced.slots):
+        if slot.key is not None and slot.role.value == "optim_state" and slot.key[0] in unused_names:
+            assert not node.users, f"state of unused parameter {slot.name} is read by the graph"
+            gm.graph.erase_node(node)
+        else:
+            keep.append(slot)
+    traced.slots[:] = keep
+    gm.recompile()
+    optim_utils.drop_state(optimizer, unused)
+    return True
