@@ -6,7 +6,7 @@ the stages before it, never a later one: the front end knows nothing of the part
 imports the api, and nothing but the tools and ``spmd/__init__.py`` imports the tools (a tool's
 command line, its ``__main__.py``, is an entry point like ``spmd/__init__.py`` and may import ``spmd``). Every
 import counts, at module level, inside a function (a lazy import) or under ``TYPE_CHECKING``.
-The imports are read with :mod:`ast`, nothing is imported, so this runs in well under a second.
+The imports are read with :mod:`ast`; nothing is imported.
 """
 
 from __future__ import annotations
