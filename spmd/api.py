@@ -1,9 +1,9 @@
 """``spmd.compile``: the decorator, its graph cache, and the call path.
 
-The first call traces the whole step (:mod:`spmd.tracing`), lets the parallel mode
+The first call traces the whole step (:mod:`spmd.frontend.tracing`), lets the parallel mode
 partition it (:mod:`spmd.parallel`), runs the pass pipeline (:mod:`spmd.pipeline`)
 and caches the result under the call's signature; every call then runs the cached
-graph on the real tensors (:mod:`spmd.runtime`).
+graph on the real tensors (:mod:`spmd.backend.runtime`).
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ _OPTIONS: dict[str, str] = {
     "cache_size_limit": "most graphs kept for one compiled step before raising CacheLimitError (8)",
     "disabled_passes": "names of pipeline passes to skip",
     "check_invariants": "run the graph invariant checker after every pass (env SPMD_DEBUG=1)",
-    "backend": "'eager' (default: the final graph runs op by op) or 'inductor' (compiled; see spmd.lowering)",
+    "backend": "'eager' (default: the final graph runs op by op) or 'inductor' (compiled; "
+    "see spmd.backend.lowering)",
     "cross_step_prefetch": "issue the first all-gather of the next step at the end of this one and carry "
-    "it between calls (fully_shard, eager backend; env SPMD_CROSS_STEP_PREFETCH=1; see spmd.carry)",
+    "it between calls (fully_shard, eager backend; env SPMD_CROSS_STEP_PREFETCH=1; see spmd.backend.carry)",
     "inductor_optimizer": "'opaque' (default: ATen's fused optimizer kernel, called in place) or 'inline' "
     "(its math, fused by inductor); backend='inductor' only",
     "inductor_gemm": "'onednn' (default: float32 CPU matmuls call oneDNN's matmul) or 'aten' (inductor "
@@ -67,7 +68,7 @@ _OPTIONS: dict[str, str] = {
     "bytes to keep); see passes.remat and docs/remat.md",
     "share_compile": "backend='inductor': ranks of a host with the same graph compile it once and load it "
     "from inductor's caches (default False: no gain measured with 2 ranks on 2 cores; True or env "
-    "SPMD_SHARE_COMPILE=1 turns it on where safe; see spmd.compile_once)",
+    "SPMD_SHARE_COMPILE=1 turns it on where safe; see spmd.backend.compile_once)",
 }
 
 
@@ -163,7 +164,7 @@ class _Entry:
     lower_role: str | None = None  # shared compile: "alone", "leader" or "follower" (None for eager)
     lower_wait_s: float | None = None  # a follower's wait for its leader (part of lower_s)
     remat: str | float | None = None  # the remat policy the graph was built with
-    # Plain module attributes the trace read (spmd.guards): the graph is reused only while they hold.
+    # Plain module attributes the trace read (spmd.frontend.guards): the graph is reused only while they hold.
     attr_guards: list[guards.Guard] = dataclasses.field(default_factory=list)
 
 
@@ -275,7 +276,7 @@ class CompiledStep:
     def invalidate_prefetch(self) -> None:
         """Drop the all-gather carried to the next call (``cross_step_prefetch``): the next call
         gathers again. Call it on every rank after writing parameters in a way spmd cannot see
-        (through ``p.to_local()`` or ``.data``); see :mod:`spmd.carry`."""
+        (through ``p.to_local()`` or ``.data``); see :mod:`spmd.backend.carry`."""
         self._carry.drain()
 
     def lower(self, *args: Any, **kwargs: Any) -> Stages:
