@@ -1,6 +1,6 @@
 """Inductor compile time of the first call as a real job sees it: N ranks under torchrun (gloo,
 1 thread each) on one host, cold (a fresh TORCHINDUCTOR_CACHE_DIR) then warm (the same
-directory, a second job), with the shared compile (spmd.compile_once) on and off.
+directory, a second job), with the shared compile (spmd.backend.compile_once) on and off.
 
     OMP_NUM_THREADS=1 python benchmarks/compile_ranks.py                  # GPT-2-small shape: 1 and 2 ranks
     OMP_NUM_THREADS=1 python benchmarks/compile_ranks.py --ranks 2 --share on,off

@@ -30,10 +30,10 @@ import torch.fx as fx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import spmd  # noqa: E402
 import spmd.api  # noqa: E402
-import spmd.optim  # noqa: E402
+import spmd.backend.runtime  # noqa: E402
+import spmd.frontend.optim  # noqa: E402
+import spmd.frontend.tracing  # noqa: E402
 import spmd.pipeline  # noqa: E402
-import spmd.runtime  # noqa: E402
-import spmd.tracing  # noqa: E402
 from passes.stages import Stages  # noqa: E402
 from spmd import models as spmd_models  # noqa: E402
 from tests.models import TinyGPT  # noqa: E402
@@ -107,12 +107,18 @@ def first_call(variant: str) -> dict[str, float]:
     record = full_record if variant == "full" else Stages.record
     patches = [
         mock.patch.object(Stages, "record", timed("stages", record)),
-        mock.patch.object(spmd.optim, "ensure_state", timed("state", spmd.optim.ensure_state)),
-        mock.patch.object(spmd.tracing, "trace_step", timed("trace", spmd.tracing.trace_step)),
+        mock.patch.object(
+            spmd.frontend.optim, "ensure_state", timed("state", spmd.frontend.optim.ensure_state)
+        ),
+        mock.patch.object(
+            spmd.frontend.tracing, "trace_step", timed("trace", spmd.frontend.tracing.trace_step)
+        ),
         mock.patch.object(type(step.parallel_mode), "partition", timed("partition", mode_cls.partition)),
         mock.patch.object(spmd.pipeline.Pipeline, "run", timed("passes+stages", spmd.pipeline.Pipeline.run)),
         mock.patch.object(spmd.api, "compile_graph", timed("lower", spmd.api.compile_graph)),
-        mock.patch.object(spmd.runtime.Executable, "run", timed("first run", spmd.runtime.Executable.run)),
+        mock.patch.object(
+            spmd.backend.runtime.Executable, "run", timed("first run", spmd.backend.runtime.Executable.run)
+        ),
     ]
     with contextlib.ExitStack() as stack:
         for patch in patches:

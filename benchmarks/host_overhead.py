@@ -85,7 +85,8 @@ real_call = median_ms(lambda: step(model, optim, x, y), args.calls)
 exe = step._last.exe
 real_gm = exe.gm
 flat = [
-    spmd.parallel.sharding.local(t) for t in exe.inputs(spmd.step_inputs.split_args((model, optim, x, y), {}))
+    spmd.parallel.sharding.local(t)
+    for t in exe.inputs(spmd.frontend.step_inputs.split_args((model, optim, x, y), {}))
 ]
 
 

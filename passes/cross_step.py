@@ -6,7 +6,7 @@ those gathers (and the ops that build their input from the parameter shards) to 
 end of the step, after the optimizer has written those shards, and returns the
 in-flight, unwaited result as an extra graph output; the graph takes the same
 tensor as an extra input and waits on it where the gather used to be waited. The
-runtime (``spmd.carry``) hands each call's carried outputs to the next call, or,
+runtime (``spmd.backend.carry``) hands each call's carried outputs to the next call, or,
 when it cannot (first call, something may have changed the parameters in between),
 issues the gathers itself from :func:`issue_module` before the call.
 

@@ -28,7 +28,7 @@ from spmd.parallel import DataParallel, DTensorExpandMode, MixedPrecision, Paral
 from spmd.parallel.offload import CPUOffloadPolicy
 from spmd.parallel.sharding import full_state_dict
 from spmd.plan import Plan, plan
-from spmd.report import StepReport
+from spmd.reporting.report import StepReport
 from spmd.simulate import simulate
 
 logging.getLogger("spmd").addHandler(logging.NullHandler())

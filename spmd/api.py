@@ -1,9 +1,9 @@
 """``spmd.compile``: the decorator, its graph cache, and the call path.
 
-The first call traces the whole step (:mod:`spmd.tracing`), lets the parallel mode
+The first call traces the whole step (:mod:`spmd.frontend.tracing`), lets the parallel mode
 partition it (:mod:`spmd.parallel`), runs the pass pipeline (:mod:`spmd.pipeline`)
 and caches the result under the call's signature; every call then runs the cached
-graph on the real tensors (:mod:`spmd.runtime`).
+graph on the real tensors (:mod:`spmd.backend.runtime`).
 """
 
 from __future__ import annotations
@@ -26,21 +26,22 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from passes import collectives as C
 from passes.stages import Stages
-from spmd import guards, step_inputs, tracing
-from spmd import optim as optim_utils
-from spmd.carry import CarriedGathers
-from spmd.carry import install as carry_install
-from spmd.dump import dump_code, dump_report, dump_stages
+from spmd.backend.carry import CarriedGathers
+from spmd.backend.carry import install as carry_install
+from spmd.backend.lastcall import LastCall
+from spmd.backend.lowering import check_backend, check_gemm, check_optimizer_lowering, compile_graph
+from spmd.backend.runtime import Executable, check_final_graph, make_executable
 from spmd.errors import CacheLimitError, ConfigError
-from spmd.lastcall import LastCall
-from spmd.lowering import check_backend, check_gemm, check_optimizer_lowering, compile_graph
+from spmd.frontend import guards, step_inputs, tracing
+from spmd.frontend import optim as optim_utils
+from spmd.frontend.signature import same_trace, signature
 from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.parallel.sharding import local
 from spmd.pipeline import build_pipeline, build_trace_pipeline, check_remat, chunk_loss
-from spmd.report import StepReport, build_report, describe_mode
-from spmd.runtime import Executable, check_final_graph, make_executable
+from spmd.reporting.dump import dump_code, dump_report, dump_stages
+from spmd.reporting.report import StepReport, build_report, describe_mode
 
 log = logging.getLogger("spmd")
 
@@ -49,9 +50,10 @@ _OPTIONS: dict[str, str] = {
     "cache_size_limit": "most graphs kept for one compiled step before raising CacheLimitError (8)",
     "disabled_passes": "names of pipeline passes to skip",
     "check_invariants": "run the graph invariant checker after every pass (env SPMD_DEBUG=1)",
-    "backend": "'eager' (default: the final graph runs op by op) or 'inductor' (compiled; see spmd.lowering)",
+    "backend": "'eager' (default: the final graph runs op by op) or 'inductor' (compiled; "
+    "see spmd.backend.lowering)",
     "cross_step_prefetch": "issue the first all-gather of the next step at the end of this one and carry "
-    "it between calls (fully_shard, eager backend; env SPMD_CROSS_STEP_PREFETCH=1; see spmd.carry)",
+    "it between calls (fully_shard, eager backend; env SPMD_CROSS_STEP_PREFETCH=1; see spmd.backend.carry)",
     "inductor_optimizer": "'opaque' (default: ATen's fused optimizer kernel, called in place) or 'inline' "
     "(its math, fused by inductor); backend='inductor' only",
     "inductor_gemm": "'onednn' (default: float32 CPU matmuls call oneDNN's matmul) or 'aten' (inductor "
@@ -66,7 +68,7 @@ _OPTIONS: dict[str, str] = {
     "bytes to keep); see passes.remat and docs/remat.md",
     "share_compile": "backend='inductor': ranks of a host with the same graph compile it once and load it "
     "from inductor's caches (default False: no gain measured with 2 ranks on 2 cores; True or env "
-    "SPMD_SHARE_COMPILE=1 turns it on where safe; see spmd.compile_once)",
+    "SPMD_SHARE_COMPILE=1 turns it on where safe; see spmd.backend.compile_once)",
 }
 
 
@@ -162,7 +164,7 @@ class _Entry:
     lower_role: str | None = None  # shared compile: "alone", "leader" or "follower" (None for eager)
     lower_wait_s: float | None = None  # a follower's wait for its leader (part of lower_s)
     remat: str | float | None = None  # the remat policy the graph was built with
-    # Plain module attributes the trace read (spmd.guards): the graph is reused only while they hold.
+    # Plain module attributes the trace read (spmd.frontend.guards): the graph is reused only while they hold.
     attr_guards: list[guards.Guard] = dataclasses.field(default_factory=list)
 
 
@@ -274,7 +276,7 @@ class CompiledStep:
     def invalidate_prefetch(self) -> None:
         """Drop the all-gather carried to the next call (``cross_step_prefetch``): the next call
         gathers again. Call it on every rank after writing parameters in a way spmd cannot see
-        (through ``p.to_local()`` or ``.data``); see :mod:`spmd.carry`."""
+        (through ``p.to_local()`` or ``.data``); see :mod:`spmd.backend.carry`."""
         self._carry.drain()
 
     def lower(self, *args: Any, **kwargs: Any) -> Stages:
@@ -291,7 +293,7 @@ class CompiledStep:
             self._apply_overrides(module)
             self._overridden.add(id(module))
         self.parallel_mode.prepare(module, optimizer, step_args)
-        key = _signature(step_args)
+        key = signature(step_args)
         candidates = self._cache.get(key, [])
         entry = next((e for e in candidates if guards.first_failing(e.attr_guards) is None), None)
         if entry is None:
@@ -352,7 +354,7 @@ class CompiledStep:
         traced, read, trace_key = self._trace(step_args, state)
         if guards.first_failing(read) is not None:
             read = self._guards_after_first_call(step_args, state, traced, read)
-        unused_fresh = _forget_unused_state(traced, optimizer, fresh, module)
+        unused_fresh = tracing.forget_unused_state(traced, optimizer, fresh, module)
         if unused_fresh:
             state = step_inputs.lift_state(module, optimizer)
         log.info(
@@ -438,7 +440,7 @@ class CompiledStep:
             if lowered is not None:
                 dump_code(where, len(graphs), lowered.backend, lowered.code)
             dump_report(where, _report(entry, "final"))
-        return entry, _signature(step_args)
+        return entry, signature(step_args)
 
     def _trace(
         self, step_args: step_inputs.StepArgs, state: step_inputs.LiftedState
@@ -507,7 +509,7 @@ class CompiledStep:
         changed = guards.first_failing(read)
         saved = guards.snapshot(read)
         again, reread, _ = self._trace(step_args, state)
-        if guards.first_failing(reread) is None and _same_trace(traced, again):
+        if guards.first_failing(reread) is None and same_trace(traced, again):
             log.info(
                 "spmd: %s: %s by the traced step itself; a second trace from the new values gives the "
                 "same graph: guarding the values after the first call",
@@ -532,33 +534,6 @@ class CompiledStep:
             dump_report(where, _report(entry, "final"))
 
 
-def _same_trace(a: tracing.TracedStep, b: tracing.TracedStep) -> bool:
-    """The same graph (code, constants, outputs and gradients) from two traces of a step."""
-    if a.gm.code != b.gm.code or a.out_spec != b.out_spec or a.grads != b.grads:
-        return False
-    if a.grad_outs != b.grad_outs or a.grad_cleared != b.grad_cleared or len(a.slots) != len(b.slots):
-        return False
-    if not all(_same_constant(x, y) for x, y in zip(a.out_constants, b.out_constants, strict=True)):
-        return False
-    return all(
-        _same_constant(getattr(a.gm, n.target, None), getattr(b.gm, n.target, None))
-        for n in a.gm.graph.nodes
-        if n.op == "get_attr"
-    )
-
-
-def _same_constant(x: Any, y: Any) -> bool:
-    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-        return (
-            isinstance(x, torch.Tensor)
-            and isinstance(y, torch.Tensor)
-            and x.shape == y.shape
-            and x.dtype == y.dtype
-            and torch.equal(x, y)
-        )
-    return type(x) is type(y) and bool(x == y)
-
-
 def _report(entry: _Entry, stage: str) -> StepReport:
     traced_stage = "rematerialize" if "rematerialize" in entry.graphs else "traced"
     return build_report(
@@ -575,79 +550,6 @@ def _report(entry: _Entry, stage: str) -> StepReport:
         lower_role=entry.lower_role,
         lower_wait_s=entry.lower_wait_s,
     )
-
-
-def _forget_unused_state(
-    traced: tracing.TracedStep,
-    optimizer: torch.optim.Optimizer | None,
-    fresh: list[torch.Tensor],
-    module: nn.Module,
-) -> bool:
-    """Drop state created for tracing for parameters that got no gradient (eager never creates it)."""
-    if optimizer is None or not fresh:
-        return False
-    fqns = step_inputs.param_fqns(module)
-    # A parameter with a .grad from an earlier call is stepped on it even without a new one.
-    used = set(traced.grads) | {s.key for s in traced.slots if s.role.value == "param_grad"}
-    unused = [p for p in fresh if fqns.get(id(p)) not in used]
-    if not unused:
-        return False
-    unused_names = {fqns[id(p)] for p in unused}
-    gm = traced.gm
-    keep = []
-    for node, slot in zip([n for n in gm.graph.nodes if n.op == "placeholder"], traced.slots):
-        if slot.key is not None and slot.role.value == "optim_state" and slot.key[0] in unused_names:
-            assert not node.users, f"state of unused parameter {slot.name} is read by the graph"
-            gm.graph.erase_node(node)
-        else:
-            keep.append(slot)
-    traced.slots[:] = keep
-    gm.recompile()
-    optim_utils.drop_state(optimizer, unused)
-    return True
-
-
-def _tensor_sig(t: torch.Tensor) -> tuple[Any, ...]:
-    # Strides too: the graph bakes in layout decisions (view vs copy, as_strided), so a
-    # differently laid-out input (a transposed or channels_last batch) gets its own graph.
-    layout = None if t.is_contiguous() else tuple(t.stride())
-    return (tuple(t.shape), t.dtype, t.device, t.requires_grad, layout)
-
-
-def _signature(step_args: step_inputs.StepArgs) -> Hashable:
-    """Everything the traced graph bakes in: argument shapes and values, model and optimizer structure."""
-    arg_sig: list[Any] = []
-    for x in step_args.leaves:
-        if isinstance(x, torch.Tensor):
-            arg_sig.append(_tensor_sig(x))
-        elif isinstance(x, nn.Module | torch.optim.Optimizer):
-            arg_sig.append(type(x))
-        else:
-            arg_sig.append((type(x), x))
-    module, optimizer = step_args.module, step_args.optimizer
-    model_sig: tuple[Any, ...] = tuple(m.training for m in module.modules())
-    # A parameter's existing .grad is a graph input (accumulated onto): its presence picks the graph.
-    model_sig += tuple((n, id(p), *_tensor_sig(p), p.grad is None) for n, p in module.named_parameters())
-    model_sig += tuple((n, *_tensor_sig(b)) for n, b in module.named_buffers())
-    optim_sig: tuple[Any, ...] = ()
-    if optimizer is not None:
-        groups = []
-        for g in optimizer.param_groups:
-            lifted = optim_utils.lr_is_liftable(optimizer, g)
-            state_sig = tuple(
-                (k, _tensor_sig(v) if isinstance(v, torch.Tensor) else v)
-                for p in g["params"]
-                for k, v in optimizer.state.get(p, {}).items()
-            )
-            groups.append(
-                (
-                    tuple(id(p) for p in g["params"]),
-                    optim_utils.hyperparameters(g, skip_lr=lifted),
-                    state_sig,
-                )
-            )
-        optim_sig = (type(optimizer), tuple(groups))
-    return (tuple(arg_sig), step_args.spec, model_sig, optim_sig, torch.is_grad_enabled())
 
 
 def _check_chunked_loss(value: Any, parallel_mode: ParallelMode | None) -> bool | int | str:

@@ -326,7 +326,7 @@ def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
 
 
 # Optimizers whose traced math is identical to eager's (bit-for-bit); the rest take the
-# `capturable` path while tracing (see spmd/optim.py) and are compared with a tolerance.
+# `capturable` path while tracing (see spmd/frontend/optim.py) and are compared with a tolerance.
 EXACT_OPTIMIZERS = frozenset(
     {
         "sgd_momentum_foreach",

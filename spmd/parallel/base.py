@@ -11,8 +11,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 if TYPE_CHECKING:
-    from spmd.step_inputs import LiftedState, StepArgs
-    from spmd.trace_hooks import ComputeCasts
+    from spmd.frontend.step_inputs import LiftedState, StepArgs
+    from spmd.frontend.trace_hooks import ComputeCasts
 
 # Attribute of an Override's stand-in module: the (input, output) placements it declared.
 OVERRIDE_PLACEMENTS = "_spmd_override_placements"

@@ -71,8 +71,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from passes.invariants import InvariantViolation, Violation, check_reshard
-from spmd import optim as optim_utils
 from spmd.errors import ConfigError
+from spmd.frontend import optim as optim_utils
 from spmd.parallel import buffers, gathers, plan, reductions, sharded_optim, sharding
 from spmd.parallel.base import ParallelMode
 from spmd.parallel.mixed_precision import MixedPrecision
@@ -80,8 +80,8 @@ from spmd.parallel.offload import CPUOffloadPolicy
 from spmd.parallel.partition_state import PartitionState, refresh_vals
 
 if TYPE_CHECKING:
-    from spmd.step_inputs import LiftedState, StepArgs
-    from spmd.trace_hooks import ComputeCasts
+    from spmd.frontend.step_inputs import LiftedState, StepArgs
+    from spmd.frontend.trace_hooks import ComputeCasts
 
 log = logging.getLogger("spmd")
 

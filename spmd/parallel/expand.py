@@ -63,14 +63,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
-from spmd import optim as optim_utils
 from spmd.errors import ConfigError, ShardingPropagationError
+from spmd.frontend import optim as optim_utils
 from spmd.parallel import sharding
 from spmd.parallel.base import OVERRIDE_PLACEMENTS, ParallelMode
 from spmd.parallel.expand_graph import expand_graph
 
 if TYPE_CHECKING:
-    from spmd.step_inputs import LiftedState, StepArgs
+    from spmd.frontend.step_inputs import LiftedState, StepArgs
 
 log = logging.getLogger("spmd")
 

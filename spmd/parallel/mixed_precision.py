@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from spmd.errors import ConfigError
-from spmd.trace_hooks import ComputeCasts
+from spmd.frontend.trace_hooks import ComputeCasts
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

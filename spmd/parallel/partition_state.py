@@ -23,8 +23,8 @@ from spmd.errors import TraceError
 from spmd.parallel import layout, plan, sharding
 
 if TYPE_CHECKING:
+    from spmd.frontend.step_inputs import LiftedState, StepArgs
     from spmd.parallel.data_parallel import DataParallel
-    from spmd.step_inputs import LiftedState, StepArgs
 
 aten = torch.ops.aten
 

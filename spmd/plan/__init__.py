@@ -44,12 +44,13 @@ import torch.distributed as dist
 
 from passes import collectives as C
 from passes.cost_model import CostEstimate, DeviceProfile, GroupInfo, estimate_step_time
-from spmd import api, step_inputs
+from spmd import api
 from spmd.api import CompiledStep
 from spmd.errors import ConfigError
+from spmd.frontend import step_inputs
 from spmd.parallel import DataParallel, MixedPrecision
 from spmd.profiles import get_profile
-from spmd.report import build_report
+from spmd.reporting.report import build_report
 from spmd.simulate import check_call, fake_copy, fake_world, fresh_copy
 
 log = logging.getLogger("spmd")

@@ -30,11 +30,11 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 from torch.distributed.tensor import DTensor
 
-from spmd import step_inputs
 from spmd.api import CompiledStep
 from spmd.errors import ConfigError, SpmdError
+from spmd.frontend import step_inputs
 from spmd.parallel import sharding
-from spmd.report import StepReport
+from spmd.reporting.report import StepReport
 
 log = logging.getLogger("spmd")
 

@@ -1,4 +1,4 @@
-"""The shared compile (spmd.compile_once) on 2 gloo ranks of one host: one rank compiles with
+"""The shared compile (spmd.backend.compile_once) on 2 gloo ranks of one host: one rank compiles with
 inductor, the other waits and loads the result from inductor's FX graph cache.
 
 One spawned job covers every case (inductor compiles take seconds each on these cores), with

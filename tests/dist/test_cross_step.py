@@ -1,5 +1,5 @@
 """cross_step_prefetch on 2 gloo ranks: the first all-gather of step k+1 is issued at the end of
-step k and carried between calls (passes/cross_step.py, spmd/carry.py).
+step k and carried between calls (passes/cross_step.py, spmd/backend/carry.py).
 
 Bit for bit with DDP; and every way of changing the parameters or the graph between calls gives
 exactly what a step that gathers itself gives.

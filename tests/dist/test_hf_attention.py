@@ -1,6 +1,6 @@
 """Hugging Face causal LMs with HF's default attention (``attn_implementation="sdpa"``) on 2 gloo
 ranks, a training step without cache or padding: eager calls SDPA with ``is_causal=True`` and
-no mask, and so must the compiled step (spmd.hf_compat). Llama, Qwen2 and Mistral against DDP
+no mask, and so must the compiled step (spmd.frontend.hf_compat). Llama, Qwen2 and Mistral against DDP
 (fp32) and FSDP2 ``fully_shard`` per decoder layer + root with ``MixedPrecisionPolicy`` (bf16
 params, fp32 reduce), bit for bit, in one spawned job. World size 1 against eager, and the
 padded control: tests/unit/test_foreign_models.py."""

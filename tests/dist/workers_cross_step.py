@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
-import spmd.carry as carry_module
+import spmd.backend.carry as carry_module
 from passes import collectives as C
 from passes.cross_step import CARRIED
 from tests import models as shared

@@ -9,7 +9,7 @@ import torch.fx as fx
 
 import spmd
 from passes import collectives as C
-from spmd.lowering import code_order, compile_graph, graph_order
+from spmd.backend.lowering import code_order, compile_graph, graph_order
 from spmd.parallel.sharding import local
 from tests import models as shared
 from tests.dist import parity_models as pm
@@ -99,7 +99,7 @@ def _swap_first_independent_collectives(graph: fx.Graph) -> None:
 
 def reorder_detected(step: spmd.CompiledStep, *step_args: Any) -> str:
     """Lower ``step``'s final graph with a pass that reorders two collectives; return the error."""
-    from spmd import step_inputs
+    from spmd.frontend import step_inputs
 
     exe = step._last.exe  # type: ignore[union-attr]
     flat = [local(t) for t in exe.inputs(step_inputs.split_args(step_args, {}))]

@@ -1,4 +1,4 @@
-"""spmd.compile_once without inductor: the key, when sharing is on, and the leader/follower
+"""spmd.backend.compile_once without inductor: the key, when sharing is on, and the leader/follower
 protocol over a real store (a one-process gloo group; a second call with the same key plays the
 follower). The 2-rank test with inductor is tests/dist/test_compile_once.py."""
 
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from spmd.compile_once import Role, compile_once_per_host, graph_key, sharing_safe
+from spmd.backend.compile_once import Role, compile_once_per_host, graph_key, sharing_safe
 from spmd.errors import LoweringError
 from tests.dist.launcher import free_port
 from tests.unit.fake_pg import fake_process_group

@@ -61,7 +61,7 @@ def test_no_dump_without_option(tmp_path, monkeypatch):
 
 def test_micro_batches_are_named_in_the_dump() -> None:
     """A step that accumulates over micro-batches says which one each line belongs to."""
-    from spmd.dump import annotated_code
+    from spmd.reporting.dump import annotated_code
 
     def accumulate(model, optim, x, y):
         for xb, yb in zip(x.chunk(2), y.chunk(2)):
@@ -107,7 +107,7 @@ def test_every_stage_is_the_graph_after_that_stage(tmp_path, monkeypatch):
     GraphModule copy taken right after it does, in fully_shard at world size 2 where every pass
     rewrites the graph in place; a no-op pass's stage equals the one before it."""
     from passes.stages import Stages
-    from spmd.dump import annotated_code
+    from spmd.reporting.dump import annotated_code
     from tests.unit.fake_pg import fake_process_group
 
     with fake_process_group(2):

@@ -11,8 +11,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import spmd
 from passes import collectives as C
 from passes.meta import NODE_PLACEMENTS, PLACEMENT, ROLE, Role
-from spmd.dump import annotated_code
 from spmd.parallel import expand_rules
+from spmd.reporting.dump import annotated_code
 from tests import models
 from tests.dist import workers_expand as wx
 from tests.unit.fake_pg import fake_process_group

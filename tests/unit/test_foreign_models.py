@@ -136,7 +136,7 @@ def _tiny_gpt2() -> nn.Module:
 @pytest.mark.parametrize("build", [_tiny_gpt2, _tiny_llama], ids=["gpt2", "llama"])
 def test_hf_default_use_cache_under_inductor(build, tmp_path, monkeypatch) -> None:
     """HF models called with the default ``use_cache=True`` lower with inductor (their
-    ``DynamicCache`` concatenates onto a legacy empty tensor, which spmd.lowering drops) and
+    ``DynamicCache`` concatenates onto a legacy empty tensor, which spmd.backend.lowering drops) and
     match the eager backend within the inductor tolerance (test_lowering.TOL) after each step."""
     from tests.unit.test_lowering import TOL
 

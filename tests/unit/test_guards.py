@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd
-from spmd import guards
+from spmd.frontend import guards
 from tests import models
 
 

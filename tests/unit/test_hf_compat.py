@@ -1,4 +1,4 @@
-"""``spmd.hf_compat``: which traced tensors count as constants, and the shim's scope. The models
+"""``spmd.frontend.hf_compat``: which traced tensors count as constants, and the shim's scope. The models
 it is for (HF causal LMs with sdpa attention) are in tests/unit/test_foreign_models.py and
 tests/dist/test_hf_attention.py."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd.hf_compat import constant_value, hf_static_masks
+from spmd.frontend.hf_compat import constant_value, hf_static_masks
 
 
 def _seen(f, *inputs: torch.Tensor) -> list:

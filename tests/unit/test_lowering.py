@@ -1,4 +1,4 @@
-"""spmd.lowering: backend='inductor' at world size 1, and the collective order check.
+"""spmd.backend.lowering: backend='inductor' at world size 1, and the collective order check.
 
 The order check is tested on hand-written graphs and code (no compile); one inductor
 compile (ConvBN: parameters, BatchNorm buffers and fused SGD momentum all mutated in
@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 
 import spmd
-from spmd import inductor_rewrites
-from spmd.lowering import check_collective_order, code_order, graph_order
+from spmd.backend import inductor_rewrites
+from spmd.backend.lowering import check_collective_order, code_order, graph_order
 from tests import models
 
 # Per step, inductor vs the eager backend: fusion changes float rounding, nothing else.
@@ -136,7 +136,7 @@ def test_cat_onto_legacy_empty_becomes_a_clone_in_eager_layout() -> None:
     inputs and an empty keeps the real two. The final graph is not modified."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from spmd.inductor_rewrites import for_inductor as _for_inductor
+    from spmd.backend.inductor_rewrites import for_inductor as _for_inductor
 
     def f(k, a):
         kt = k.transpose(1, 2)

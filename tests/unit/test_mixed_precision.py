@@ -25,7 +25,7 @@ import spmd
 from passes import collectives as C
 from passes.fused_align import ALIGNED_FUSED
 from passes.meta import CAST_OF, GRAD_OF, INPUT_CAST, PHASE, ROLE, STATE_NAME, Phase, Role
-from spmd.dump import annotated_code
+from spmd.reporting.dump import annotated_code
 from tests import models
 from tests.unit.fake_pg import fake_process_group
 
@@ -310,7 +310,7 @@ def test_replicate_casts_in_graph_and_all_reduces_in_reduce_dtype(fake_world) ->
 def test_input_casts_at_every_unit_by_default() -> None:
     """Forward inputs are cast at the root and at each numbered block (FSDP2 casts at each
     fully_shard-ed module); ``cast_forward_inputs_at`` picks modules by pattern; [] is the root."""
-    from spmd.trace_hooks import cast_modules
+    from spmd.frontend.trace_hooks import cast_modules
 
     model = models.build("llama")
     assert cast_modules(model, None) == ["", "layers.0", "layers.1"]

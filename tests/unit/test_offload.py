@@ -29,8 +29,8 @@ import spmd
 from passes import collectives as C
 from passes.fused_align import ALIGNED_FUSED
 from passes.meta import GRAD_OF, PHASE, ROLE, Phase, Role
-from spmd import optim as optim_utils
-from spmd import step_inputs, tracing
+from spmd.frontend import optim as optim_utils
+from spmd.frontend import step_inputs, tracing
 from spmd.pipeline import build_pipeline
 from tests import models
 from tests.dist import parity_models as pm

@@ -1,4 +1,4 @@
-"""spmd.optim: optimizer capture, lifted learning rates, optimizer state and the graph cache."""
+"""spmd.frontend.optim: optimizer capture, lifted learning rates, optimizer state and the graph cache."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import spmd
 from passes import meta
 from passes.meta import Role
-from spmd import optim as optim_utils
+from spmd.frontend import optim as optim_utils
 from tests import models
 from tests.parity import assert_same_state, run_pair
 

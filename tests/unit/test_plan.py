@@ -22,8 +22,8 @@ import spmd
 from passes import collectives as C
 from passes.invariants import fingerprint
 from passes.meta import PLACEMENT, STATE_NAME
-from spmd.dump import annotated_code
 from spmd.parallel import plan, sharding
+from spmd.reporting.dump import annotated_code
 
 
 class Net(nn.Module):

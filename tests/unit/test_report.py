@@ -116,7 +116,7 @@ def test_report_contents_and_forms(tmp_path) -> None:
 
 
 def test_report_str_lists_collectives() -> None:
-    from spmd.report import CollectiveStats, StepReport
+    from spmd.reporting.report import CollectiveStats, StepReport
 
     rep = StepReport(
         world_size=8,

@@ -20,7 +20,7 @@ from tests import models
 from tests.parity import assert_same_state, run_pair
 
 # The non-fused Adam/AdamW path is traced through the optimizer's `capturable` branch
-# (spmd/optim.py: trace_group_overrides), which computes the bias corrections as float32
+# (spmd/frontend/optim.py: trace_group_overrides), which computes the bias corrections as float32
 # tensor arithmetic and folds lr into the denominator, where eager uses float64 Python
 # scalars. Measured: ~6e-7 abs on parameters and ~1e-6 on the loss after 10 steps; the
 # tolerance leaves ~5x headroom and is still ~1000x below what a wrong lr or a missed
@@ -190,12 +190,12 @@ def test_every_node_has_role_and_phase(convbn_graph):
 
 def test_output_node_has_role_and_phase_when_traced():
     """The tracer labels the output node too (checked on the graph the tracer returns)."""
-    from spmd import step_inputs, tracing
+    from spmd.frontend import step_inputs, tracing
 
     model = models.build("mlp")
     opt = models.make_optimizer("sgd_momentum_foreach", model)
     args = step_inputs.split_args((model, opt, *models.batches("mlp", 1)[0]), {})
-    from spmd import optim as optim_utils
+    from spmd.frontend import optim as optim_utils
 
     optim_utils.ensure_state(opt, list(model.parameters()))
     traced = tracing.trace_step(models.train_step, args, step_inputs.lift_state(model, opt))

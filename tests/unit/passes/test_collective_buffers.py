@@ -18,8 +18,8 @@ from passes import collectives as C
 from passes.invariants import INPUT_HELD, InvariantViolation, check_collective_buffers, check_invariants
 from passes.meta import Phase, Role
 from passes.reuse import REUSED, reuse_dead_buffers
+from spmd.backend.runtime import check_final_graph
 from spmd.errors import PassError
-from spmd.runtime import check_final_graph
 from tests import models
 from tests.unit.passes.graphs import Builder, aten, c10d
 

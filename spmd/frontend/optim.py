@@ -88,7 +88,7 @@ def traceable_optimizers() -> Iterator[None]:
 @contextlib.contextmanager
 def not_compiling() -> Iterator[None]:
     """Inside :func:`traceable_optimizers`: ``torch.compiler.is_compiling()`` false again, for a
-    block that runs real (untraced) code in the middle of a trace (:mod:`spmd.hf_compat`)."""
+    block that runs real (untraced) code in the middle of a trace (:mod:`spmd.frontend.hf_compat`)."""
     old = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = False
     try:

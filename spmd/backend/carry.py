@@ -6,7 +6,7 @@ inputs on the next call. :class:`CarriedGathers` (one per compiled step) holds t
 tensors between calls together with what they were gathered from, and hands them to
 the next call only if nothing could have changed that since:
 
-- the same graph runs again (the same :class:`~spmd.runtime.Executable`): another graph
+- the same graph runs again (the same :class:`~spmd.backend.runtime.Executable`): another graph
   (new input shapes, eval vs train, a retrace, changed optimizer param_groups, which
   are part of the cache key) drains them;
 - each parameter shard the gathers read is the same tensor object, with the same

@@ -17,7 +17,7 @@ submodules, replaced ``forward`` s, ``train()``/``eval()``), parameter, buffer a
 submodule registration, ``_apply`` (``to()``, ``cuda()``, ``half()``), hook
 registration on modules and the removal of any hook handle. While it has not moved
 since the last call, that call's checks (structure walk, signature, guards) still hold,
-which lets a cached step skip them (:class:`LastCall` in :mod:`spmd.api`). A bump is
+which lets a cached step skip them (:class:`LastCall` in :mod:`spmd.backend.lastcall`). A bump is
 only ever a reason to take the slow path, so counting too much is harmless; assigning the
 object an attribute already holds (``model.train()`` on a training model) does not bump.
 """

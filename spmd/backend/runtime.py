@@ -30,9 +30,9 @@ from passes import cross_step
 from passes.invariants import check_collective_buffers
 from passes.layouts import FAILING_NODE, fix_layouts
 from passes.meta import Role
-from spmd import step_inputs, tracing
-from spmd.carry import CarriedGathers
+from spmd.backend.carry import CarriedGathers
 from spmd.errors import CollectiveError, KernelError, ModelChangedError, PassError, SpmdError
+from spmd.frontend import step_inputs, tracing
 from spmd.parallel.sharding import local
 
 # Backend errors of a broken or timed-out collective, where the failing op is not
@@ -75,7 +75,7 @@ class Executable:
     # fixes the graph; ``on_layout_fix(gm)`` is told when it inserted fix-ups.
     layouts_checked: bool = False
     on_layout_fix: Callable[[fx.GraphModule], None] | None = None
-    # What runs instead of ``gm`` when a backend compiled it (spmd.lowering); None: run ``gm``.
+    # What runs instead of ``gm`` when a backend compiled it (spmd.backend.lowering); None: run ``gm``.
     # inductor retraced the graph on the real inputs, so the first-run layout check is not needed.
     compiled: Any = None
     # cross_step_prefetch (passes.cross_step): the graph's last ``n_carried`` inputs are the

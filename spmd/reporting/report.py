@@ -58,7 +58,7 @@ class StepReport:
     compile_s: float | None = None  # whole first-call compile (trace, partition, passes, lowering)
     backend: str = "eager"  # what runs the final graph: "eager" (op by op) or "inductor"
     lower_s: float | None = None  # the backend's compile time (inductor), part of compile_s
-    lower_role: str | None = None  # shared compile (spmd.compile_once): "alone", "leader", "follower"
+    lower_role: str | None = None  # shared compile (spmd.backend.compile_once): "alone", "leader", "follower"
     lower_wait_s: float | None = None  # a follower's wait for its leader's compile, part of lower_s
     # Loss heads passes.chunked_loss rewrote, in words (tokens x vocab, chunks); empty if none.
     loss_heads: list[str] = dataclasses.field(default_factory=list)

@@ -4,7 +4,7 @@ r"""What a train step takes in: its arguments, and the model's and optimizer's s
 decorated function's arguments; :func:`check_devices` refuses a step whose tensors are not on
 one device before the trace would fail on it deep inside. :func:`lift_state` collects the
 parameters, buffers, optimizer state and liftable learning rates that become graph inputs, in
-the order of their :class:`Slot`\ s. :mod:`spmd.tracing` traces the step over these inputs.
+the order of their :class:`Slot`\ s. :mod:`spmd.frontend.tracing` traces the step over these inputs.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from passes.meta import Role
-from spmd import optim as optim_utils
 from spmd.errors import InvalidArgumentsError, ModelChangedError
+from spmd.frontend import optim as optim_utils
 
 # ----------------------------------------------------------------------------- arguments
 

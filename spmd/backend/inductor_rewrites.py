@@ -8,7 +8,7 @@ Each keeps the step's values and mutations and changes only how inductor sees an
 * float32 CPU ``mm``/``addmm`` large enough to gain go to oneDNN's matmul (``inductor_gemm``).
 * legacy empty operands (Hugging Face's ``use_cache`` start) are dropped from ``cat``.
 
-:mod:`spmd.lowering` compiles the result and checks its collective order.
+:mod:`spmd.backend.lowering` compiles the result and checks its collective order.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the tracer hooks into while ``make_fx`` runs the step: module paths and
 phases recorded on every node, mixed-precision compute casts (per module, as FSDP2's
 ``cast_forward_inputs``), the optimizer swapped for its traceable form, and the
-``tag_grad`` hooks that mark each parameter's gradient. :mod:`spmd.tracing` drives them.
+``tag_grad`` hooks that mark each parameter's gradient. :mod:`spmd.frontend.tracing` drives them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from passes.meta import INPUT_CAST, Phase
 from passes.ops import get_rng_state, set_rng_state, tag_grad
 from passes.prefetch import unit_path
-from spmd import optim as optim_utils
+from spmd.frontend import optim as optim_utils
 
 log = logging.getLogger("spmd")
 

@@ -6,7 +6,7 @@ graph's input list: about a millisecond for a 24-block model. :class:`LastCall`
 remembers what that call found and what it depended on; the next call compares only
 the things that can change without touching a module:
 
-- :func:`spmd.guards.module_version` (attributes, submodules, parameters, buffers,
+- :func:`spmd.frontend.guards.module_version` (attributes, submodules, parameters, buffers,
   hooks, ``to()``: anything that changes the tree through a module bumps it),
 - the arguments (the same module and optimizer objects; each tensor's shape, dtype,
   device, ``requires_grad`` and layout; each constant's type and value),
@@ -35,8 +35,8 @@ import torch
 import torch.nn as nn
 
 from passes.meta import Role
-from spmd import guards, step_inputs
-from spmd import optim as optim_utils
+from spmd.frontend import guards, step_inputs
+from spmd.frontend import optim as optim_utils
 from spmd.parallel.sharding import local
 
 
@@ -49,7 +49,7 @@ def _kind(x: Any) -> tuple[Any, ...]:
 
 
 def _layout(t: torch.Tensor) -> tuple[int, ...] | None:
-    """As the signature keys layouts (spmd.api._tensor_sig): strides unless contiguous."""
+    """As the signature keys layouts (spmd.frontend.signature.tensor_sig): strides unless contiguous."""
     return None if t.is_contiguous() else tuple(t.stride())
 
 

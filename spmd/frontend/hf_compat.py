@@ -38,7 +38,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot
 
-from spmd.optim import not_compiling
+from spmd.frontend.optim import not_compiling
 
 log = logging.getLogger("spmd")
 
@@ -96,7 +96,7 @@ def _static_packed_check(original: Callable[[torch.Tensor], Any]) -> Callable[[t
         value = constant_value(position_ids)
         if value is not None:
             # On the real value, as eager: outside the trace, and with is_compiling() false
-            # (spmd.optim sets it for the whole trace; transformers' is_tracing() reads it).
+            # (spmd.frontend.optim sets it for the whole trace; transformers' is_tracing() reads it).
             with disable_proxy_modes_tracing(), unset_fake_temporarily(), not_compiling():
                 packed = original(value)
         if value is not None and packed is None:

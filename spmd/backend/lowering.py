@@ -25,7 +25,7 @@ result equal to the eager graph in what matters:
   masks match the eager backend.
 
 Speed: float32 CPU matmuls are routed to oneDNN (``inductor_gemm="onednn"``, the default;
-:mod:`spmd.inductor_rewrites`), which beats the MKL sgemm that ATen's ``mm`` calls by 1.5-3x
+:mod:`spmd.backend.inductor_rewrites`), which beats the MKL sgemm that ATen's ``mm`` calls by 1.5-3x
 on the AMD EPYC machines here; matmuls are ~75% of the bench GPT's step. ``inductor_optimizer="inline"``
 lets inductor fuse the Adam/AdamW update itself instead of calling ATen's fused kernel (no
 measurable gain on the bench GPT: the optimizer is ~1% of its step).
@@ -50,9 +50,9 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
-from spmd.compile_once import Role, compile_once_per_host, graph_key, sharing_safe
+from spmd.backend.compile_once import Role, compile_once_per_host, graph_key, sharing_safe
+from spmd.backend.inductor_rewrites import for_inductor
 from spmd.errors import ConfigError, LoweringError
-from spmd.inductor_rewrites import for_inductor
 
 log = logging.getLogger("spmd")
 
@@ -61,7 +61,8 @@ BACKENDS = ("eager", "inductor")
 # "inline" writes out its math so inductor fuses it into one kernel per tensor.
 OPTIMIZER_LOWERINGS = ("opaque", "inline")
 # Which library the float32 CPU matmuls of the lowered graph call: "onednn" (the default,
-# oneDNN's matmul, see spmd.inductor_rewrites) or "aten" (``mm``/``addmm``: MKL's sgemm in x86 builds).
+# oneDNN's matmul, see spmd.backend.inductor_rewrites) or "aten" (``mm``/``addmm``: MKL's sgemm
+# in x86 builds).
 GEMMS = ("onednn", "aten")
 # inductor settings for the whole-step graph. Our passes already placed collectives,
 # prefetches and waits; inductor must not move or bucket them (a reorder that differs
@@ -85,7 +86,7 @@ class Lowered:
     code: str  # inductor's generated Python ("" for eager)
     lower_s: float  # seconds spent compiling (0 for eager), waiting for a shared compile included
     collective_order: list[Issued]  # as the code issues them (see code_order)
-    role: str = "alone"  # shared compile (spmd.compile_once): "alone", "leader" or "follower"
+    role: str = "alone"  # shared compile (spmd.backend.compile_once): "alone", "leader" or "follower"
     wait_s: float = 0.0  # seconds a follower waited for its leader's compile (part of lower_s)
 
 
@@ -116,9 +117,9 @@ def compile_graph(
         backend: ``"eager"`` (returns ``gm`` itself) or ``"inductor"``.
         inductor_config: extra ``torch._inductor.config`` settings, applied over ours.
         optimizer: ``"opaque"`` or ``"inline"`` (see :func:`_for_inductor`).
-        gemm: ``"aten"`` or ``"onednn"`` (see :func:`spmd.inductor_rewrites._onednn_gemms`).
+        gemm: ``"aten"`` or ``"onednn"`` (see :func:`spmd.backend.inductor_rewrites._onednn_gemms`).
         share: where it is safe, compile once per host for every rank with the same graph
-            and let the others load it from inductor's caches (:mod:`spmd.compile_once`).
+            and let the others load it from inductor's caches (:mod:`spmd.backend.compile_once`).
 
     Raises:
         LoweringError: inductor failed (here, or on the rank that compiled this graph for the

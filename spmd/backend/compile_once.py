@@ -168,6 +168,6 @@ def _wait(store: Any, key: str, deadline: float) -> str | None:
 
 
 def _pg_timeout_s() -> float | None:
-    from spmd.runtime import _pg_timeout_s as timeout
+    from spmd.backend.runtime import _pg_timeout_s as timeout
 
     return timeout()

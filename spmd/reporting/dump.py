@@ -25,7 +25,7 @@ from passes.meta import (
 )
 
 if TYPE_CHECKING:
-    from spmd.report import StepReport
+    from spmd.reporting.report import StepReport
 
 log = logging.getLogger("spmd")
 

@@ -10,7 +10,7 @@ While tracing we record, once, what every node is and when it runs
 ``torch.autograd.backward``; module paths from forward hooks (and, for backward
 nodes, from the autograd node that produced them); gradients from a ``tag_grad``
 op applied by a hook on every parameter. Those hooks and contexts live in
-:mod:`spmd.trace_hooks`, the lifted inputs in :mod:`spmd.step_inputs`; this module runs
+:mod:`spmd.frontend.trace_hooks`, the lifted inputs in :mod:`spmd.frontend.step_inputs`; this module runs
 ``make_fx`` and finishes the metadata.
 """
 
@@ -44,15 +44,15 @@ from passes.graph_utils import mutated_nodes
 from passes.meta import CAST_OF, GRAD_OF, MICROBATCH, MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
 from passes.ops import TAG_GRAD, keep_rnn_workspaces
 from passes.stages import copy_graph
-from spmd import optim as optim_utils
 from spmd.errors import (
     DataDependentControlFlowError,
     SpmdError,
     TraceError,
     UntraceableOpError,
 )
-from spmd.hf_compat import hf_static_masks
-from spmd.step_inputs import (
+from spmd.frontend import optim as optim_utils
+from spmd.frontend.hf_compat import hf_static_masks
+from spmd.frontend.step_inputs import (
     LiftedState,
     Slot,
     StepArgs,
@@ -60,7 +60,7 @@ from spmd.step_inputs import (
     compute_device,
     param_fqns,
 )
-from spmd.trace_hooks import (
+from spmd.frontend.trace_hooks import (
     CAST_KEY,
     CUSTOM_KEY,
     MICROBATCH_KEY,
@@ -461,3 +461,33 @@ def _write_back_buffer_casts(graph: fx.Graph, buffers: dict[str, fx.Node]) -> No
         back.meta[ROLE] = Role.ACTIVATION
         if "val" in buf.meta:
             back.meta["val"] = buf.meta["val"]
+
+
+def forget_unused_state(
+    traced: TracedStep,
+    optimizer: torch.optim.Optimizer | None,
+    fresh: list[torch.Tensor],
+    module: nn.Module,
+) -> bool:
+    """Drop state created for tracing for parameters that got no gradient (eager never creates it)."""
+    if optimizer is None or not fresh:
+        return False
+    fqns = param_fqns(module)
+    # A parameter with a .grad from an earlier call is stepped on it even without a new one.
+    used = set(traced.grads) | {s.key for s in traced.slots if s.role.value == "param_grad"}
+    unused = [p for p in fresh if fqns.get(id(p)) not in used]
+    if not unused:
+        return False
+    unused_names = {fqns[id(p)] for p in unused}
+    gm = traced.gm
+    keep = []
+    for node, slot in zip([n for n in gm.graph.nodes if n.op == "placeholder"], traced.slots):
+        if slot.key is not None and slot.role.value == "optim_state" and slot.key[0] in unused_names:
+            assert not node.users, f"state of unused parameter {slot.name} is read by the graph"
+            gm.graph.erase_node(node)
+        else:
+            keep.append(slot)
+    traced.slots[:] = keep
+    gm.recompile()
+    optim_utils.drop_state(optimizer, unused)
+    return True
