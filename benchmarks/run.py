@@ -28,7 +28,9 @@ with ``reuse_dead_buffers`` disabled (peak memory before/after in one run);
 Rematerialization (issue 21): ``spmd_fully_shard_remat_selective``, ``spmd_fully_shard_remat_half``
 (``remat=0.5``) and ``spmd_fully_shard_remat_full``, against ``fsdp2_ckpt`` (FSDP2 with
 ``torch.utils.checkpoint`` around every block) and ``no_comm_compiled_budget`` (one rank's
-``torch.compile`` with ``activation_memory_budget=0.5``).
+``torch.compile`` with ``activation_memory_budget=0.5``); ``spmd_fully_shard_chunked``,
+``spmd_fully_shard_remat_selective_chunked`` and ``spmd_fully_shard_remat_full_chunked`` add
+``chunked_loss=True`` (the loss head in chunks of tokens).
 
 Then ``plan_check.py``: the cost model of ``spmd.plan`` predicted vs measured over 10 spmd
 configurations (``--no-plan-check`` skips it).

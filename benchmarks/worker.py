@@ -70,6 +70,14 @@ OPTION_VARIANTS = {
     "spmd_fully_shard_remat_selective": ("spmd_fully_shard", {"remat": "selective"}),
     "spmd_fully_shard_remat_half": ("spmd_fully_shard", {"remat": 0.5}),
     "spmd_fully_shard_remat_full": ("spmd_fully_shard", {"remat": "full"}),
+    # The loss head in chunks (docs/loss-head.md; "auto" leaves this GPT's 32 MiB logits alone),
+    # alone and under remat: on this GPT the unchunked head holds 64 MiB at the peak.
+    "spmd_fully_shard_chunked": ("spmd_fully_shard", {"chunked_loss": True}),
+    "spmd_fully_shard_remat_selective_chunked": (
+        "spmd_fully_shard",
+        {"remat": "selective", "chunked_loss": True},
+    ),
+    "spmd_fully_shard_remat_full_chunked": ("spmd_fully_shard", {"remat": "full", "chunked_loss": True}),
 }
 # Not run by default: the references for remat. fsdp2 with torch.utils.checkpoint (non-reentrant)
 # around every block, what a user writes; torch.compile of one rank's model with

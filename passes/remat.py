@@ -21,10 +21,16 @@ Policies (``spmd.compile(remat=...)``):
   softmax, embedding look-ups) are recomputed.
 - ``"full"``: only what crosses a block boundary (the input of each block, i.e. the output
   of the one before) stays saved; everything inside a block is recomputed.
-- a float ``b`` in (0, 1]: keep at most ``b`` of the saved-activation bytes (torch's
-  ``activation_memory_budget`` convention: 1.0 keeps everything); which matmul/attention
-  outputs stay saved is a 0-1 knapsack over their recompute cost (FLOPs, counted with
-  ``torch.utils.flop_counter``), solved by torch's ``dp_knapsack``.
+- a float ``b`` in (0, 1): torch's ``activation_memory_budget``
+  (``torch/_functorch/partitioners.py``, ``choose_saved_values_set``): the saved bytes are at
+  most ``floor + b * (top - floor)``, where ``top`` is what ``"selective"`` saves (torch's
+  budget 1: its default min cut, which saves the compute-intensive outputs and recomputes the
+  cheap ops) and ``floor`` what ``"full"`` saves (torch's 0: recompute all that can be; here
+  a recompute never crosses a block). Which matmul/attention outputs stay saved is a 0-1
+  knapsack over their recompute cost (FLOPs, counted with ``torch.utils.flop_counter``),
+  solved by torch's ``dp_knapsack``; ties go to recomputing earlier blocks (what they give up
+  is not back in memory at the start of backward). ``1.0`` is ``None`` (nothing recomputed:
+  spmd's default saves what autograd saves, where torch's default cut already recomputes).
 
 In every policy, what is saved given the must-save values is a minimum cut over the
 forward graph (as torch's min-cut partitioner, ``torch/_functorch/partitioners.py``):
@@ -125,13 +131,14 @@ def check_policy(remat: object) -> Policy:
         if 0.0 < b <= 1.0:
             return b
         raise ValueError(
-            f"remat={remat!r}: a float is the fraction of saved-activation bytes to keep and must be in "
-            "(0, 1] (1.0 keeps everything, like remat=None); for the least memory use remat='full'."
+            f"remat={remat!r}: a float is a memory budget, torch's activation_memory_budget, and must be "
+            "in (0, 1] (1.0 keeps everything, like remat=None; towards 0 less is saved and more "
+            "recomputed); for the least memory use remat='full'."
         )
     raise ValueError(
         f"remat={remat!r}: must be None (save what autograd saves), 'selective' (recompute cheap ops), "
-        "'full' (recompute each block from its input) or a float in (0, 1] (the fraction of "
-        "saved-activation bytes to keep)."
+        "'full' (recompute each block from its input) or a float in (0, 1] (a memory budget: "
+        "torch's activation_memory_budget, from 'full' near 0 to 'selective' near 1; 1.0 is None)."
     )
 
 
@@ -380,37 +387,38 @@ def _choose(g: _Graph, policy: Policy) -> set[fx.Node]:
     if policy == "selective":
         return _min_cut(g, base | expensive)
     assert isinstance(policy, float)
-    budget = policy * _bytes(g.saved)
+    # torch's activation_memory_budget (torch/_functorch/partitioners.py, choose_saved_values_set):
+    # the budget is a point between the bytes of the least that can be saved (0: recompute all
+    # that can be; here "full", as a recompute never crosses a block) and those of the cut that
+    # saves every compute-intensive output and recomputes the cheap ops (1: torch's default
+    # min cut; here "selective"); the knapsack chooses which matmul/attention outputs to give up.
     keep_sel = _min_cut(g, base | expensive)
-    if _bytes(keep_sel) <= budget:
-        return keep_sel
     keep_full = _min_cut(g, base)
-    floor = _bytes(keep_full)
-    if floor >= budget:
-        log.info(
-            "remat=%s: keeping %.1f MiB (recomputing every block) is the least this graph can save; "
-            "the budget asked %.1f MiB",
-            policy,
-            floor / 2**20,
-            budget / 2**20,
-        )
-        return keep_full
+    floor, top = _bytes(keep_full), _bytes(keep_sel)
+    if top <= floor:
+        return keep_sel
+    budget = floor + policy * (top - floor)
     from torch._functorch._activation_checkpointing.knapsack import dp_knapsack
 
     items = sorted(expensive, key=g.order.__getitem__)
     items = [n for n in items if _storage_bytes(n) > 0]
     total = float(sum(_storage_bytes(n) for n in items)) or 1.0
     memory = [_storage_bytes(n) / total for n in items]
-    runtime = [float(node_flops(n)) or 1.0 for n in items]
+    # Ties (the same matmul in every block) go to recomputing the earlier blocks: their backward
+    # runs last, when the later blocks' activations are freed, so what they give up lowers the
+    # peak at the start of backward; a recompute in the last block is back in memory right there.
+    runtime = [(float(node_flops(n)) or 1.0) * (1.0 + 1e-3 * k / len(items)) for k, n in enumerate(items)]
     room = budget - floor
     keep = keep_full
-    for _ in range(6):  # the cut's bytes are not the items' sum: shrink the room until it fits
+    for _ in range(8):  # the cut's bytes are not the items' sum: shrink the room until it fits
         _, to_save, _ = dp_knapsack(memory, runtime, max(room, 0.0) / total)
         keep = _min_cut(g, base | {items[i] for i in to_save})
         over = _bytes(keep) - budget
         if over <= 0 or room <= 0:
             break
         room -= over
+    if _bytes(keep) > budget:
+        keep = keep_full
     return keep
 
 
