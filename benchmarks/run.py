@@ -57,7 +57,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from worker import ABLATIONS, OPTION_VARIANTS, REFERENCES, VARIANTS  # noqa: E402
 
-MODELS = ("overhead", "gpt")
+MODELS = ("overhead", "gpt", "encoder")
 INDUCTOR = ("spmd_replicate_inductor", "spmd_fully_shard_inductor")
 NPROC = 2
 MiB = 1024 * 1024
