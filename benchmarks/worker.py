@@ -43,6 +43,7 @@ import models  # noqa: E402
 VARIANTS = (
     "no_comm",
     "no_comm_compiled",
+    "no_comm_compiled_tuned",
     "ddp",
     "fsdp2",
     "spmd_replicate",
@@ -137,6 +138,19 @@ def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
         # torch.compile of the single-device forward (and, through AOTAutograd, backward);
         # the optimizer stays eager. The bar the inductor backend is measured against.
         model = torch.compile(model)  # type: ignore[assignment]
+    elif name == "no_comm_compiled_tuned":
+        # torch.compile with the settings a CPU user would try: max-autotune (inductor times its
+        # C++ GEMM templates against ATen per shape; coordinate-descent tuning of its kernels) and
+        # the same per-shape GEMM library choice spmd's inductor backend makes (spmd.gemm_policy,
+        # as a post-grad pass). Freezing / weight prepacking do not apply: they treat parameters
+        # as constants, and training changes them every step.
+        model = torch.compile(  # type: ignore[assignment]
+            model,
+            options={
+                **torch._inductor.list_mode_options("max-autotune-no-cudagraphs"),
+                "post_grad_custom_pre_pass": GemmPolicyPass(),
+            },
+        )
     elif name == "no_comm_compiled_budget":
         from torch._inductor.compile_fx import compile_fx
 
@@ -151,6 +165,22 @@ def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
         raise KeyError(f"unknown variant {name!r}; the variants are {VARIANTS + REFERENCES}")
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     return Variant(name, model, optim, step)
+
+
+class GemmPolicyPass:
+    """inductor post-grad pass: each float32 CPU mm/addmm calls the library spmd.gemm_policy
+    measured faster for its shape on this machine (decided by this rank alone: no collectives)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from spmd import gemm_policy
+        from spmd.inductor_rewrites import _onednn_gemms
+
+        shapes = {n: g for n in graph.nodes if (g := gemm_policy.gemm_of(n)) is not None}
+        decisions = gemm_policy.decide_here(shapes.values())
+        _onednn_gemms(graph, {n for n, g in shapes.items() if decisions[g].choice == gemm_policy.ONEDNN})
+
+    def uuid(self) -> None:
+        return None  # no FX graph cache for these graphs: the decisions depend on the machine
 
 
 def one_line(exc: BaseException) -> str:

@@ -11,7 +11,8 @@ module times both on the machine that runs the step:
 * **What is timed.** Each distinct :class:`Gemm` of the graph -- ``(m, k, n)``, the strides of
   both operands, bias or not -- on real tensors of that layout, in the calling thread with
   torch's current thread count: one warm-up call of each library, then alternating calls
-  (``_MIN_REPS`` to ``_MAX_REPS``, as many as fit ``_BUDGET_S`` per shape), median of each.
+  (``_MIN_REPS`` to ``_MAX_REPS``, as many as fit ``_BUDGET_S`` per shape), median of each;
+  with one thread in CPU time of the calling thread, so other processes' load does not count.
   oneDNN is chosen only where its median is below ATen's by more than ``_MARGIN``.
 * **Cost.** About ``2 * (1 + reps)`` calls per shape: a few tenths of a second per shape for the
   bench GPT's and encoder's largest matmuls, 1-3 s per compile for their 8-12 shapes.
@@ -51,8 +52,8 @@ log = logging.getLogger("spmd")
 _BUDGET_S = 0.3
 _MIN_REPS, _MAX_REPS = 3, 15
 # oneDNN must beat ATen (inductor's own choice) by more than this fraction of ATen's median:
-# alternating medians of the same call differ by a few percent on loaded cores (measured here
-# with benchmarks/gemm_policy_check.py, 2026-11-25), so a closer call keeps inductor's default.
+# medians of the same call differ by a few percent between runs on loaded cores (two runs of
+# benchmarks/gemm_shapes.py here, 2026-11-25), so a closer call keeps inductor's default.
 _MARGIN = 0.05
 _CACHE_FILE = "gemm_policy.json"
 
@@ -153,12 +154,23 @@ def _median_ms(times: list[float]) -> float:
     return 1e3 * statistics.median(times)
 
 
+def _clock() -> Callable[[], float]:
+    """The clock the timings read: with one torch thread the calling thread's CPU time (both
+    libraries then compute in this thread, and time the OS gives other processes is not counted:
+    on 2 cores shared by 10 runnable processes, wall-clock medians of 3-5 calls put oneDNN ahead on
+    shapes where it is 1.6-1.9x slower); with more threads the wall clock (the work is spread over
+    threads this one does not see)."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
 def time_gemm(g: Gemm) -> tuple[float, float]:
-    """Median milliseconds of ATen's and of oneDNN's call for ``g`` on this machine, now.
+    """Median milliseconds of ATen's and of oneDNN's call for ``g`` on this machine, now
+    (:func:`_clock`).
 
     One warm-up call each (oneDNN builds its primitive, MKL its buffers), then calls that
     alternate between the two so drifting load falls on both alike.
     """
+    clock = _clock()
     gen = torch.Generator().manual_seed(0)
     a, b = _strided(g.m, g.k, g.a_stride, gen), _strided(g.k, g.n, g.b_stride, gen)
     bias = torch.randn(g.n, generator=gen) if g.bias else None
@@ -173,15 +185,15 @@ def time_gemm(g: Gemm) -> tuple[float, float]:
     with torch.no_grad():
         warm = 0.0
         for fn in (aten, dnn):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            warm += time.perf_counter() - t0
+            warm += clock() - t0
         reps = max(_MIN_REPS, min(_MAX_REPS, int(_BUDGET_S / max(warm, 1e-9))))
         for _ in range(reps):
             for name, fn in ((ATEN, aten), (ONEDNN, dnn)):
-                t0 = time.perf_counter()
+                t0 = clock()
                 fn()
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(clock() - t0)
     return _median_ms(times[ATEN]), _median_ms(times[ONEDNN])
 
 
