@@ -71,6 +71,10 @@ OPTION_VARIANTS = {
     "spmd_fully_shard_remat_selective": ("spmd_fully_shard", {"remat": "selective"}),
     "spmd_fully_shard_remat_half": ("spmd_fully_shard", {"remat": 0.5}),
     "spmd_fully_shard_remat_full": ("spmd_fully_shard", {"remat": "full"}),
+    # The inductor backend with every large float32 CPU matmul on oneDNN (the default before
+    # inductor_gemm="auto", issue 25): against spmd_*_inductor in one run.
+    "spmd_replicate_inductor_onednn": ("spmd_replicate_inductor", {"inductor_gemm": "onednn"}),
+    "spmd_fully_shard_inductor_onednn": ("spmd_fully_shard_inductor", {"inductor_gemm": "onednn"}),
 }
 # Not run by default: the references for remat. fsdp2 with torch.utils.checkpoint (non-reentrant)
 # around every block, what a user writes; torch.compile of one rank's model with
@@ -123,13 +127,13 @@ def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
 
         base, off = ABLATIONS.get(name, (name, None))
         base, options = OPTION_VARIANTS.get(base, (base, {}))
+        backend = "inductor" if base.endswith("_inductor") else "eager"
         base = base.removesuffix("_inductor")
         mode = {
             "spmd_replicate": spmd.DataParallel("replicate"),
             "spmd_fully_shard": spmd.DataParallel("fully_shard", reshard_after_forward=True),
             "spmd_fully_shard_noreshard": spmd.DataParallel("fully_shard", reshard_after_forward=False),
         }[base]
-        backend = "inductor" if name.endswith("_inductor") else "eager"
         disabled = (off,) if off else ()
         step = spmd.compile(parallel_mode=mode, backend=backend, disabled_passes=disabled, **options)(
             train_step
