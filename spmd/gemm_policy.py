@@ -25,6 +25,8 @@ module times both on the machine that runs the step:
   (``broadcast_object_list``). These two collectives run on every rank whatever the caches
   hold, so the ranks stay in step; a failure on rank 0 is broadcast and raised everywhere.
   Rank 0 times while the others wait, so the timings see one busy rank, not all of them.
+  A default group without gloo (NCCL alone, the fake test backend) cannot send these objects:
+  then every rank keeps ATen for every matmul.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -322,6 +325,13 @@ def decide(
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return decide_here(gemms, timer=timer, directory=directory)
+    if "gloo" not in str(dist.get_backend()):
+        # No CPU collectives to agree with (NCCL alone, the fake test backend): ATen everywhere is
+        # the same on every rank.
+        log.info(
+            "spmd: GEMM policy: no gloo in the default group (%s): ATen for every matmul", dist.get_backend()
+        )
+        return {g: Decision(ATEN, math.nan, math.nan) for g in gemms}
     world, rank = dist.get_world_size(), dist.get_rank()
     shapes: list[Any] = [None] * world
     dist.all_gather_object(shapes, sorted(set(gemms)))

@@ -131,3 +131,16 @@ def test_bad_gemm_values_are_config_errors() -> None:
         with pytest.raises(spmd.errors.ConfigError, match="inductor_gemm.*'auto'"):
             spmd.compile(backend="inductor", inductor_gemm=bad)
     spmd.compile(backend="inductor", inductor_gemm="auto")  # accepted
+
+
+def test_without_gloo_every_rank_keeps_aten(tmp_path) -> None:
+    """A default group that cannot send objects (here the fake backend; NCCL alone likewise) gets
+    ATen for every matmul, the same on every rank, and times nothing."""
+    from tests.unit.fake_pg import fake_process_group
+
+    def never(g: Gemm) -> tuple[float, float]:
+        raise AssertionError("timed without a way to agree")
+
+    with fake_process_group(4, rank=1):
+        got = gemm_policy.decide(_shapes(_mlp_graph()), timer=never, directory=str(tmp_path))
+    assert [d.choice for d in got.values()] == [ATEN, ATEN]
