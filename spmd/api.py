@@ -386,8 +386,9 @@ class CompiledStep:
             cross_step_prefetch=self.cross_step_prefetch and self.backend == "eager",
             reuse_buffers=self.backend == "eager",  # inductor reuses buffers itself
             inplace_collectives=self.backend == "eager",
-            # Eager only until inductor's lowering of all_to_all_single is checked.
-            gloo_collectives=self.backend == "eager" and _all_gloo(gm),
+            # Both backends: inductor lowers all_to_all_single as an extern call, and its order
+            # is checked against the graph's like every collective (spmd.lowering).
+            gloo_collectives=_all_gloo(gm),
         )
         gm = pipeline.run(
             gm,

@@ -36,7 +36,14 @@ def inductor_vs_eager(
     ``out["reorder"]`` is the LoweringError's message.
     """
     problems: list[str] = []
-    out: dict[str, Any] = {"problems": problems, "max_diff": {}, "lower_s": {}, "orders": {}, "onednn": {}}
+    out: dict[str, Any] = {
+        "problems": problems,
+        "max_diff": {},
+        "lower_s": {},
+        "orders": {},
+        "onednn": {},
+        "kinds": {},
+    }
     real_timer = gemm_policy.time_gemm
     for style, model_name, opt_name in cases:
         tag = f"{style}/{model_name}/{opt_name}"
@@ -76,6 +83,7 @@ def inductor_vs_eager(
         out["lower_s"][tag] = report.lower_s
         out["orders"][tag] = len(got_order)
         out["onednn"][tag] = "onednn_mm" in (ind.lowered_code or "")
+        out["kinds"][tag] = sorted({C.kind_of(n).value for n in C.collectives(ind.graphs["final"].graph)})
     gemm_policy.time_gemm = real_timer
     if reorder:
         t0 = time.perf_counter()
