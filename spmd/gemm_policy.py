@@ -14,8 +14,9 @@ module times both on the machine that runs the step:
   (``_MIN_REPS`` to ``_MAX_REPS``, as many as fit ``_BUDGET_S`` per shape), median of each;
   with one thread in CPU time of the calling thread, so other processes' load does not count.
   oneDNN is chosen only where its median is below ATen's by more than ``_MARGIN``.
-* **Cost.** About ``2 * (1 + reps)`` calls per shape: a few tenths of a second per shape for the
-  bench GPT's and encoder's largest matmuls, 1-3 s per compile for their 8-12 shapes.
+* **Cost.** About ``2 * (1 + reps)`` calls per shape, at most ~``_BUDGET_S`` of CPU time after the
+  warm-up: 3.5-4.8 s per compile for the 15 shapes of the bench encoder / GPT (measured here,
+  2026-11-25; 11-18 s of wall time at load 12-18 on 2 cores).
 * **Cache.** Decisions are stored in ``$SPMD_CACHE_DIR/gemm_policy.json`` (default
   ``~/.cache/spmd``), keyed by shape and by torch version, CPU model and ISA, and thread count;
   a later compile with the same key skips the timing.
