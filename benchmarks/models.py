@@ -1,10 +1,12 @@
-"""The two benchmark models, their per-rank batches, and the blocks FSDP2 wraps.
+"""The benchmark models, their per-rank batches, and the blocks FSDP2 wraps.
 
 * ``overhead``: many tiny residual MLP blocks. Each step is a few hundred small ops and,
   sharded per block, dozens of small collectives: per-op and per-collective overhead
   (Python hooks, launches) dominates. This is where a whole-step graph should win most.
 * ``gpt``: the GPT of ``examples/gpt.py`` (token + position embeddings, pre-norm blocks,
   untied head). Matmuls dominate; communication should hide behind them.
+* ``encoder``: a model we did not write: torch's own ``nn.TransformerEncoder`` (pre-norm layers,
+  ``batch_first``) between a token embedding and a linear head (issue 25).
 
 Every variant builds its model with the same seed (same initial weights) and feeds rank
 ``r`` the same batches (seeded by ``r``).
@@ -46,6 +48,25 @@ class ResMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(x))
+
+
+class Encoder(nn.Module):
+    """Token embedding -> ``nn.TransformerEncoder`` (norm_first, batch_first, dropout 0) -> linear head."""
+
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, ffn: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, heads, ffn, dropout=0.0, batch_first=True, norm_first=True)
+        # enable_nested_tensor only matters for the eval fast path, which norm_first disables anyway.
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.encoder.layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +121,24 @@ def get(name: str, quick: bool = False) -> Spec:
             batch=tokens,
             loss=_xent,
         )
+    if name == "encoder":
+        layers, d, heads, ffn, vocab, seq, batch = (
+            (4, 256, 4, 1024, 4096, 128, 8) if not quick else (2, 64, 4, 128, 512, 32, 4)
+        )
+        return Spec(
+            name="encoder",
+            description=(
+                f"nn.TransformerEncoder {layers} layers x d_model {d}, {heads} heads, ffn {ffn}, "
+                f"norm_first; embedding {vocab} -> linear head; seq {seq}, batch {batch} per rank"
+            ),
+            build=lambda: Encoder(vocab, d, layers, heads, ffn),
+            batch=lambda g: (
+                torch.randint(vocab, (batch, seq), generator=g),
+                torch.randint(vocab, (batch, seq), generator=g),
+            ),
+            loss=_xent,
+        )
     raise KeyError(f"unknown model {name!r}; the models are {MODELS}")
 
 
-MODELS = ("overhead", "gpt")
+MODELS = ("overhead", "gpt", "encoder")

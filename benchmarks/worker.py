@@ -43,6 +43,7 @@ import models  # noqa: E402
 VARIANTS = (
     "no_comm",
     "no_comm_compiled",
+    "no_comm_compiled_tuned",
     "ddp",
     "fsdp2",
     "spmd_replicate",
@@ -78,6 +79,10 @@ OPTION_VARIANTS = {
         {"remat": "selective", "chunked_loss": True},
     ),
     "spmd_fully_shard_remat_full_chunked": ("spmd_fully_shard", {"remat": "full", "chunked_loss": True}),
+    # The inductor backend with every large float32 CPU matmul on oneDNN (the default before
+    # inductor_gemm="auto", issue 25): against spmd_*_inductor in one run.
+    "spmd_replicate_inductor_onednn": ("spmd_replicate_inductor", {"inductor_gemm": "onednn"}),
+    "spmd_fully_shard_inductor_onednn": ("spmd_fully_shard_inductor", {"inductor_gemm": "onednn"}),
 }
 # Not run by default: the references for remat. fsdp2 with torch.utils.checkpoint (non-reentrant)
 # around every block, what a user writes; torch.compile of one rank's model with
@@ -130,13 +135,13 @@ def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
 
         base, off = ABLATIONS.get(name, (name, None))
         base, options = OPTION_VARIANTS.get(base, (base, {}))
+        backend = "inductor" if base.endswith("_inductor") else "eager"
         base = base.removesuffix("_inductor")
         mode = {
             "spmd_replicate": spmd.DataParallel("replicate"),
             "spmd_fully_shard": spmd.DataParallel("fully_shard", reshard_after_forward=True),
             "spmd_fully_shard_noreshard": spmd.DataParallel("fully_shard", reshard_after_forward=False),
         }[base]
-        backend = "inductor" if name.endswith("_inductor") else "eager"
         disabled = (off,) if off else ()
         step = spmd.compile(parallel_mode=mode, backend=backend, disabled_passes=disabled, **options)(
             train_step
@@ -145,6 +150,19 @@ def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
         # torch.compile of the single-device forward (and, through AOTAutograd, backward);
         # the optimizer stays eager. The bar the inductor backend is measured against.
         model = torch.compile(model)  # type: ignore[assignment]
+    elif name == "no_comm_compiled_tuned":
+        # torch.compile with the settings a CPU user would try: max-autotune (inductor times its
+        # C++ GEMM templates against ATen per shape; coordinate-descent tuning of its kernels) and
+        # the same per-shape GEMM library choice spmd's inductor backend makes (spmd.backend.gemm_policy,
+        # as a post-grad pass). Freezing / weight prepacking do not apply: they treat parameters
+        # as constants, and training changes them every step.
+        model = torch.compile(  # type: ignore[assignment]
+            model,
+            options={
+                **torch._inductor.list_mode_options("max-autotune-no-cudagraphs"),
+                "post_grad_custom_pre_pass": GemmPolicyPass(),
+            },
+        )
     elif name == "no_comm_compiled_budget":
         from torch._inductor.compile_fx import compile_fx
 
@@ -159,6 +177,22 @@ def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
         raise KeyError(f"unknown variant {name!r}; the variants are {VARIANTS + REFERENCES}")
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     return Variant(name, model, optim, step)
+
+
+class GemmPolicyPass:
+    """inductor post-grad pass: each float32 CPU mm/addmm calls the library spmd.backend.gemm_policy
+    measured faster for its shape on this machine (decided by this rank alone: no collectives)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from spmd.backend import gemm_policy
+        from spmd.backend.inductor_rewrites import _onednn_gemms
+
+        shapes = {n: g for n in graph.nodes if (g := gemm_policy.gemm_of(n)) is not None}
+        decisions = gemm_policy.decide_here(shapes.values())
+        _onednn_gemms(graph, {n for n, g in shapes.items() if decisions[g].choice == gemm_policy.ONEDNN})
+
+    def uuid(self) -> None:
+        return None  # no FX graph cache for these graphs: the decisions depend on the machine
 
 
 def one_line(exc: BaseException) -> str:

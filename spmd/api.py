@@ -56,8 +56,9 @@ _OPTIONS: dict[str, str] = {
     "it between calls (fully_shard, eager backend; env SPMD_CROSS_STEP_PREFETCH=1; see spmd.backend.carry)",
     "inductor_optimizer": "'opaque' (default: ATen's fused optimizer kernel, called in place) or 'inline' "
     "(its math, fused by inductor); backend='inductor' only",
-    "inductor_gemm": "'onednn' (default: float32 CPU matmuls call oneDNN's matmul) or 'aten' (inductor "
-    "calls torch's mm/addmm: MKL's sgemm in x86 builds); backend='inductor' only",
+    "inductor_gemm": "'auto' (default: per float32 CPU matmul shape, whichever of torch's mm/addmm and "
+    "oneDNN's matmul measured faster here, cached; see spmd.backend.gemm_policy), 'onednn' (oneDNN's "
+    "matmul for large ones) or 'aten' (torch's mm/addmm: MKL's sgemm in x86 builds); backend='inductor' only",
     "inductor_config": "dict of torch._inductor.config settings for backend='inductor' (applied over spmd's)",
     "chunked_loss": "the loss head (output projection + cross-entropy, forward and backward) as one node "
     "that runs over chunks of tokens, so the [tokens, vocab] logits never exist: 'auto' (default: when "
@@ -134,7 +135,7 @@ def compile(
                 raise ConfigError(f"spmd.compile: module_override items must be spmd.Override, got {o!r}.")
     check_backend(options.get("backend", "eager"))
     check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
-    check_gemm(options.get("inductor_gemm", "onednn"))
+    check_gemm(options.get("inductor_gemm", "auto"))
     _check_chunked_loss(options.get("chunked_loss", "auto"), parallel_mode)
     check_remat(options.get("remat"))
 
@@ -196,7 +197,7 @@ class CompiledStep:
         self.backend: str = check_backend(options.get("backend", "eager"))
         self.inductor_config: dict[str, Any] = dict(options.get("inductor_config") or {})
         self.inductor_optimizer: str = check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
-        self.inductor_gemm: str = check_gemm(options.get("inductor_gemm", "onednn"))
+        self.inductor_gemm: str = check_gemm(options.get("inductor_gemm", "auto"))
         self.chunked_loss = _check_chunked_loss(options.get("chunked_loss", "auto"), parallel_mode)
         self.remat: str | float | None = check_remat(options.get("remat"))
         self.share_compile: bool = bool(
@@ -388,8 +389,9 @@ class CompiledStep:
             cross_step_prefetch=self.cross_step_prefetch and self.backend == "eager",
             reuse_buffers=self.backend == "eager",  # inductor reuses buffers itself
             inplace_collectives=self.backend == "eager",
-            # Eager only until inductor's lowering of all_to_all_single is checked.
-            gloo_collectives=self.backend == "eager" and _all_gloo(gm),
+            # Both backends: inductor lowers all_to_all_single as an extern call, and its order
+            # is checked against the graph's like every collective (spmd.backend.lowering).
+            gloo_collectives=_all_gloo(gm),
         )
         gm = pipeline.run(
             gm,

@@ -5,7 +5,8 @@ Each keeps the step's values and mutations and changes only how inductor sees an
 * ATen's fused optimizer ops (``_fused_adam_`` ...) become opaque in-place custom ops, so
   inductor calls the ATen kernel on the real state instead of functionalizing it into copies;
   or, with ``inline_optimizer``, Adam/AdamW become their math for inductor to fuse.
-* float32 CPU ``mm``/``addmm`` large enough to gain go to oneDNN's matmul (``inductor_gemm``).
+* float32 CPU ``mm``/``addmm`` go to oneDNN's matmul where ``inductor_gemm`` says so: measured per
+  shape on this machine (``"auto"``, :mod:`spmd.backend.gemm_policy`), or all large ones (``"onednn"``).
 * legacy empty operands (Hugging Face's ``use_cache`` start) are dropped from ``cat``.
 
 :mod:`spmd.backend.lowering` compiles the result and checks its collective order.
@@ -20,9 +21,11 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
-# Smallest matmul (m * k * n) sent to oneDNN: its per-call setup made the ResMLP's 32x64x256
-# matmuls slower than MKL's (benchmarks/profile_step.py --model overhead), while the GPT's
-# (>= 1024x256x256) are 1.5-3x faster.
+from spmd.backend import gemm_policy
+
+# Smallest matmul (m * k * n) inductor_gemm="onednn" sends to oneDNN: its per-call setup made the
+# ResMLP's 32x64x256 matmuls slower than MKL's (benchmarks/profile_step.py --model overhead), while
+# the GPT's (>= 1024x256x256) are 1.5-3x faster on an AVX-512 EPYC.
 _ONEDNN_MIN_MACS = 1 << 22
 
 
@@ -65,29 +68,25 @@ def _opaque(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     return getattr(torch.ops.spmd_lowering, name).default
 
 
-def for_inductor(
-    gm: fx.GraphModule, *, inline_optimizer: bool = False, onednn: bool = False
-) -> fx.GraphModule:
+def for_inductor(gm: fx.GraphModule, *, inline_optimizer: bool = False, gemm: str = "aten") -> fx.GraphModule:
     """``gm`` as inductor gets it: a copy with every ATen fused optimizer op swapped for its
     opaque twin (or, with ``inline_optimizer``, for its math where :func:`_inline_adam` covers
     it) and legacy empty operands dropped from ``cat`` (:func:`_drop_empty_cat_inputs`);
-    with ``onednn``, float32 CPU ``mm``/``addmm`` become oneDNN calls (:func:`_onednn_gemms`);
-    ``gm`` itself when nothing applies."""
+    the float32 CPU ``mm``/``addmm`` that ``inductor_gemm=gemm`` picks (:func:`onednn_nodes`)
+    become oneDNN calls (:func:`_onednn_gemms`); ``gm`` itself when nothing applies."""
     from passes.stages import copy_graph
 
-    if not any(
-        _is_fused_optimizer(n.target) or _has_empty_cat_input(n) or (onednn and _onednn_target(n))
-        for n in gm.graph.nodes
-    ):
+    dnn = onednn_nodes(gm.graph, gemm)  # first: with "auto" every rank runs its collectives
+    if not dnn and not any(_is_fused_optimizer(n.target) or _has_empty_cat_input(n) for n in gm.graph.nodes):
         return gm
     graph = copy_graph(gm.graph)  # rewritten before it becomes a GraphModule: one recompile
+    copied = {old: new for old, new in zip(gm.graph.nodes, graph.nodes)}
     for n in graph.nodes:
         if n.op == "call_function" and _is_fused_optimizer(n.target):
             inline = _inline_adam(n) if inline_optimizer else None
             n.target = inline or _opaque(n.target)
     _drop_empty_cat_inputs(graph)
-    if onednn:
-        _onednn_gemms(graph)
+    _onednn_gemms(graph, {copied[n] for n in dnn})
     return fx.GraphModule(gm, graph)
 
 
@@ -96,9 +95,8 @@ def for_inductor(
 
 @torch.library.custom_op("spmd_lowering::onednn_mm", mutates_args=())
 def _onednn_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b (+ bias)`` by oneDNN's matmul (``mkldnn._linear_pointwise`` takes ``b`` as a
-    transposed weight, any strides)."""
-    return torch.ops.mkldnn._linear_pointwise(a, b.t(), bias, "none", [], "")
+    """``a @ b (+ bias)`` by oneDNN's matmul (:func:`spmd.backend.gemm_policy.onednn_matmul`)."""
+    return gemm_policy.onednn_matmul(a, b, bias)
 
 
 @_onednn_mm.register_fake
@@ -106,53 +104,39 @@ def _(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> tor
     return a.new_empty(a.shape[0], b.shape[1])
 
 
-def _cpu_f32_2d(a: Any) -> bool:
-    v = a.meta.get("val") if isinstance(a, fx.Node) else None
-    return (
-        isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype == torch.float32 and v.dim() == 2
-    )
-
-
-def _big(a: Any, b: Any) -> bool:
-    """``a @ b`` (2-D nodes) has at least ``_ONEDNN_MIN_MACS`` multiply-adds."""
-    (m, k), n = a.meta["val"].shape, b.meta["val"].shape[1]
-    return bool(m * k * n >= _ONEDNN_MIN_MACS)
-
-
 def _onednn_target(n: fx.Node) -> bool:
-    """``n`` is a float32 CPU ``mm(a, b)`` or ``addmm(bias, a, b)`` (1-D bias, beta = alpha = 1)
-    of at least ``_ONEDNN_MIN_MACS`` multiply-adds."""
-    if n.op != "call_function" or not torch.backends.mkldnn.is_available():
-        return False
-    if n.target is torch.ops.aten.mm.default:
-        return all(_cpu_f32_2d(a) for a in n.args) and _big(*n.args)
-    if n.target is torch.ops.aten.addmm.default:
-        bias = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
-        return bool(
-            n.kwargs.get("beta", 1) == 1
-            and n.kwargs.get("alpha", 1) == 1
-            and all(_cpu_f32_2d(a) for a in n.args[1:])
-            and isinstance(bias, torch.Tensor)
-            and bias.dim() == 1
-            and bias.dtype == torch.float32
-            and _big(n.args[1], n.args[2])
-        )
-    return False
+    """``n`` is a float32 CPU ``mm``/``addmm`` (:func:`spmd.backend.gemm_policy.gemm_of`) of at least
+    ``_ONEDNN_MIN_MACS`` multiply-adds: what ``inductor_gemm="onednn"`` sends to oneDNN."""
+    g = gemm_policy.gemm_of(n)
+    return g is not None and g.m * g.k * g.n >= _ONEDNN_MIN_MACS
 
 
-def _onednn_gemms(graph: fx.Graph) -> None:
-    """Swap every float32 CPU ``mm``/``addmm`` in ``graph`` for :func:`_onednn_mm` (in place).
+def onednn_nodes(graph: fx.Graph, gemm: str) -> set[fx.Node]:
+    """The matmul nodes of ``graph`` that ``inductor_gemm=gemm`` sends to oneDNN.
+
+    ``"aten"``: none. ``"onednn"``: every :func:`_onednn_target`. ``"auto"``: those whose shape
+    :func:`spmd.backend.gemm_policy.decide` measured faster on oneDNN; it runs on every rank (two
+    collectives on the default group when there is one), even with no matmul in the graph.
+    """
+    if gemm == "aten":
+        return set()
+    if gemm == "onednn":
+        return {n for n in graph.nodes if _onednn_target(n)}
+    shapes = {n: g for n in graph.nodes if (g := gemm_policy.gemm_of(n)) is not None}
+    decisions = gemm_policy.decide(list(shapes.values()))
+    return {n for n, g in shapes.items() if decisions[g].choice == gemm_policy.ONEDNN}
+
+
+def _onednn_gemms(graph: fx.Graph, nodes: set[fx.Node]) -> None:
+    """Swap each ``mm``/``addmm`` of ``nodes`` in ``graph`` for :func:`_onednn_mm` (in place).
 
     Why: inductor calls ATen's ``mm`` for these, which in torch's x86 builds is MKL's sgemm;
-    on AMD EPYC (this project's machines) oneDNN's matmul measured 1.5-3x faster for every
-    shape and layout of the bench GPT's matmuls, single-threaded (``benchmarks/profile_step.py``).
+    which library is faster depends on the CPU and the shape (:mod:`spmd.backend.gemm_policy`).
     Legal: the same product in float32 with float32 accumulation; only the summation order
     differs (rounding, like inductor's own fusion). The output is a new contiguous tensor, as
     ``mm``'s is; the graph's later ``view``s only need that.
     """
-    for n in list(graph.nodes):
-        if not _onednn_target(n):
-            continue
+    for n in [n for n in graph.nodes if n in nodes]:
         args = tuple(n.args) if n.target is torch.ops.aten.mm.default else (n.args[1], n.args[2], n.args[0])
         with graph.inserting_before(n):
             mm = graph.call_function(torch.ops.spmd_lowering.onednn_mm.default, args)

@@ -24,9 +24,11 @@ result equal to the eager graph in what matters:
 * **Random ops draw from the eager generator** (``fallback_random``), so dropout
   masks match the eager backend.
 
-Speed: float32 CPU matmuls are routed to oneDNN (``inductor_gemm="onednn"``, the default;
-:mod:`spmd.backend.inductor_rewrites`), which beats the MKL sgemm that ATen's ``mm`` calls by 1.5-3x
-on the AMD EPYC machines here; matmuls are ~75% of the bench GPT's step. ``inductor_optimizer="inline"``
+Speed: each float32 CPU matmul shape calls whichever of ATen's ``mm`` (MKL's sgemm) and oneDNN's
+matmul measured faster on this machine (``inductor_gemm="auto"``, the default;
+:mod:`spmd.backend.gemm_policy`):
+oneDNN won 1.5-3x on an AMD EPYC with AVX-512 and lost on most shapes on one with AVX2 only;
+matmuls are ~75% of the bench GPT's step. ``inductor_optimizer="inline"``
 lets inductor fuse the Adam/AdamW update itself instead of calling ATen's fused kernel (no
 measurable gain on the bench GPT: the optimizer is ~1% of its step).
 
@@ -60,10 +62,10 @@ BACKENDS = ("eager", "inductor")
 # How inductor gets the fused optimizers: "opaque" calls ATen's fused kernel in place;
 # "inline" writes out its math so inductor fuses it into one kernel per tensor.
 OPTIMIZER_LOWERINGS = ("opaque", "inline")
-# Which library the float32 CPU matmuls of the lowered graph call: "onednn" (the default,
-# oneDNN's matmul, see spmd.backend.inductor_rewrites) or "aten" (``mm``/``addmm``: MKL's sgemm
-# in x86 builds).
-GEMMS = ("onednn", "aten")
+# Which library the float32 CPU matmuls of the lowered graph call: "auto" (the default: per shape,
+# whichever measured faster on this machine, spmd.backend.gemm_policy), "onednn" (oneDNN's matmul for every
+# large one, spmd.backend.inductor_rewrites) or "aten" (``mm``/``addmm``: MKL's sgemm in x86 builds).
+GEMMS = ("auto", "onednn", "aten")
 # inductor settings for the whole-step graph. Our passes already placed collectives,
 # prefetches and waits; inductor must not move or bucket them (a reorder that differs
 # across ranks hangs, and one that matches still undoes our schedule).
@@ -106,7 +108,7 @@ def compile_graph(
     *,
     inductor_config: dict[str, Any] | None = None,
     optimizer: str = "opaque",
-    gemm: str = "onednn",
+    gemm: str = "auto",
     share: bool = False,
 ) -> Lowered:
     """Compile ``gm`` (a final spmd graph) for ``backend``.
@@ -116,8 +118,11 @@ def compile_graph(
         example_inputs: the real (local) tensors its placeholders take; not modified.
         backend: ``"eager"`` (returns ``gm`` itself) or ``"inductor"``.
         inductor_config: extra ``torch._inductor.config`` settings, applied over ours.
-        optimizer: ``"opaque"`` or ``"inline"`` (see :func:`_for_inductor`).
-        gemm: ``"aten"`` or ``"onednn"`` (see :func:`spmd.backend.inductor_rewrites._onednn_gemms`).
+        optimizer: ``"opaque"`` or ``"inline"`` (see
+            :func:`spmd.backend.inductor_rewrites.for_inductor`).
+        gemm: ``"auto"``, ``"onednn"`` or ``"aten"`` (see
+            :func:`spmd.backend.inductor_rewrites.onednn_nodes`); ``"auto"`` runs two collectives
+            on the default group (every rank lowers at once).
         share: where it is safe, compile once per host for every rank with the same graph
             and let the others load it from inductor's caches (:mod:`spmd.backend.compile_once`).
 
@@ -137,7 +142,7 @@ def compile_graph(
     lowered_gm = for_inductor(
         gm,
         inline_optimizer=check_optimizer_lowering(optimizer) == "inline",
-        onednn=check_gemm(gemm) == "onednn",
+        gemm=check_gemm(gemm),
     )
     codes: list[str] = []
     settings = {**_INDUCTOR_CONFIG, **(inductor_config or {})}
@@ -202,7 +207,8 @@ def check_gemm(gemm: Any) -> str:
     if gemm not in GEMMS:
         raise ConfigError(
             f"spmd.compile: inductor_gemm={gemm!r} is not supported; use one of {list(GEMMS)} "
-            "('aten' calls torch's mm/addmm, 'onednn' calls oneDNN's matmul for float32 CPU matmuls)."
+            "('auto' times both libraries per matmul shape on this machine and keeps the faster, "
+            "'aten' calls torch's mm/addmm, 'onednn' calls oneDNN's matmul for float32 CPU matmuls)."
         )
     return str(gemm)
 

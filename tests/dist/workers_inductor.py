@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from typing import Any
 
@@ -9,6 +11,7 @@ import torch.fx as fx
 
 import spmd
 from passes import collectives as C
+from spmd.backend import gemm_policy
 from spmd.backend.lowering import code_order, compile_graph, graph_order
 from spmd.parallel.sharding import local
 from tests import models as shared
@@ -24,15 +27,28 @@ def inductor_vs_eager(
 ) -> dict[str, Any]:
     """For each (style, model, optimizer): the same training on backend='eager' and 'inductor'.
 
-    Returns the problems found, the largest differences, per-case compile times and the
-    generated code's collective order next to the final graph's. With ``reorder``, the last
+    Returns the problems found, the largest differences, per-case compile times, the
+    generated code's collective order next to the final graph's, and whether the code calls
+    oneDNN's matmul. In the replicate case the GEMM timings disagree across ranks (rank 0
+    finds oneDNN faster, the others ATen): every rank must lower with rank 0's choice,
+    oneDNN. Each case starts from an empty GEMM policy cache. With ``reorder``, the last
     case's final graph is lowered once more with a pass that swaps two collectives, and
     ``out["reorder"]`` is the LoweringError's message.
     """
     problems: list[str] = []
-    out: dict[str, Any] = {"problems": problems, "max_diff": {}, "lower_s": {}, "orders": {}}
+    out: dict[str, Any] = {
+        "problems": problems,
+        "max_diff": {},
+        "lower_s": {},
+        "orders": {},
+        "onednn": {},
+        "kinds": {},
+    }
+    real_timer = gemm_policy.time_gemm
     for style, model_name, opt_name in cases:
         tag = f"{style}/{model_name}/{opt_name}"
+        os.environ["SPMD_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd_gemm_")
+        gemm_policy.time_gemm = _disagreeing_timer(rank) if style == "replicate" else real_timer
         model = pm.build(model_name)
         twin = shared.twin(model)
         opt, twin_opt = shared.make_optimizer(opt_name, model), shared.make_optimizer(opt_name, twin)
@@ -66,11 +82,23 @@ def inductor_vs_eager(
         out["max_diff"][tag] = worst
         out["lower_s"][tag] = report.lower_s
         out["orders"][tag] = len(got_order)
+        out["onednn"][tag] = "onednn_mm" in (ind.lowered_code or "")
+        out["kinds"][tag] = sorted({C.kind_of(n).value for n in C.collectives(ind.graphs["final"].graph)})
+    gemm_policy.time_gemm = real_timer
     if reorder:
         t0 = time.perf_counter()
         out["reorder"] = reorder_detected(eag, twin, twin_opt, *pm.batch(model_name, steps, rank))
         out["lower_s"]["reorder"] = time.perf_counter() - t0
     return out
+
+
+def _disagreeing_timer(rank: int) -> Any:
+    """Fake GEMM timings (ATen ms, oneDNN ms): oneDNN twice as fast on rank 0, half as fast elsewhere."""
+
+    def timer(g: gemm_policy.Gemm) -> tuple[float, float]:
+        return (2.0, 1.0) if rank == 0 else (1.0, 2.0)
+
+    return timer
 
 
 def _swap_first_independent_collectives(graph: fx.Graph) -> None:
