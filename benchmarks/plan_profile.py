@@ -83,7 +83,12 @@ def main() -> int:
     p.add_argument("--remat", default="none", help="remat policies, comma-separated (none, selective, full)")
     p.add_argument("--out", default=None, help="write the raw profile here")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("-v", "--verbose", action="store_true", help="log spmd's progress (each pass's time)")
     args = p.parse_args()
+    if args.verbose:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     import spmd
 
     fn, (model, optim, idx, targets), mp = models.build_from_args(args)

@@ -101,8 +101,16 @@ class TracedStep:
     grad_cleared: list[str] = dataclasses.field(default_factory=list)
 
 
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """An independent copy of ``gm``'s graph (meta copied shallowly) over the same attributes."""
+def copy_graph_module(gm: fx.GraphModule, *, lazy: bool = False) -> fx.GraphModule:
+    """An independent copy of ``gm``'s graph (meta copied shallowly) over the same attributes.
+
+    ``lazy``: a ``torch.fx`` lazy GraphModule, whose ``recompile()`` (generating and compiling the
+    graph's Python) waits until its code is read or it is called: what ``spmd.plan`` wants of a
+    graph it only analyses (each recompile of a 25k-node step takes seconds)."""
+    if lazy:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+
+        return _LazyGraphModule(gm, copy_graph(gm.graph), class_name="GraphModule")
     return fx.GraphModule(gm, copy_graph(gm.graph), class_name="GraphModule")
 
 
