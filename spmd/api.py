@@ -219,6 +219,9 @@ class CompiledStep:
         # Traces shared between configurations of one spmd.plan (see _trace); None: off.
         self._trace_cache: dict[Hashable, Any] | None = None
         self._keep_stages = True  # record the graph after every pass (spmd.plan turns it off)
+        # Record each node's user stack while tracing (error messages, dumps); spmd.plan, which
+        # shows neither, turns it off: a Python stack summary per traced op.
+        self._stack_traces = True
 
     # ------------------------------------------------------------------ inspection
 
@@ -497,7 +500,14 @@ class CompiledStep:
         if cache is not None and key in cache:
             return (tracing.copy_traced(cache[key]) if copy else cache[key]), [], key
         with guards.record_reads(step_args.module) as read:
-            traced = tracing.trace_step(self.fn, trace_args, state, casts=casts, accumulate_after_reduce=acc)
+            traced = tracing.trace_step(
+                self.fn,
+                trace_args,
+                state,
+                casts=casts,
+                accumulate_after_reduce=acc,
+                stack_traces=self._stack_traces,
+            )
         if cache is not None:
             cache[key] = tracing.copy_traced(traced)
         return traced, read, key

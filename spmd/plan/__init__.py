@@ -394,6 +394,7 @@ def _one(
         _set_remat(sim, opts["remat"])
     sim._trace_cache = trace_cache
     sim._keep_stages = False
+    sim._stack_traces = False
     # Configurations that partition alike (they differ only in pass options) place the state
     # alike: the fake copy of the arguments distributed by the first one serves the rest (a
     # deepcopy and a distribution of hundreds of parameters each time otherwise). Not with
