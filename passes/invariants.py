@@ -216,9 +216,8 @@ def check_collective_buffers(
         start = index[coll]
         ins = {b for x in C.inputs_of(coll) for b in lv.bufs_of.get(x, []) if b is not None}
         flight = ins | {b for b in lv.bufs_of.get(coll, []) if b is not None}
-        first = bisect.bisect_right(writer_at, start)
-        last = bisect.bisect_left(writer_at, stop)
-        for _, writer, arg, bufs in writers[first:last]:
+        lo, hi = bisect.bisect_right(writer_at, start), bisect.bisect_left(writer_at, stop)
+        for _, writer, arg, bufs in writers[lo:hi]:
             if not bufs & flight:
                 continue
             if REUSED in writer.meta:
