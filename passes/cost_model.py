@@ -192,12 +192,17 @@ def _cpu_attention_flops(node: fx.Node, args: Any) -> float | None:
 
 def node_flops(node: fx.Node) -> float:
     """FLOPs of one op by ``torch.utils.flop_counter``'s formula for it (0 where it has none)."""
+    return _flops(node, fx.node.map_aggregate((node.args, node.kwargs), _val))
+
+
+def _flops(node: fx.Node, values: Any) -> float:
+    """:func:`node_flops` given the node's arguments as values (``(args, kwargs)``)."""
     from torch.utils.flop_counter import flop_registry
 
     target = node.target
     packet = getattr(target, "overloadpacket", None)
     formula = flop_registry.get(packet) if packet is not None else None
-    args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), _val)
+    args, kwargs = values
     try:
         if formula is None:
             return _cpu_attention_flops(node, args) or 0.0
@@ -208,17 +213,20 @@ def node_flops(node: fx.Node) -> float:
 
 def node_bytes(node: fx.Node) -> int:
     """Bytes an op moves: its tensor inputs and outputs, and its in-place writes once more."""
-    args = fx.node.map_aggregate((node.args, node.kwargs), _val)
-    total = sum(_nbytes(t) for t in _tensors(args))
+    return _bytes(node, fx.node.map_aggregate((node.args, node.kwargs), _val))
+
+
+def _bytes(node: fx.Node, values: Any) -> int:
+    """:func:`node_bytes` given the node's arguments as values."""
+    total = sum(_nbytes(t) for t in _tensors(values))
     total += sum(_nbytes(t) for t in _tensors(node.meta.get("val")))
     written = fx.node.map_aggregate(tuple(_written_args(node)), _val)
     total += sum(_nbytes(t) for t in _tensors(written))
     return total
 
 
-def _dtype_key(node: fx.Node) -> str:
-    args = fx.node.map_aggregate((node.args, node.kwargs), _val)
-    for t in _tensors(args) + _tensors(node.meta.get("val")):
+def _dtype_key(node: fx.Node, values: Any) -> str:
+    for t in _tensors(values) + _tensors(node.meta.get("val")):
         if t.is_floating_point():
             return _DTYPE_KEY.get(t.dtype, "fp32")
     return "fp32"
@@ -226,10 +234,12 @@ def _dtype_key(node: fx.Node) -> str:
 
 def compute_time(node: fx.Node, profile: DeviceProfile) -> tuple[float, float]:
     """(seconds, FLOPs) of one compute op on ``profile``: the roofline plus the op overhead."""
-    flops = node_flops(node)
-    peak = profile.peak_flops.get(_dtype_key(node)) or profile.peak_flops["fp32"]
+    # The arguments' values once for the three (a map over every argument: most of the time here).
+    values = fx.node.map_aggregate((node.args, node.kwargs), _val)
+    flops = _flops(node, values)
+    peak = profile.peak_flops.get(_dtype_key(node, values)) or profile.peak_flops["fp32"]
     t_flops = flops / (peak * profile.compute_efficiency)
-    t_bytes = node_bytes(node) / (profile.memory_bandwidth * profile.memory_efficiency)
+    t_bytes = _bytes(node, values) / (profile.memory_bandwidth * profile.memory_efficiency)
     return max(t_flops, t_bytes) + profile.op_overhead_s, flops
 
 

@@ -52,6 +52,7 @@ ranks compare theirs to catch a divergent graph before it hangs in a collective.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import operator
 from collections.abc import Callable
@@ -199,6 +200,9 @@ def check_collective_buffers(
             bufs = {b for b in lv.bufs_of.get(arg, []) if b is not None}
             if bufs:
                 writers.append((index[n], n, arg, bufs))
+    # ``writers`` is in graph order: each collective looks only at the writers inside its window
+    # (a bisection), not at every writer of the graph.
+    writer_at = [w[0] for w in writers]
     found: list[tuple[str, str]] = []
     for coll in colls:
         waits = C.waits_of(coll)
@@ -212,8 +216,9 @@ def check_collective_buffers(
         start = index[coll]
         ins = {b for x in C.inputs_of(coll) for b in lv.bufs_of.get(x, []) if b is not None}
         flight = ins | {b for b in lv.bufs_of.get(coll, []) if b is not None}
-        for at, writer, arg, bufs in writers:
-            if not start < at < stop or not bufs & flight:
+        lo, hi = bisect.bisect_right(writer_at, start), bisect.bisect_left(writer_at, stop)
+        for _, writer, arg, bufs in writers[lo:hi]:
+            if not bufs & flight:
                 continue
             if REUSED in writer.meta:
                 how = f"reuse_dead_buffers made {writer.name} write its result into {arg.name}"

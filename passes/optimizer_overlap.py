@@ -41,6 +41,7 @@ dependencies allow, foreach ops split into one call per group of elements ready 
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, cast
 
 import torch
@@ -218,10 +219,11 @@ def _split(graph: fx.Graph, node: fx.Node) -> bool:
                 return False
         ready.append(r)
     # Group by the latest wait at or before each parameter's ready point: the bucket it waits for.
-    wait_pos = [order[n] for n in nodes[:pos] if C.is_wait(n)]
+    wait_pos = [order[n] for n in nodes[:pos] if C.is_wait(n)]  # ascending
 
     def segment(r: int) -> int:
-        return max((w for w in wait_pos if w <= r), default=-1)
+        i = bisect.bisect_right(wait_pos, r)
+        return wait_pos[i - 1] if i else -1
 
     groups: dict[int, list[int]] = {}
     for k in sorted(range(n_params), key=lambda k: (segment(ready[k]), k)):

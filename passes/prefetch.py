@@ -61,13 +61,12 @@ def _input_chain(coll: fx.Node) -> list[fx.Node] | None:
             return None
         chain.append(n)
         stack.extend(n.all_input_nodes)
-    order = {n: i for i, n in enumerate(coll.graph.nodes)}
-    return sorted(chain, key=order.__getitem__)
+    return sorted(chain)  # graph order (fx nodes compare by position)
 
 
-def _first_use(coll: fx.Node, order: dict[fx.Node, int]) -> int:
+def _first_use(coll: fx.Node) -> fx.Node:
     waits = C.waits_of(coll)
-    return min(order[w] for w in waits) if waits else order[coll]
+    return min(waits) if waits else coll
 
 
 def prefetch_all_gathers(
@@ -109,8 +108,10 @@ def _prefetch_segment(
     depth: int,
     unit_of: Callable[[fx.Node], str],
 ) -> bool:
-    """Prefetch the gathers of one phase of one micro-batch; whether anything moved."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    """Prefetch the gathers of one phase of one micro-batch; whether anything moved.
+
+    Positions are compared with fx's node order (``a < b``), kept by fx as nodes move: a scan
+    of the graph per unit made this pass quadratic on big graphs."""
     changed = False
     in_segment = lambda n: n.meta.get(PHASE) is phase and n.meta.get(MICROBATCH, 0) == micro  # noqa: E731
     in_phase = [c for c in gathers if in_segment(c)]
@@ -118,7 +119,7 @@ def _prefetch_segment(
         return False
     # Units in order of first use.
     units: dict[str, list[fx.Node]] = {}
-    for c in sorted(in_phase, key=lambda c: _first_use(c, order)):
+    for c in sorted(in_phase, key=_first_use):
         units.setdefault(unit_of(c), []).append(c)
     unit_list = list(units.values())
     # The phase starts at its first node that stays put: skipping the input chains too keeps
@@ -128,22 +129,21 @@ def _prefetch_segment(
     for i, members in enumerate(unit_list):
         if i - depth >= 0 and depth > 0:
             prev = unit_list[i - depth]
-            anchor_wait = min((w for c in prev for w in C.waits_of(c)), key=order.__getitem__)
+            anchor_wait = min(w for c in prev for w in C.waits_of(c))
             anchor = anchor_wait.next
         elif depth > 0:
             anchor = phase_start
         else:
-            anchor = min((w for c in members for w in C.waits_of(c)), key=order.__getitem__)
+            anchor = min(w for c in members for w in C.waits_of(c))
         # The unit's own nodes may already sit at the anchor: insert after them instead.
         own = {n for c in members for n in [c, *(_input_chain(c) or [])]}
         while anchor in own:
             anchor = anchor.next
         for c in members:
             chain = _input_chain(c)
-            if chain is None or order[c] <= order[anchor] and all(order[n] <= order[anchor] for n in chain):
+            if chain is None or c <= anchor and all(n <= anchor for n in chain):
                 continue
             for n in [*chain, c]:
                 anchor.prepend(n)
             changed = True
-        order = {n: i for i, n in enumerate(graph.nodes)}
     return changed

@@ -50,15 +50,15 @@ def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
     graph = gm.graph
     changed = False
     for wait in [n for n in graph.nodes if C.is_wait(n)]:
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        # Positions by fx's node order (``a < b``, kept as nodes move), not a scan per wait.
         chain = _pass_through_chain(wait)
         members = set(chain)
         users = [u for n in chain for u in n.users if u not in members]
         if not users:
             continue
-        first = min(users, key=order.__getitem__)
+        first = min(users)
         # Members after ``first`` (a view read only later) stay where they are.
-        before = sorted((n for n in chain if order[n] < order[first]), key=order.__getitem__)
+        before = sorted(n for n in chain if n < first)
         if before[-1].next is first and all(a.next is b for a, b in zip(before, before[1:])):
             continue  # already a contiguous run right before its first use
         for n in before:
@@ -101,20 +101,22 @@ def limit_inflight(gm: fx.GraphModule, *, max_inflight_bytes: int | str | None =
     graph = gm.graph
     changed = False
     outstanding: dict[fx.Node, int] = {}
+    inflight = 0  # sum(outstanding.values())
     for n in list(graph.nodes):
         if C.is_wait(n):
-            outstanding.pop(C.collective_of(n), None)
+            inflight -= outstanding.pop(C.collective_of(n), 0)
         elif C.is_collective(n):
             need = C.bytes_of(n)
-            while outstanding and sum(outstanding.values()) + need > max_inflight_bytes:
+            while outstanding and inflight + need > max_inflight_bytes:
                 oldest = next(iter(outstanding))
                 for w in C.waits_of(oldest):
                     if w.args[0] is not oldest:  # coalesced: wait(getitem(coll, i))
                         n.prepend(w.args[0])
                     n.prepend(w)
-                del outstanding[oldest]
+                inflight -= outstanding.pop(oldest)
                 changed = True
             outstanding[n] = need
+            inflight += need
     if not changed:
         return gm
     graph.lint()

@@ -223,6 +223,9 @@ class CompiledStep:
         # Traces shared between configurations of one spmd.plan (see _trace); None: off.
         self._trace_cache: dict[Hashable, Any] | None = None
         self._keep_stages = True  # record the graph after every pass (spmd.plan turns it off)
+        # Record each node's user stack while tracing (error messages, dumps); spmd.plan, which
+        # shows neither, turns it off: a Python stack summary per traced op.
+        self._stack_traces = True
 
     # ------------------------------------------------------------------ inspection
 
@@ -353,7 +356,11 @@ class CompiledStep:
                 "spmd: new input signature for %s, tracing graph #%d", self.__name__, self.num_graphs + 1
             )
         state = step_inputs.lift_state(module, optimizer)
-        traced, read, trace_key = self._trace(step_args, state)
+        # With spmd.plan's cache, a configuration whose partition is cached needs the trace only for
+        # its slots and outputs: its graph is shared (not copied), and the passes over it and the
+        # partitioner are skipped (the cached partition is what they would give).
+        partitioned = self._cached_partition(step_args)
+        traced, read, trace_key = self._trace(step_args, state, copy=partitioned is None)
         if guards.first_failing(read) is not None:
             read = self._guards_after_first_call(step_args, state, traced, read)
         unused_fresh = tracing.forget_unused_state(traced, optimizer, fresh, module)
@@ -362,25 +369,32 @@ class CompiledStep:
         log.info(
             "spmd: traced %s in %.2f s (%d nodes)", self.__name__, traced.trace_s, len(traced.gm.graph.nodes)
         )
-        # Stages keeps a cheap copy per stage and builds its GraphModule when looked up.
+        # Stages keeps a cheap copy per stage and builds its GraphModule when looked up. A plan
+        # keeps only the final graph: a copy per stage is a third of its time.
         graphs = Stages()
-        graphs.record("traced", traced.gm)
-        if chunk_loss(traced.gm, self.chunked_loss, self.parallel_mode):
-            graphs.record("chunk_loss_heads", traced.gm)
-        # Passes over the traced graph (single-device semantics), before partitioning.
+        record = graphs.record if self._keep_stages else None
         traced_passes = build_trace_pipeline(remat=self.remat)
         before = {p.name for p in traced_passes.passes}
-        gm = traced_passes.run(
-            traced.gm, disabled=[d for d in self.disabled_passes if d in before], record=graphs.record
-        )
-        gm = self._partition(gm, state, step_args, trace_key)
+        if partitioned is not None:
+            gm = partitioned
+        else:
+            if record is not None:
+                record("traced", traced.gm)
+            if chunk_loss(traced.gm, self.chunked_loss, self.parallel_mode) and record is not None:
+                record("chunk_loss_heads", traced.gm)
+            # Passes over the traced graph (single-device semantics), before partitioning.
+            gm = traced_passes.run(
+                traced.gm, disabled=[d for d in self.disabled_passes if d in before], record=record
+            )
+            gm = self._partition(gm, state, step_args, trace_key)
         flat_state = state.tensors(optimizer) + step_args.tensors
         for o in self.module_override:
             res = o.transform(gm, flat_state)
             if isinstance(res, fx.Graph):
                 res = fx.GraphModule(gm, res)
             gm = res
-        graphs.record("partitioned", gm)
+        if record is not None:
+            record("partitioned", gm)
         # Eager only: a backend compiles the graph as a whole, and inductor does not take an
         # unwaited collective as an input or output.
         # Eager only as well: inductor functionalizes the graph and rejects the in-place all_reduce_.
@@ -397,8 +411,7 @@ class CompiledStep:
             gm,
             disabled=[d for d in self.disabled_passes if d not in before],
             check=self.check_invariants,
-            # A plan keeps only the final graph: a copy per pass is a third of its time.
-            record=graphs.record if self._keep_stages else None,
+            record=record,
         )
         if self.gm_transformation is not None:
             gm = self.gm_transformation(gm)
@@ -445,8 +458,31 @@ class CompiledStep:
             dump_report(where, _report(entry, "final"))
         return entry, signature(step_args)
 
+    def _trace_key(self, step_args: step_inputs.StepArgs) -> Hashable:
+        """The key of this step's trace in ``_trace_cache`` (see :meth:`_trace`)."""
+        mode = self.parallel_mode
+        trace_args = mode.trace_args(step_args)
+        return ("trace", repr(mode.trace_casts()), mode.accumulate_after_reduce(), trace_args is step_args)
+
+    def _partition_key(self, trace_key: Hashable) -> Hashable | None:
+        """The key of this step's partition in ``_trace_cache`` (None: never shared)."""
+        mode_key = self.parallel_mode.partition_key()
+        if mode_key is None:
+            return None
+        return ("partition", trace_key, mode_key, repr(self.chunked_loss), repr(self.remat))
+
+    def _cached_partition(self, step_args: step_inputs.StepArgs) -> fx.GraphModule | None:
+        """A copy of the cached partition for this configuration, if ``_trace_cache`` holds one."""
+        cache = self._trace_cache
+        if cache is None:
+            return None
+        key = self._partition_key(self._trace_key(step_args))
+        if key is None or key not in cache:
+            return None
+        return tracing.copy_graph_module(cache[key], lazy=True)
+
     def _trace(
-        self, step_args: step_inputs.StepArgs, state: step_inputs.LiftedState
+        self, step_args: step_inputs.StepArgs, state: step_inputs.LiftedState, *, copy: bool = True
     ) -> tuple[tracing.TracedStep, list[guards.Guard], Hashable]:
         """The traced step, the module attributes it read, and its key in ``_trace_cache``.
 
@@ -457,18 +493,26 @@ class CompiledStep:
         ``accumulate_after_reduce`` and ``trace_args``. Each reuse gets its own copy of the
         graph (partitioning rewrites it in place). The cache is only valid for calls with
         structurally identical arguments (what ``spmd.plan`` makes); the guards of a reused
-        trace are not recorded (a plan never runs its steps).
+        trace are not recorded (a plan never runs its steps). ``copy=False``: the cached trace
+        itself, for a caller that reads it and never changes it.
         """
         mode = self.parallel_mode
         casts = mode.trace_casts()
         acc = mode.accumulate_after_reduce()
         trace_args = mode.trace_args(step_args)
         cache = self._trace_cache
-        key = ("trace", repr(casts), acc, trace_args is step_args)
+        key = self._trace_key(step_args)
         if cache is not None and key in cache:
-            return tracing.copy_traced(cache[key]), [], key
+            return (tracing.copy_traced(cache[key]) if copy else cache[key]), [], key
         with guards.record_reads(step_args.module) as read:
-            traced = tracing.trace_step(self.fn, trace_args, state, casts=casts, accumulate_after_reduce=acc)
+            traced = tracing.trace_step(
+                self.fn,
+                trace_args,
+                state,
+                casts=casts,
+                accumulate_after_reduce=acc,
+                stack_traces=self._stack_traces,
+            )
         if cache is not None:
             cache[key] = tracing.copy_traced(traced)
         return traced, read, key
@@ -485,13 +529,16 @@ class CompiledStep:
         ``partition_key`` is equal (they differ only in pass options) and whose traced-graph
         passes are configured alike."""
         cache = self._trace_cache
-        mode_key = self.parallel_mode.partition_key()
-        key = ("partition", trace_key, mode_key, repr(self.chunked_loss), repr(self.remat))
-        if cache is not None and mode_key is not None and key in cache:
-            return tracing.copy_graph_module(cache[key])
+        key = self._partition_key(trace_key)
+        if cache is not None and key is not None and key in cache:
+            return tracing.copy_graph_module(cache[key], lazy=True)
         gm = self.parallel_mode.partition(traced_gm, state, step_args)
-        if cache is not None and mode_key is not None:
-            cache[key] = tracing.copy_graph_module(gm)
+        if cache is not None:
+            # spmd.plan analyses the graphs and never runs them: no pass needs their Python, so
+            # each recompile waits until the code is read (see tracing.copy_graph_module).
+            gm = tracing.copy_graph_module(gm, lazy=True)
+            if key is not None:
+                cache[key] = tracing.copy_graph_module(gm, lazy=True)
         return gm
 
     def _guards_after_first_call(

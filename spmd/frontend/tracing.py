@@ -101,8 +101,16 @@ class TracedStep:
     grad_cleared: list[str] = dataclasses.field(default_factory=list)
 
 
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """An independent copy of ``gm``'s graph (meta copied shallowly) over the same attributes."""
+def copy_graph_module(gm: fx.GraphModule, *, lazy: bool = False) -> fx.GraphModule:
+    """An independent copy of ``gm``'s graph (meta copied shallowly) over the same attributes.
+
+    ``lazy``: a ``torch.fx`` lazy GraphModule, whose ``recompile()`` (generating and compiling the
+    graph's Python) waits until its code is read or it is called: what ``spmd.plan`` wants of a
+    graph it only analyses (each recompile of a 25k-node step takes seconds)."""
+    if lazy:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+
+        return _LazyGraphModule(gm, copy_graph(gm.graph), class_name="GraphModule")
     return fx.GraphModule(gm, copy_graph(gm.graph), class_name="GraphModule")
 
 
@@ -244,6 +252,7 @@ def trace_step(
     casts: ComputeCasts | None = None,
     *,
     accumulate_after_reduce: bool = False,
+    stack_traces: bool = True,
 ) -> TracedStep:
     """Trace ``fn`` over the lifted state and the argument tensors; see the module docstring.
 
@@ -251,6 +260,9 @@ def trace_step(
     buffers and forward inputs; the optimizer still reads and updates the stored
     (fp32) parameters, and autograd gives each of them the gradient of its copy cast
     back to its dtype.
+
+    ``stack_traces=False`` records no user stack on the nodes (``meta["stack_trace"]``), which
+    only error messages and dumps read (``spmd.plan`` turns it off: it is a part of the trace's time).
 
     Gradients are left as eager leaves them: a parameter's ``.grad`` from before the step
     is an input (``Role.PARAM_GRAD``) that backward accumulates onto (see
@@ -333,7 +345,7 @@ def trace_step(
     t0 = time.perf_counter()
     try:
         with fx_traceback.preserve_node_meta(), optim_utils.traceable_optimizers():
-            gm = make_fx(step, tracing_mode="fake", record_stack_traces=True)(*inputs)
+            gm = make_fx(step, tracing_mode="fake", record_stack_traces=stack_traces)(*inputs)
     except SpmdError:
         raise
     except Exception as exc:  # noqa: BLE001 - mapped to a precise SpmdError below

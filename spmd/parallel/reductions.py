@@ -143,8 +143,7 @@ def _sink_pass_through_users(ps: PartitionState, tag: fx.Node) -> fx.Node:
     if not real:
         return ps.first(list(tag.users))
     first = ps.first(real)
-    order = {n: i for i, n in enumerate(ps.graph.nodes)}
-    moved = sorted((n for n in chain if order[n] < order[first]), key=order.__getitem__)
+    moved = sorted(n for n in chain if n < first)
     for n in moved:
         first.prepend(n)
     return ps.first(list(tag.users))

@@ -395,7 +395,19 @@ def _one(
         _set_remat(sim, opts["remat"])
     sim._trace_cache = trace_cache
     sim._keep_stages = False
-    args, kw = fake_copy(example_args, kwargs)
+    sim._stack_traces = False
+    # Configurations that partition alike (they differ only in pass options) place the state
+    # alike: the fake copy of the arguments distributed by the first one serves the rest (a
+    # deepcopy and a distribution of hundreds of parameters each time otherwise). Not with
+    # module overrides, which swap submodules of the copy they are given.
+    part_key = sim.parallel_mode.partition_key()
+    args_key = ("args", part_key) if part_key is not None and not sim.module_override else None
+    if args_key is not None and args_key in trace_cache:
+        args, kw = trace_cache[args_key]
+    else:
+        args, kw = fake_copy(example_args, kwargs)
+        if args_key is not None:
+            trace_cache[args_key] = (args, kw)
     stages = sim.lower(*args, **kw)
     gm = stages["final"]
     report = build_report(gm, world_size=dist.get_world_size(), parallel_style=opts["parallel_style"])
