@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 import spmd
 from spmd import models
@@ -30,6 +31,19 @@ def _floats(s: str) -> list[float]:
 def _bools(s: str) -> list[bool]:
     words = {"true": True, "false": False, "1": True, "0": False}
     return [words[x.strip().lower()] for x in s.split(",") if x]
+
+
+def _remats(s: str) -> list[Any]:
+    """``none,selective,full,0.5`` -> ``[None, "selective", "full", 0.5]``."""
+    out: list[Any] = []
+    for x in (x.strip() for x in s.split(",") if x.strip()):
+        if x.lower() == "none":
+            out.append(None)
+        elif x in ("selective", "full"):
+            out.append(x)
+        else:
+            out.append(float(x))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         type=_bools,
         default=[True, False],
         help="fully_shard reshard_after_forward values: true,false",
+    )
+    p.add_argument(
+        "--remat",
+        type=_remats,
+        default=None,
+        help="remat policies of the sharded styles: none,selective,full or budgets like 0.5 "
+        "(default: none,selective,full)",
     )
     p.add_argument("--tokens-per-step", type=int, default=None, help="tokens per rank per step")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -75,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         prefetch=args.prefetch,
         min_unit_mb=args.min_unit_mb,
         reshard=args.reshard,
+        remat=args.remat,
         efficiency=args.efficiency,
     )
     print(result.to_json() if args.json else result)
