@@ -35,6 +35,7 @@ from spmd.errors import CacheLimitError, ConfigError
 from spmd.frontend import guards, step_inputs, tracing
 from spmd.frontend import optim as optim_utils
 from spmd.frontend.signature import same_trace, signature
+from spmd.options import OPTIONS, check_chunked_loss
 from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
@@ -44,34 +45,6 @@ from spmd.reporting.dump import dump_code, dump_report, dump_stages
 from spmd.reporting.report import StepReport, build_report, describe_mode
 
 log = logging.getLogger("spmd")
-
-_OPTIONS: dict[str, str] = {
-    "dump_dir": "directory to write every graph stage and the report to (env SPMD_DUMP_DIR)",
-    "cache_size_limit": "most graphs kept for one compiled step before raising CacheLimitError (8)",
-    "disabled_passes": "names of pipeline passes to skip",
-    "check_invariants": "run the graph invariant checker after every pass (env SPMD_DEBUG=1)",
-    "backend": "'eager' (default: the final graph runs op by op) or 'inductor' (compiled; "
-    "see spmd.backend.lowering)",
-    "cross_step_prefetch": "issue the first all-gather of the next step at the end of this one and carry "
-    "it between calls (fully_shard, eager backend; env SPMD_CROSS_STEP_PREFETCH=1; see spmd.backend.carry)",
-    "inductor_optimizer": "'opaque' (default: ATen's fused optimizer kernel, called in place) or 'inline' "
-    "(its math, fused by inductor); backend='inductor' only",
-    "inductor_gemm": "'auto' (default: per float32 CPU matmul shape, whichever of torch's mm/addmm and "
-    "oneDNN's matmul measured faster here, cached; see spmd.backend.gemm_policy), 'onednn' (oneDNN's "
-    "matmul for large ones) or 'aten' (torch's mm/addmm: MKL's sgemm in x86 builds); backend='inductor' only",
-    "inductor_config": "dict of torch._inductor.config settings for backend='inductor' (applied over spmd's)",
-    "chunked_loss": "the loss head (output projection + cross-entropy, forward and backward) as one node "
-    "that runs over chunks of tokens, so the [tokens, vocab] logits never exist: 'auto' (default: when "
-    "one logits buffer is >= 1 GiB), True (whenever recognised), False (never) or an int (tokens per "
-    "chunk); data-parallel modes only; see docs/loss-head.md",
-    "remat": "None (default: save what autograd saves), 'selective' (recompute cheap ops in backward), "
-    "'full' (recompute each block from its input) or a float in (0, 1) (a memory budget, torch's "
-    "activation_memory_budget: saved bytes from those of 'full' near 0 to 'selective' near 1; 1.0 is "
-    "None); see passes.remat and docs/remat.md",
-    "share_compile": "backend='inductor': ranks of a host with the same graph compile it once and load it "
-    "from inductor's caches (default False: no gain measured with 2 ranks on 2 cores; True or env "
-    "SPMD_SHARE_COMPILE=1 turns it on where safe; see spmd.backend.compile_once)",
-}
 
 
 class Override(abc.ABC):
@@ -116,11 +89,11 @@ def compile(
         module_override: :class:`Override` objects applied before tracing.
         gm_transformation: ``gm -> gm`` run once on the graph after the built-in passes.
         parallel_mode: how to parallelise; ``None`` means ``DataParallel("replicate")``.
-        **options: see ``spmd.api._OPTIONS`` (``dump_dir``, ``cache_size_limit``, ...).
+        **options: see ``spmd.options.OPTIONS`` (``dump_dir``, ``cache_size_limit``, ...).
     """
-    unknown = sorted(set(options) - set(_OPTIONS))
+    unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        valid = ", ".join(sorted(_OPTIONS))
+        valid = ", ".join(sorted(OPTIONS))
         raise ConfigError(f"spmd.compile: unknown option(s) {unknown}; valid options are: {valid}.")
     if parallel_mode is not None and not isinstance(parallel_mode, ParallelMode):
         raise ConfigError(
@@ -136,7 +109,7 @@ def compile(
     check_backend(options.get("backend", "eager"))
     check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
     check_gemm(options.get("inductor_gemm", "auto"))
-    _check_chunked_loss(options.get("chunked_loss", "auto"), parallel_mode)
+    check_chunked_loss(options.get("chunked_loss", "auto"), parallel_mode)
     check_remat(options.get("remat"))
 
     def decorate(fn: Callable[..., Any]) -> CompiledStep:
@@ -198,7 +171,7 @@ class CompiledStep:
         self.inductor_config: dict[str, Any] = dict(options.get("inductor_config") or {})
         self.inductor_optimizer: str = check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
         self.inductor_gemm: str = check_gemm(options.get("inductor_gemm", "auto"))
-        self.chunked_loss = _check_chunked_loss(options.get("chunked_loss", "auto"), parallel_mode)
+        self.chunked_loss = check_chunked_loss(options.get("chunked_loss", "auto"), parallel_mode)
         self.remat: str | float | None = check_remat(options.get("remat"))
         self.share_compile: bool = bool(
             options.get("share_compile", os.environ.get("SPMD_SHARE_COMPILE", "0") not in ("", "0"))
@@ -600,24 +573,6 @@ def _report(entry: _Entry, stage: str) -> StepReport:
         lower_role=entry.lower_role,
         lower_wait_s=entry.lower_wait_s,
     )
-
-
-def _check_chunked_loss(value: Any, parallel_mode: ParallelMode | None) -> bool | int | str:
-    """The ``chunked_loss`` option, validated."""
-    ok = value == "auto" or isinstance(value, bool) or (type(value) is int and value > 0)
-    if not ok:
-        raise ConfigError(
-            f"spmd.compile: chunked_loss={value!r}; use 'auto' (chunk a big loss head), True (chunk "
-            "any recognised head), False (never) or a positive int (tokens per chunk)."
-        )
-    forced = value != "auto" and value is not False
-    if forced and parallel_mode is not None and not isinstance(parallel_mode, DataParallel):
-        raise ConfigError(
-            f"spmd.compile: chunked_loss={value!r} needs a DataParallel mode (the chunked head is a "
-            f"custom op that {type(parallel_mode).__name__} cannot shard); drop chunked_loss or use "
-            "spmd.DataParallel."
-        )
-    return value  # type: ignore[no-any-return]
 
 
 def _all_gloo(gm: fx.GraphModule) -> bool:

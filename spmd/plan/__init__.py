@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from passes import collectives as C
 from passes.cost_model import CostEstimate, DeviceProfile, GroupInfo, estimate_step_time
-from spmd import api
+from spmd import api, options
 from spmd.api import CompiledStep
 from spmd.errors import ConfigError
 from spmd.frontend import step_inputs
@@ -273,7 +273,7 @@ def _tokens(example_args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
 
 
 def _remat_axis(remat: Iterable[Any] | None) -> list[Any]:
-    if "remat" not in api._OPTIONS:
+    if "remat" not in options.OPTIONS:
         if remat:
             raise ConfigError(
                 "spmd.plan: remat= was given but spmd.compile has no remat option yet; leave remat unset."

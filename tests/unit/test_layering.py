@@ -25,6 +25,7 @@ STAGES: dict[str, int] = {
     "backend": 4,  # run the final graph (eager or inductor), call after call
     "reporting": 5,  # what a compiled step shows: the report, the dump
     "api": 6,  # spmd.compile and CompiledStep: drives the stages above
+    "options": 6,  # spmd.compile's options and their checks (read by the api and the plan)
     "simulate": 7,  # the tools, on top of the api
     "plan": 7,
     "calibrate": 7,
