@@ -559,6 +559,13 @@ class CompiledStep:
             stale = os.path.join(where, f"{old_index:02d}_final.py")  # now NN_fix_layouts.py
             if os.path.exists(stale):
                 os.remove(stale)
+            if entry.lowered_code is not None:
+                # backend="inductor" runs this graph too while it measures (spmd.backend.step_aside):
+                # its code, compiled from the graph before the fix-ups, stays the stage after final.
+                code = os.path.join(where, f"{old_index + 1:02d}_{entry.backend}.py")
+                if os.path.exists(code):
+                    os.remove(code)
+                dump_code(where, len(entry.graphs), entry.backend, entry.lowered_code)
             dump_report(where, _report(entry, "final"))
 
 
