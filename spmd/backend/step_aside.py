@@ -57,9 +57,11 @@ TIMED_STEPS = 3
 # One warm-up call of each (the compile call runs inductor), then timed calls alternating.
 _WARM_UP = ((INDUCTOR, False), (EAGER, False))
 SCHEDULE: tuple[tuple[str, bool], ...] = _WARM_UP + ((INDUCTOR, True), (EAGER, True)) * TIMED_STEPS
-# Eager must beat inductor's median by more than this fraction to be kept. Measured here
-# (benchmarks/step_aside_noise.py, 2026-11-25, world size 1, 1 thread, the same callable timed in
-# both slots of the schedule, 2 cores shared with other jobs): see docs/inductor.md, "Stepping aside".
+# Eager must beat inductor's median by more than this fraction to be kept: a small floor, so a
+# tie keeps inductor's code, while a real loss of a few percent still steps aside. The noise is
+# larger on loaded cores: with the same callable in both slots (benchmarks/step_aside_noise.py,
+# 2026-11-25, world size 1, 1 thread, load ~8 on 2 cores) the medians differed by a median 2.9%
+# (encoder), 5.9% (GPT), 14% (overhead model); a pick by noise costs at most that difference.
 MARGIN = 0.03
 
 
