@@ -144,10 +144,6 @@ class StepAside:
         # The medians the decision was made from (ms; the max over ranks with collectives).
         self.medians_ms: dict[str, float] = {}
 
-    @property
-    def inductor(self) -> Callable[..., Any]:
-        return self.callables[INDUCTOR]
-
     def __call__(self, *flat: torch.Tensor) -> Any:
         if self.kept is not None:
             return self.callables[self.kept](*flat)
