@@ -167,7 +167,7 @@ class StepAside:
         self.kept = choose(inductor_ms, eager_ms)
         log.info(
             "spmd: %s: kept %s's code after timing %d steps of each: median %.2f ms inductor, %.2f ms "
-            "eager runtime of the same graph (%s; eager needs to be %.0f%% faster)",
+            "eager runtime of the same graph (%s; eager is kept if more than %.0f%% faster)",
             self.label,
             self.kept,
             TIMED_STEPS,
