@@ -20,6 +20,11 @@ data and times them in interleaved rounds (``worker.py``; how each number is mea
     spmd_replicate_inductor     spmd_replicate with backend="inductor"
     spmd_fully_shard_inductor   spmd_fully_shard with backend="inductor"
 
+The inductor variants run with the defaults, so their first steps time inductor's code against
+the eager runtime of the same graph and keep the faster (``inductor_fallback="measure"``,
+``spmd.backend.step_aside``); those steps are untimed warm-up here, and the table's ``kept``
+column shows the callable kept, with the eager runtime's median step over inductor's.
+
 Ablations (only when named in --variants): ``spmd_replicate_no_optoverlap`` and
 ``spmd_fully_shard_no_optoverlap`` run with the ``overlap_optimizer`` pass disabled;
 ``spmd_replicate_no_reuse``, ``spmd_fully_shard_no_reuse`` and ``spmd_fully_shard_noreshard_no_reuse``
@@ -249,6 +254,7 @@ def table(records: list[dict[str, Any]]) -> str:
         "wire MiB",
         "colls",
         "compile s",
+        "kept",
     )
     rows = []
     for r in records:
@@ -269,9 +275,19 @@ def table(records: list[dict[str, Any]]) -> str:
                 _mib(r.get("wire_bytes")),
                 str(r.get("collectives")),
                 _compile_cell(r),
+                _kept_cell(r),
             )
         )
     return markdown(head, rows)
+
+
+def _kept_cell(r: dict[str, Any]) -> str:
+    """backend="inductor": the callable kept, and the eager runtime's median step over inductor's."""
+    rep = r.get("report", {})
+    kept, ms = rep.get("kept"), rep.get("measured_ms") or {}
+    if not kept:
+        return "-"
+    return f"{kept} ({ms['eager'] / ms['inductor']:.2f})" if ms.get("inductor") else kept
 
 
 def _compile_cell(r: dict[str, Any]) -> str:
@@ -453,7 +469,9 @@ def main() -> None:
         "pred MiB: spmd report(); "
         "comm MiB: per rank per step, larger side of each collective (profiler); min MiB: least the "
         "variant's semantics need; wire MiB: bytes written to sockets (/proc/self/io); colls: collective "
-        "launches per step; compile s: first call minus a step (of it, inductor's lowering)."
+        "launches per step; compile s: first call minus a step (of it, inductor's lowering); kept: the "
+        "inductor rows' choice between inductor's code and the eager runtime of the same graph (eager "
+        "runtime / inductor median step over the first steps, spmd.backend.step_aside)."
     )
     if check is not None:
         import plan_check

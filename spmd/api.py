@@ -31,6 +31,7 @@ from spmd.backend.carry import install as carry_install
 from spmd.backend.lastcall import LastCall
 from spmd.backend.lowering import check_backend, check_gemm, check_optimizer_lowering, compile_graph
 from spmd.backend.runtime import Executable, check_final_graph, make_executable
+from spmd.backend.step_aside import check_fallback
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.frontend import guards, step_inputs, tracing
 from spmd.frontend import optim as optim_utils
@@ -109,6 +110,7 @@ def compile(
     check_backend(options.get("backend", "eager"))
     check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
     check_gemm(options.get("inductor_gemm", "auto"))
+    check_fallback(options.get("inductor_fallback", "measure"))
     check_chunked_loss(options.get("chunked_loss", "auto"), parallel_mode)
     check_remat(options.get("remat"))
 
@@ -139,6 +141,7 @@ class _Entry:
     lower_role: str | None = None  # shared compile: "alone", "leader" or "follower" (None for eager)
     lower_wait_s: float | None = None  # a follower's wait for its leader (part of lower_s)
     remat: str | float | None = None  # the remat policy the graph was built with
+    inductor_fallback: str | None = None  # backend="inductor": "measure" or "never" (None for eager)
     # Plain module attributes the trace read (spmd.frontend.guards): the graph is reused only while they hold.
     attr_guards: list[guards.Guard] = dataclasses.field(default_factory=list)
 
@@ -171,6 +174,7 @@ class CompiledStep:
         self.inductor_config: dict[str, Any] = dict(options.get("inductor_config") or {})
         self.inductor_optimizer: str = check_optimizer_lowering(options.get("inductor_optimizer", "opaque"))
         self.inductor_gemm: str = check_gemm(options.get("inductor_gemm", "auto"))
+        self.inductor_fallback: str = check_fallback(options.get("inductor_fallback", "measure"))
         self.chunked_loss = check_chunked_loss(options.get("chunked_loss", "auto"), parallel_mode)
         self.remat: str | float | None = check_remat(options.get("remat"))
         self.share_compile: bool = bool(
@@ -406,7 +410,7 @@ class CompiledStep:
                 gemm=self.inductor_gemm,
                 share=self.share_compile,
             )
-            exe.compiled = lowered.fn
+            exe.use_compiled(lowered.fn, measure=self.inductor_fallback == "measure", label=self.__name__)
         style, world = describe_mode(self.parallel_mode)
         entry = _Entry(
             exe=exe,
@@ -421,6 +425,7 @@ class CompiledStep:
             lower_role=lowered.role if lowered else None,
             lower_wait_s=lowered.wait_s if lowered else None,
             remat=self.remat,
+            inductor_fallback=self.inductor_fallback if lowered else None,
             attr_guards=read,
         )
         exe.on_layout_fix = functools.partial(self._record_layout_fix, entry)
@@ -554,6 +559,13 @@ class CompiledStep:
             stale = os.path.join(where, f"{old_index:02d}_final.py")  # now NN_fix_layouts.py
             if os.path.exists(stale):
                 os.remove(stale)
+            if entry.lowered_code is not None:
+                # backend="inductor" runs this graph too while it measures (spmd.backend.step_aside):
+                # its code, compiled from the graph before the fix-ups, stays the stage after final.
+                code = os.path.join(where, f"{old_index + 1:02d}_{entry.backend}.py")
+                if os.path.exists(code):
+                    os.remove(code)
+                dump_code(where, len(entry.graphs), entry.backend, entry.lowered_code)
             dump_report(where, _report(entry, "final"))
 
 
@@ -572,7 +584,21 @@ def _report(entry: _Entry, stage: str) -> StepReport:
         lower_s=entry.lower_s,
         lower_role=entry.lower_role,
         lower_wait_s=entry.lower_wait_s,
+        inductor_fallback=entry.inductor_fallback,
+        **_kept(entry),
     )
+
+
+def _kept(entry: _Entry) -> dict[str, Any]:
+    """For the report: which callable runs an inductor step, and the timings it was chosen by."""
+    aside = entry.exe.aside
+    if aside is None:  # the eager backend, or inductor_fallback="never"
+        return {"kept": "inductor" if entry.inductor_fallback else None}
+    return {
+        "kept": aside.kept,
+        "measured_ms": dict(aside.medians_ms),
+        "measured_steps": {k: len(v) for k, v in aside.times.items()},
+    }
 
 
 def _all_gloo(gm: fx.GraphModule) -> bool:

@@ -31,6 +31,7 @@ from passes.invariants import check_collective_buffers
 from passes.layouts import FAILING_NODE, fix_layouts
 from passes.meta import Role
 from spmd.backend.carry import CarriedGathers
+from spmd.backend.step_aside import INDUCTOR, StepAside, deciding_groups
 from spmd.errors import CollectiveError, KernelError, ModelChangedError, PassError, SpmdError
 from spmd.frontend import step_inputs, tracing
 from spmd.parallel.sharding import local
@@ -78,6 +79,10 @@ class Executable:
     # What runs instead of ``gm`` when a backend compiled it (spmd.backend.lowering); None: run ``gm``.
     # inductor retraced the graph on the real inputs, so the first-run layout check is not needed.
     compiled: Any = None
+    # backend="inductor" with inductor_fallback="measure": the first calls time ``compiled``
+    # against the eager runtime of ``gm`` (spmd.backend.step_aside), then ``compiled`` is the
+    # faster (None: eager). Kept for the report.
+    aside: StepAside | None = None
     # cross_step_prefetch (passes.cross_step): the graph's last ``n_carried`` inputs are the
     # gathers the previous call issued, its last ``n_carried`` outputs those for the next;
     # ``carry`` (shared by the compiled step's graphs) keeps them, ``issue`` gathers them when
@@ -163,10 +168,7 @@ class Executable:
             flat = [*flat, *self.carry.take(self, flat, carry_params, self.carry_sources, self.issue)]
         try:
             with torch.no_grad():
-                if self.compiled is not None:
-                    outs = self.compiled(*flat)
-                else:
-                    outs = self.gm(*flat) if self.layouts_checked else self._first_run(flat)
+                outs = self.compiled(*flat) if self.compiled is not None else self.run_graph(*flat)
         except RuntimeError as exc:
             node = _failing_node(exc, self.gm)
             is_comm = node is not None and (C.is_collective(node) or C.is_wait(node))
@@ -188,6 +190,25 @@ class Executable:
         for p in cleared:
             p.grad = None
         return pytree.tree_unflatten(leaves, self.out_spec)
+
+    def run_graph(self, *flat: torch.Tensor) -> Any:
+        """The eager runtime: run ``gm`` op by op (the first run checks and fixes layouts)."""
+        return self.gm(*flat) if self.layouts_checked else self._first_run(list(flat))
+
+    def use_compiled(self, fn: Any, *, measure: bool, label: str = "train_step") -> None:
+        """Run ``fn`` (the backend's compiled graph) instead of ``gm``; with ``measure``, only if it
+        is faster than the eager runtime of ``gm`` on the first calls (:class:`StepAside`)."""
+        if not measure:
+            self.compiled = fn
+            return
+
+        def keep(kept: str) -> None:
+            self.compiled = fn if kept == INDUCTOR else None
+
+        self.aside = StepAside(
+            fn, self.run_graph, groups=deciding_groups(self.gm), on_decide=keep, label=label
+        )
+        self.compiled = self.aside
 
     def _first_run(self, flat: list[torch.Tensor]) -> Any:
         """Run the graph checking real against traced layouts, fixing it where they differ."""

@@ -60,6 +60,14 @@ class StepReport:
     lower_s: float | None = None  # the backend's compile time (inductor), part of compile_s
     lower_role: str | None = None  # shared compile (spmd.backend.compile_once): "alone", "leader", "follower"
     lower_wait_s: float | None = None  # a follower's wait for its leader's compile, part of lower_s
+    # backend="inductor" (spmd.backend.step_aside): the option, which callable runs the step from
+    # now on ("inductor" or "eager", the eager runtime of the same graph; None while measuring or
+    # for the eager backend), the medians it was chosen by (ms per step, the largest over the ranks
+    # when the graph has collectives) and the timed steps per callable so far.
+    inductor_fallback: str | None = None  # "measure" or "never"
+    kept: str | None = None
+    measured_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    measured_steps: dict[str, int] = dataclasses.field(default_factory=dict)
     # Loss heads passes.chunked_loss rewrote, in words (tokens x vocab, chunks); empty if none.
     loss_heads: list[str] = dataclasses.field(default_factory=list)
     # Rematerialization (spmd.compile(remat=...); passes.remat), read off the traced graph after it:
@@ -106,6 +114,8 @@ class StepReport:
                 shared = ", compiled for this host"
             backend = f"{self.backend} (lowered in {self.lower_s:.2f} s{shared})"
         rows.append(("backend", backend))
+        if self.inductor_fallback is not None:
+            rows.append(("kept", self._kept_words()))
         rows += [
             ("params", f"{_size(self.param_bytes)}  ({self.num_params} tensors)"),
             ("grads", f"{_size(self.grad_bytes)}  ({self.num_grads} tensors)"),
@@ -139,6 +149,18 @@ class StepReport:
             )
         return "\n".join(lines)
 
+    def _kept_words(self) -> str:
+        if self.inductor_fallback == "never":
+            return "inductor (inductor_fallback='never')"
+        steps = "/".join(str(n) for n in self.measured_steps.values())
+        if self.kept is None:
+            return f"measuring (timed steps inductor/eager so far: {steps})"
+        ms = self.measured_ms
+        return (
+            f"{self.kept} (median step {ms.get('inductor', 0.0):.2f} ms inductor, {ms.get('eager', 0.0):.2f} "
+            f"ms eager runtime, {steps} timed steps)"
+        )
+
 
 def _size(n: int) -> str:
     if n >= _MiB:
@@ -171,6 +193,10 @@ def build_report(
     lower_s: float | None = None,
     lower_role: str | None = None,
     lower_wait_s: float | None = None,
+    inductor_fallback: str | None = None,
+    kept: str | None = None,
+    measured_ms: dict[str, float] | None = None,
+    measured_steps: dict[str, int] | None = None,
     traced: fx.GraphModule | None = None,
     remat: str | float | None = None,
 ) -> StepReport:
@@ -218,6 +244,10 @@ def build_report(
         lower_s=lower_s,
         lower_role=lower_role,
         lower_wait_s=lower_wait_s,
+        inductor_fallback=inductor_fallback,
+        kept=kept,
+        measured_ms=dict(measured_ms or {}),
+        measured_steps=dict(measured_steps or {}),
         loss_heads=[n.meta[CHUNKED_LOSS] for n in gm.graph.nodes if n.meta.get(CHUNKED_LOSS)],
         remat=remat,
         activation_saved_bytes=act.saved_bytes if act else 0,

@@ -27,6 +27,8 @@ def _train(rank: int, style: str, batch_rows: int | None = None, **options: Any)
     losses, the FX graph cache counters' change and the report's shared-compile fields."""
     model = pm.build("mlp")
     opt = shared.make_optimizer("adamw_fused", model)
+    # inductor_fallback="never": every step runs the (shared or own) compiled code, none the eager runtime.
+    options = {"inductor_fallback": "never", **options}
     step = spmd.compile(parallel_mode=spmd.DataParallel(style), backend="inductor", **options)(train_step)
     before = _cache_counts()
     losses = []

@@ -11,7 +11,7 @@ import torch.fx as fx
 
 import spmd
 from passes import collectives as C
-from spmd.backend import gemm_policy
+from spmd.backend import gemm_policy, step_aside
 from spmd.backend.lowering import code_order, compile_graph, graph_order
 from spmd.parallel.sharding import local
 from tests import models as shared
@@ -23,7 +23,11 @@ TOL = 1e-5
 
 
 def inductor_vs_eager(
-    rank: int, world: int, cases: list[tuple[str, str, str]], steps: int = 3, reorder: bool = True
+    rank: int,
+    world: int,
+    cases: list[tuple[str, str, str]],
+    steps: int = len(step_aside.SCHEDULE) + 1,
+    reorder: bool = True,
 ) -> dict[str, Any]:
     """For each (style, model, optimizer): the same training on backend='eager' and 'inductor'.
 
@@ -31,7 +35,11 @@ def inductor_vs_eager(
     generated code's collective order next to the final graph's, and whether the code calls
     oneDNN's matmul. In the replicate case the GEMM timings disagree across ranks (rank 0
     finds oneDNN faster, the others ATen): every rank must lower with rank 0's choice,
-    oneDNN. Each case starts from an empty GEMM policy cache. With ``reorder``, the last
+    oneDNN. Each case starts from an empty GEMM policy cache. The steps cover the measured choice
+    between inductor's code and the eager runtime (spmd.backend.step_aside) and one after it; in
+    the replicate case its timings disagree across ranks too (:func:`_disagreeing_step_times`):
+    ``out["kept"]`` and ``out["measured_ms"]`` are each case's decision and the medians it was
+    made from. With ``reorder``, the last
     case's final graph is lowered once more with a pass that swaps two collectives, and
     ``out["reorder"]`` is the LoweringError's message.
     """
@@ -43,12 +51,16 @@ def inductor_vs_eager(
         "orders": {},
         "onednn": {},
         "kinds": {},
+        "kept": {},
+        "measured_ms": {},
     }
     real_timer = gemm_policy.time_gemm
+    real_time_call = step_aside.time_call
     for style, model_name, opt_name in cases:
         tag = f"{style}/{model_name}/{opt_name}"
         os.environ["SPMD_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd_gemm_")
         gemm_policy.time_gemm = _disagreeing_timer(rank) if style == "replicate" else real_timer
+        step_aside.time_call = _disagreeing_step_times(rank) if style == "replicate" else real_time_call
         model = pm.build(model_name)
         twin = shared.twin(model)
         opt, twin_opt = shared.make_optimizer(opt_name, model), shared.make_optimizer(opt_name, twin)
@@ -83,8 +95,11 @@ def inductor_vs_eager(
         out["lower_s"][tag] = report.lower_s
         out["orders"][tag] = len(got_order)
         out["onednn"][tag] = "onednn_mm" in (ind.lowered_code or "")
+        out["kept"][tag] = report.kept
+        out["measured_ms"][tag] = report.measured_ms
         out["kinds"][tag] = sorted({C.kind_of(n).value for n in C.collectives(ind.graphs["final"].graph)})
     gemm_policy.time_gemm = real_timer
+    step_aside.time_call = real_time_call
     if reorder:
         t0 = time.perf_counter()
         out["reorder"] = reorder_detected(eag, twin, twin_opt, *pm.batch(model_name, steps, rank))
@@ -99,6 +114,21 @@ def _disagreeing_timer(rank: int) -> Any:
         return (2.0, 1.0) if rank == 0 else (1.0, 2.0)
 
     return timer
+
+
+# Injected step times (ms, inductor / eager): rank 0 alone would keep eager (2x faster), rank 1
+# inductor; the largest over the ranks, 10 / 8, keeps eager on both.
+STEP_MS = {0: (10.0, 5.0), 1: (6.0, 8.0)}
+
+
+def _disagreeing_step_times(rank: int) -> Any:
+    """A step_aside.time_call that runs the step and reports :data:`STEP_MS` for this rank."""
+
+    def time_call(which: str, fn: Any, flat: Any) -> tuple[Any, float]:
+        inductor_ms, eager_ms = STEP_MS[rank % 2]
+        return fn(*flat), 1e-3 * (inductor_ms if which == step_aside.INDUCTOR else eager_ms)
+
+    return time_call
 
 
 def _swap_first_independent_collectives(graph: fx.Graph) -> None:
