@@ -21,6 +21,7 @@ import dataclasses
 import datetime
 import gc
 import json
+import logging
 import math
 import os
 import statistics
@@ -223,6 +224,13 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
+    # spmd's decisions (inductor's GEMM library per shape, the kept callable, the passes' choices)
+    # go to the job's log (run.py writes each worker's stderr there), rank 0's only.
+    if rank == 0:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[rank 0] %(name)s %(levelname)s: %(message)s"))
+        logging.getLogger("spmd").addHandler(handler)
+        logging.getLogger("spmd").setLevel(logging.INFO)
     spec = models.get(args.model, quick=args.quick)
     gen = torch.Generator().manual_seed(1000 + rank)  # rank r's data, the same for every variant
     batches = [spec.batch(gen) for _ in range(4)]
