@@ -16,7 +16,10 @@ What allocates nothing:
   tensor, so storage identity alone would count the buffer twice.)
 - in-place ops that return nothing (``_foreach_add_``, ``_fused_adamw_``).
 
-Collectives allocate their output (the functional ops do). Temporaries inside one
+Collectives allocate their output (the functional ops do), and hold their inputs until their
+wait: c10d's work object keeps the tensors it sends until it completes, so an input whose last
+reader is the collective is freed after the wait (``MemTracker`` sees them live there: the
+flat-gradient input of a reduce-scatter, the copy-in buffer of an all-gather). Temporaries inside one
 kernel are not seen, as ``torch.distributed._tools.mem_tracker.MemTracker`` does not
 see them either, except where a node declares them (``passes.meta.WORKSPACE``: a chunked
 loss head's per-chunk buffers, made by a Python kernel): they count as live while that
