@@ -176,6 +176,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _storage_key(t: torch.Tensor) -> Any:
+    try:
+        return t.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def _aliases_an_input(node: fx.Node) -> bool:
+    """The result's (fake) storage is an input's: a view the schema does not declare
+    (``_unsafe_view``), as ``passes.memory`` tells it."""
+    outs = _tensors(node.meta.get("val"))
+    if not outs:
+        return False
+    ins = {_storage_key(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))}
+    ins.discard(None)
+    return all(_storage_key(t) in ins for t in outs)
+
+
 def _is_free(node: fx.Node) -> bool:
     """No kernel runs: structure, a multi-output pick, or a view (aliases without writing)."""
     if node.op != "call_function":
@@ -187,6 +205,9 @@ def _is_free(node: fx.Node) -> bool:
         rets = [r.alias_info for r in target._schema.returns]
         if rets and all(a is not None and not a.is_write for a in rets):
             return True
+        if not rets or any(a is not None for a in rets):
+            return False
+        return not _written_args(node) and _aliases_an_input(node)
     return False
 
 

@@ -210,3 +210,16 @@ def test_op_efficiency_scales_its_class_only() -> None:
     half = _with(op_efficiency={"matmul": 0.5})
     assert compute_time(mm, half)[0] == pytest.approx(2 * compute_time(mm, PROFILE)[0])
     assert compute_time(relu, half)[0] == compute_time(relu, PROFILE)[0]
+
+
+def test_an_undeclared_view_is_free_and_allocates_nothing() -> None:
+    """_unsafe_view (no alias annotation; its fake result shares the input's storage) is a view:
+    no bytes moved, no fresh allocation to touch; a clone of the same tensor is not."""
+    b = Builder()
+    x = b.input("x", 512, 512)
+    u = b.op(aten._unsafe_view.default, x, [512 * 512])
+    c = b.op(aten.clone.default, x)
+    gm = b.finish(u, c)
+    prof = _with(fresh_alloc_curve=[[2**20, 1e-3], [2**30, 1.0]])
+    est = estimate_step_time(gm, prof, GROUPS)
+    assert est.compute_s == pytest.approx(compute_time(c, prof)[0])
