@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import os
 import socket
 import statistics
@@ -58,13 +59,25 @@ _HIDE_S = 2e-3
 _N_INTERLEAVED = 20
 
 
-def _best(fn: Callable[[], Any], repeats: int, inner: int = 1) -> float:
-    """The median time of ``fn`` (seconds) over ``repeats`` runs of ``inner`` calls.
+# Each timed repeat of a compute measurement lasts at least this long (more calls per repeat
+# for a short one): about a step of the bench models, so that on a machine shared with other
+# work a measurement is preempted as often as the step it prices (a 5 us op timed in a burst
+# shorter than the scheduler's slice would see an idle core).
+_WINDOW_S = 0.02
+
+
+def _best(fn: Callable[[], Any], repeats: int, inner: int = 1, *, window: bool = True) -> float:
+    """The median time of ``fn`` (seconds) over ``repeats`` runs of ``inner`` calls (more calls
+    where ``window`` and ``inner`` of them take less than ``_WINDOW_S``).
 
     The median, not the best: a step is timed by its median too, so on a machine shared
-    with other work both see the same share of the cores.
+    with other work both see the same share of the cores. ``window=False`` where the calls
+    are collectives (every rank must make the same number).
     """
+    t0 = time.perf_counter()
     fn()  # warm up
+    if window:
+        inner = max(inner, math.ceil(_WINDOW_S / max(time.perf_counter() - t0, 1e-7)))
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -340,10 +353,10 @@ def _gloo_worker(rank: int, init: str, q: Any) -> None:
 
         def timed(fn: Callable[[], Any], repeats: int, inner: int = 1) -> float:
             dist.barrier()
-            return _best(lambda: f.wait_tensor(fn()), repeats, inner)
+            return _best(lambda: f.wait_tensor(fn()), repeats, inner, window=False)
 
         a = torch.randn(256, 256)
-        mm_s = _best(lambda: torch.mm(a, a), 5, inner=10)
+        mm_s = _best(lambda: torch.mm(a, a), 5, inner=10, window=False)
         ar_s = timed(lambda: f.all_reduce(big, "sum", name), 5)
         k = max(1, round(ar_s / mm_s))
 
@@ -356,9 +369,9 @@ def _gloo_worker(rank: int, init: str, q: Any) -> None:
             compute()
             f.wait_tensor(w)
 
-        alone_s = _best(compute, 5)
+        alone_s = _best(compute, 5, window=False)
         dist.barrier()
-        both_s = _best(both, 5)
+        both_s = _best(both, 5, window=False)
 
         # A small collective as a step pays it: issued, compute that outlasts it, then waited
         # (so the wait does not block on the wire): what the host pays beyond the compute.
@@ -380,9 +393,9 @@ def _gloo_worker(rank: int, init: str, q: Any) -> None:
                 work()
 
         dist.barrier()
-        plain_s = _best(without, 3)
+        plain_s = _best(without, 3, window=False)
         dist.barrier()
-        inter_s = _best(with_collectives, 3)
+        inter_s = _best(with_collectives, 3, window=False)
         res = {
             # How much of the shorter one hides behind the other when both run at once.
             "overlap": (alone_s + ar_s - both_s) / min(alone_s, ar_s),
