@@ -12,8 +12,12 @@ The model, per node in program order:
   aliases an argument without writing it (``view``, ``t``, ``slice``, ``split``, ...): no
   device time; a view still pays ``op_overhead_s`` (its dispatch), as does every
   collective and wait (the launch, on the compute stream). The GPU profiles set it to 0.
-- **Compute** (every other op): ``max(FLOPs / (peak FLOP/s of its dtype x efficiency),
-  bytes / (memory bandwidth x efficiency)) + op overhead``. FLOPs come from
+- **Compute** (every other op): where the profile has a measured curve for the op (or its class,
+  :func:`op_class`) and the op computes in fp32, the curve's time at the op's FLOPs (matmul,
+  attention) or bytes (the rest); else ``max(FLOPs / (peak FLOP/s of its dtype x efficiency of
+  its class), bytes / (memory bandwidth x efficiency)) + op overhead``. Plus, where the profile
+  measured them, the per-tensor cost of an optimizer op's tensor lists and the first touch of
+  each large fresh output (``fresh_alloc_curve``: page faults of a newly mapped buffer). FLOPs come from
   ``torch.utils.flop_counter``'s formulas (the ones ``FlopCounterMode`` uses: matmuls,
   convolutions, attention), applied to the node's ``meta["val"]`` shapes; an op with no
   formula (elementwise, reductions, the fused optimizer) is priced by its bytes. Bytes are
@@ -26,7 +30,8 @@ The model, per node in program order:
   broadcast the bytes once. Bandwidth and latency are the intra-node ones when the group
   lies within one node, the inter-node ones when it spans nodes.
   On a device where communication takes the compute's resources (a CPU: gloo's threads),
-  the fraction ``1 - comm_compute_overlap`` of its time is charged to the compute stream too.
+  the fraction ``1 - comm_compute_overlap`` of its time is charged to the compute stream too,
+  and each collective charges it ``collective_host_s`` (issue, wait, wake-up; measured).
 - **Wait**: the compute stream stalls until its collective completes; the stall is
   *exposed communication*.
 
@@ -34,10 +39,12 @@ The step ends when both streams are idle. So a gather issued a unit ahead (prefe
 hides behind the compute before its wait, and one issued just before its first use is
 exposed in full.
 
-What it leaves out: kernel-level overlap costs (a collective slowing the compute it
-overlaps, by memory bandwidth or SMs), caching-allocator and host (Python) overhead
-beyond ``op_overhead_s``, tree all-reduce algorithms, topology beyond "one node / more",
-and fusion (each op reads and writes memory, as an eager step does).
+What it leaves out: kernel-level overlap costs on GPUs (a collective slowing the compute it
+overlaps, by memory bandwidth or SMs), caching-allocator and host (Python) overhead beyond the
+measured per-call costs, efficiency by shape on GPUs (one efficiency per op class), causal
+attention's skipped half (torch's formula counts it whole), tree all-reduce algorithms,
+topology beyond "one node / more", and fusion (each op reads and writes memory, as an eager
+step does).
 """
 
 from __future__ import annotations
