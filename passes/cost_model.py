@@ -12,8 +12,12 @@ The model, per node in program order:
   aliases an argument without writing it (``view``, ``t``, ``slice``, ``split``, ...): no
   device time; a view still pays ``op_overhead_s`` (its dispatch), as does every
   collective and wait (the launch, on the compute stream). The GPU profiles set it to 0.
-- **Compute** (every other op): ``max(FLOPs / (peak FLOP/s of its dtype x efficiency),
-  bytes / (memory bandwidth x efficiency)) + op overhead``. FLOPs come from
+- **Compute** (every other op): where the profile has a measured curve for the op (or its class,
+  :func:`op_class`) and the op computes in fp32, the curve's time at the op's FLOPs (matmul,
+  attention) or bytes (the rest); else ``max(FLOPs / (peak FLOP/s of its dtype x efficiency of
+  its class), bytes / (memory bandwidth x efficiency)) + op overhead``. Plus, where the profile
+  measured them, the per-tensor cost of an optimizer op's tensor lists and the first touch of
+  each large fresh output (``fresh_alloc_curve``: page faults of a newly mapped buffer). FLOPs come from
   ``torch.utils.flop_counter``'s formulas (the ones ``FlopCounterMode`` uses: matmuls,
   convolutions, attention), applied to the node's ``meta["val"]`` shapes; an op with no
   formula (elementwise, reductions, the fused optimizer) is priced by its bytes. Bytes are
@@ -26,7 +30,8 @@ The model, per node in program order:
   broadcast the bytes once. Bandwidth and latency are the intra-node ones when the group
   lies within one node, the inter-node ones when it spans nodes.
   On a device where communication takes the compute's resources (a CPU: gloo's threads),
-  the fraction ``1 - comm_compute_overlap`` of its time is charged to the compute stream too.
+  the fraction ``1 - comm_compute_overlap`` of its time is charged to the compute stream too,
+  and each collective charges it ``collective_host_s`` (issue, wait, wake-up; measured).
 - **Wait**: the compute stream stalls until its collective completes; the stall is
   *exposed communication*.
 
@@ -34,17 +39,20 @@ The step ends when both streams are idle. So a gather issued a unit ahead (prefe
 hides behind the compute before its wait, and one issued just before its first use is
 exposed in full.
 
-What it leaves out: kernel-level overlap costs (a collective slowing the compute it
-overlaps, by memory bandwidth or SMs), caching-allocator and host (Python) overhead
-beyond ``op_overhead_s``, tree all-reduce algorithms, topology beyond "one node / more",
-and fusion (each op reads and writes memory, as an eager step does).
+What it leaves out: kernel-level overlap costs on GPUs (a collective slowing the compute it
+overlaps, by memory bandwidth or SMs), caching-allocator and host (Python) overhead beyond the
+measured per-call costs, efficiency by shape on GPUs (one efficiency per op class), causal
+attention's skipped half (torch's formula counts it whole), tree all-reduce algorithms,
+topology beyond "one node / more", and fusion (each op reads and writes memory, as an eager
+step does).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,8 +67,10 @@ __all__ = [
     "GroupInfo",
     "collective_time",
     "estimate_step_time",
+    "interpolate",
     "node_bytes",
     "node_flops",
+    "op_class",
     "ring_bus_factor",
 ]
 
@@ -90,12 +100,36 @@ class DeviceProfile:
     # Bus bandwidth per collective kind ("all_reduce", ...) where measured; overrides the
     # intra-node bandwidth for that kind (gloo's algorithms differ by kind).
     bandwidth_by_kind: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # Fraction of peak reached per op class (:func:`op_class`: "matmul", "attention",
+    # "memory", "optimizer"): "memory" scales the bandwidth of every op, the others the FLOP/s
+    # of their class. A class not listed uses compute_efficiency / memory_efficiency.
+    op_efficiency: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # Measured time of one call by size, for fp32 ops on this device (``spmd.calibrate``):
+    # key -> [[size, seconds], ...] ascending. The key is an op's overload packet
+    # ("aten.gelu"), else its class ("matmul", "attention", "memory", "optimizer"); the size is
+    # the op's FLOPs for "matmul"/"attention" curves (and the attention ops), else its bytes.
+    # Log-log interpolation between points, the first point's time below it, the last point's
+    # throughput above it. A curve's time includes the call (dispatch, a fresh output), so an
+    # op priced by one does not pay ``op_overhead_s`` again.
+    op_curves: Mapping[str, Sequence[Sequence[float]]] = dataclasses.field(default_factory=dict)
+    # Time of first touching a freshly allocated output by its bytes (page faults of a large
+    # allocation the allocator maps anew each step), [[bytes, seconds], ...]; added to the op.
+    fresh_alloc_curve: Sequence[Sequence[float]] = ()
+    view_overhead_s: float | None = None  # a view op's dispatch (None: op_overhead_s)
+    # Per tensor of a list argument of a foreach or fused optimizer op (its loop over tensors).
+    per_tensor_s: float = 0.0
+    # Compute-stream time a collective costs the host beyond the launch: issue, the wait, the
+    # wake-up of a blocked thread (measured interleaved with compute; 0 on GPU profiles).
+    collective_host_s: float = 0.0
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["peak_flops"] = dict(self.peak_flops)
         d["bandwidth_by_kind"] = dict(self.bandwidth_by_kind)
+        d["op_efficiency"] = dict(self.op_efficiency)
+        d["op_curves"] = {k: [list(p) for p in v] for k, v in self.op_curves.items()}
+        d["fresh_alloc_curve"] = [list(p) for p in self.fresh_alloc_curve]
         d["sources"] = dict(self.sources)
         return d
 
@@ -149,6 +183,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _storage_key(t: torch.Tensor) -> Any:
+    try:
+        return t.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def _aliases_an_input(node: fx.Node) -> bool:
+    """The result's (fake) storage is an input's: a view the schema does not declare
+    (``_unsafe_view``), as ``passes.memory`` tells it."""
+    outs = _tensors(node.meta.get("val"))
+    if not outs:
+        return False
+    ins = {_storage_key(t) for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))}
+    ins.discard(None)
+    return all(_storage_key(t) in ins for t in outs)
+
+
 def _is_free(node: fx.Node) -> bool:
     """No kernel runs: structure, a multi-output pick, or a view (aliases without writing)."""
     if node.op != "call_function":
@@ -160,6 +212,9 @@ def _is_free(node: fx.Node) -> bool:
         rets = [r.alias_info for r in target._schema.returns]
         if rets and all(a is not None and not a.is_write for a in rets):
             return True
+        if not rets or any(a is not None for a in rets):
+            return False
+        return not _written_args(node) and _aliases_an_input(node)
     return False
 
 
@@ -232,15 +287,101 @@ def _dtype_key(node: fx.Node, values: Any) -> str:
     return "fp32"
 
 
+_ATTENTION = (
+    "_scaled_dot_product",
+    "_flash_attention",
+    "_efficient_attention",
+    "_cudnn_attention",
+)
+_OPTIMIZER = ("_fused_adam", "_fused_adamw", "_fused_sgd", "_foreach_")
+
+
+def op_class(node: fx.Node) -> str:
+    """The class of a compute op, the key of a profile's per-class numbers: ``"matmul"`` (a
+    FLOP formula that is not attention: mm, addmm, bmm, convolution), ``"attention"`` (the SDPA
+    kernels), ``"optimizer"`` (fused and foreach optimizer ops) or ``"memory"`` (the rest:
+    elementwise, reductions, norms, softmax, copies: priced by bytes)."""
+    name = getattr(node.target, "__name__", str(node.target))
+    if any(a in name for a in _ATTENTION):
+        return "attention"
+    if name.startswith(_OPTIMIZER):
+        return "optimizer"
+    packet = getattr(node.target, "overloadpacket", None)
+    from torch.utils.flop_counter import flop_registry
+
+    if packet is not None and packet in flop_registry:
+        return "matmul"
+    return "memory"
+
+
+def interpolate(points: Sequence[Sequence[float]], x: float) -> float:
+    """Seconds at size ``x`` from measured ``[[size, seconds], ...]`` (ascending sizes): log-log
+    linear between points, the first point's time below it (a call's fixed cost), the last
+    point's throughput above it."""
+    if x <= points[0][0]:
+        return float(points[0][1])
+    for (x0, t0), (x1, t1) in zip(points, points[1:]):
+        if x <= x1:
+            if x1 <= x0 or t0 <= 0 or t1 <= 0:
+                return float(t1)
+            f = math.log(x / x0) / math.log(x1 / x0)
+            return float(math.exp(math.log(t0) + f * (math.log(t1) - math.log(t0))))
+    xl, tl = points[-1]
+    return float(tl * x / xl)
+
+
+def _list_tensors(values: Any) -> int:
+    """Tensors inside list arguments (a foreach / fused optimizer op's per-tensor loop)."""
+    args, kwargs = values
+    return sum(len(_tensors(a)) for a in (*args, *kwargs.values()) if isinstance(a, list | tuple))
+
+
+def _fresh_bytes(node: fx.Node) -> list[int]:
+    """The bytes of each output an op allocates (none for an in-place or aliasing op)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and any(
+        r.alias_info is not None for r in target._schema.returns
+    ):
+        return []
+    if _written_args(node):  # out= variants and in-place ops write an existing buffer
+        return []
+    return [_nbytes(t) for t in _tensors(node.meta.get("val"))]
+
+
 def compute_time(node: fx.Node, profile: DeviceProfile) -> tuple[float, float]:
-    """(seconds, FLOPs) of one compute op on ``profile``: the roofline plus the op overhead."""
+    """(seconds, FLOPs) of one compute op on ``profile``: a measured curve for its op (or its
+    class) where the profile has one and the op computes in fp32, else the roofline plus the op
+    overhead; plus the per-tensor cost of a list argument and the first touch of fresh outputs."""
     # The arguments' values once for the three (a map over every argument: most of the time here).
     values = fx.node.map_aggregate((node.args, node.kwargs), _val)
     flops = _flops(node, values)
-    peak = profile.peak_flops.get(_dtype_key(node, values)) or profile.peak_flops["fp32"]
-    t_flops = flops / (peak * profile.compute_efficiency)
-    t_bytes = _bytes(node, values) / (profile.memory_bandwidth * profile.memory_efficiency)
-    return max(t_flops, t_bytes) + profile.op_overhead_s, flops
+    dtype = _dtype_key(node, values)
+    cls = op_class(node)
+    nbytes = _bytes(node, values)
+    packet = getattr(node.target, "overloadpacket", None)
+    curve = None
+    if profile.op_curves and dtype == "fp32":
+        curve = profile.op_curves.get(str(packet)) if packet is not None else None
+        if curve is None:
+            curve = profile.op_curves.get(cls)
+    if curve:
+        by_flops = cls in ("matmul", "attention")
+        t = interpolate(curve, flops if by_flops else nbytes)
+    else:
+        peak = profile.peak_flops.get(dtype) or profile.peak_flops["fp32"]
+        f_eff = profile.op_efficiency.get(cls, profile.compute_efficiency)
+        m_eff = profile.op_efficiency.get("memory", profile.memory_efficiency)
+        t = max(flops / (peak * f_eff), nbytes / (profile.memory_bandwidth * m_eff))
+        t += profile.op_overhead_s
+    if profile.per_tensor_s and cls == "optimizer":
+        t += profile.per_tensor_s * _list_tensors(values)
+    if profile.fresh_alloc_curve:
+        t += sum(
+            interpolate(profile.fresh_alloc_curve, b)
+            for b in _fresh_bytes(node)
+            if b >= profile.fresh_alloc_curve[0][0]
+        )
+    return t, flops
 
 
 def collective_time(kind: str, nbytes: float, group: GroupInfo, profile: DeviceProfile) -> float:
@@ -281,11 +422,13 @@ def estimate_step_time(
     by_kind: dict[str, float] = {}
     costs: list[tuple[float, str]] = []
     launch = profile.op_overhead_s
+    view = launch if profile.view_overhead_s is None else profile.view_overhead_s
     for n in gm.graph.nodes:
         if C.is_collective(n):
             kind = C.kind_of(n).value
             t = collective_time(kind, C.bytes_of(n), info(C.group_of(n)), profile)
-            compute_t += launch
+            compute_t += launch + profile.collective_host_s
+            compute_s += profile.collective_host_s
             start = max(compute_t, comm_free)
             comm_free = done[n] = start + t
             stolen = (1.0 - profile.comm_compute_overlap) * t
@@ -303,8 +446,8 @@ def estimate_step_time(
             # No kernel, but an op call still pays the dispatch (a view on the host); getitem,
             # placeholders and the output pay nothing.
             if n.op == "call_function" and n.target is not operator.getitem:
-                compute_t += launch
-                compute_s += launch
+                compute_t += view
+                compute_s += view
         else:
             t, f = compute_time(n, profile)
             compute_t += t

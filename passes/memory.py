@@ -16,7 +16,10 @@ What allocates nothing:
   tensor, so storage identity alone would count the buffer twice.)
 - in-place ops that return nothing (``_foreach_add_``, ``_fused_adamw_``).
 
-Collectives allocate their output (the functional ops do). Temporaries inside one
+Collectives allocate their output (the functional ops do), and hold their inputs until their
+wait: c10d's work object keeps the tensors it sends until it completes, so an input whose last
+reader is the collective is freed after the wait (``MemTracker`` sees them live there: the
+flat-gradient input of a reduce-scatter, the copy-in buffer of an all-gather). Temporaries inside one
 kernel are not seen, as ``torch.distributed._tools.mem_tracker.MemTracker`` does not
 see them either, except where a node declares them (``passes.meta.WORKSPACE``: a chunked
 loss head's per-chunk buffers, made by a Python kernel): they count as live while that
@@ -194,12 +197,24 @@ def buffer_liveness(gm: fx.GraphModule) -> Liveness:
 
     # A buffer is freed after the last node that reads it through any alias (fx's generated
     # code drops each value after its last use; a multi-output value lives until its last getitem).
+    # A collective in flight holds its inputs until its wait: c10d's work object keeps the
+    # tensors it sends (gloo reads them on its own thread; NCCL stashes them for the allocator's
+    # safety) and the functional collective keeps the work until ``wait_tensor``. So an input
+    # whose last reader is the collective is freed after the wait, not after the issue.
+    position = {n: at for at, n in enumerate(nodes)}
+    held_until: dict[fx.Node, int] = {}
+    for node in nodes:
+        if C.is_collective(node):
+            waits = [position[w] for w in C.waits_of(node) if w in position]
+            if waits:
+                held_until[node] = max(waits)
     last_use: dict[int, int] = {}
     for at, node in enumerate(nodes):
         for b in fresh_of[node]:
             last_use[b] = at
+        end = held_until.get(node, at)
         for i in node.all_input_nodes:
-            last_use.update((b, at) for b in bufs_of[i] if b is not None)
+            last_use.update((b, max(end, last_use.get(b, at))) for b in bufs_of[i] if b is not None)
     if output is not None:
         pinned.update(b for i in output.all_input_nodes for b in bufs_of[i] if b is not None)
     return Liveness(nodes, size, pinned, bufs_of, fresh_of, last_use)

@@ -3,19 +3,31 @@
     python -m spmd.calibrate                 # writes ~/.cache/spmd/cpu-local.json
     python -m spmd.calibrate --out prof.json --threads 1
 
-What it measures (about half a minute), each as the median of several repeats:
+What it measures (about 40 s), each as the median of several repeats:
 
 - matmul FLOP/s per dtype (fp32, bf16) at ``--threads`` threads (the bench runs 1 per rank);
 - memory bandwidth: a large ``add`` (reads two tensors, writes one);
 - per-op overhead: a graph of 1-element ``add``s run as fx runs a step's graph (generated
-  Python, dispatch, a fresh output: what every op of the graph pays);
+  Python, dispatch, a fresh output: what an op without a curve pays), and of ``aten.t`` views
+  (``view_overhead_s``);
+- the time of one fp32 call by size (``op_curves``, issue 22: the roofline of one big matmul
+  and one big add under-predicted every step): ``mm`` at shapes from 16^3 to 1k x 1k x 1k in the
+  three layouts of a layer's forward and gradients (by FLOPs); a binary add (every op without
+  its own curve) and the common non-matmul ops of a step (gelu, silu, layer norm, softmax,
+  log-softmax and their backward, sum, clone) from 64 to 2M elements, in cache and out (by
+  bytes); CPU flash attention forward and backward (by FLOPs);
+- the first touch of a fresh allocation by size (``fresh_alloc_curve``): above glibc's mmap
+  threshold every allocation is mapped anew and page-faults as it is written;
+- the per-tensor cost of a fused optimizer step over many tiny tensors (``per_tensor_s``);
 - gloo between 2 local processes, through the functional collectives a step's graph calls
   (each with its ``wait_tensor``): latency of a 4-byte all-reduce (two ring steps), and
   the bus bandwidth of a 16 MiB all-reduce, all-gather, reduce-scatter and all-to-all,
   each with the ring's factor taken out (``passes.cost_model.ring_bus_factor``);
 - how much compute and a collective overlap: a 16 MiB all-reduce issued, matmuls of about
   its length run, then waited, against the two alone (``comm_compute_overlap``: 1 = fully
-  hidden, 0 = one after the other, as when gloo's thread and the compute share a core).
+  hidden, 0 = one after the other, as when gloo's thread and the compute share a core);
+- a small collective as a step pays it (``collective_host_s``): 20 all-gathers of 64 KiB, each
+  issued before 2 ms of matmuls and waited after them, against the matmuls alone.
 
 A measurement on a loaded machine is a measurement of that load: the json records when
 and with what command it was taken, so it can be re-taken.
@@ -24,11 +36,13 @@ and with what command it was taken, so it can be re-taken.
 from __future__ import annotations
 
 import datetime
+import functools
+import math
 import os
 import socket
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,15 +51,33 @@ from passes.cost_model import DeviceProfile, ring_bus_factor
 from spmd.profiles import CPU_LOCAL
 
 _COMM_BYTES = 16 * 2**20
+# The interleaved-collective measurement: a 64 KiB all-gather (a small unit's parameters) issued
+# before about 2 ms of matmuls and waited after them (longer than the gather at 2 ranks here, so
+# the wait finds it done), 20 times.
+_UNIT_BYTES = 64 * 2**10
+_HIDE_S = 2e-3
+_N_INTERLEAVED = 20
 
 
-def _best(fn: Callable[[], Any], repeats: int, inner: int = 1) -> float:
-    """The median time of ``fn`` (seconds) over ``repeats`` runs of ``inner`` calls.
+# Each timed repeat of a compute measurement lasts at least this long (more calls per repeat
+# for a short one): about a step of the bench models, so that on a machine shared with other
+# work a measurement is preempted as often as the step it prices (a 5 us op timed in a burst
+# shorter than the scheduler's slice would see an idle core).
+_WINDOW_S = 0.02
+
+
+def _best(fn: Callable[[], Any], repeats: int, inner: int = 1, *, window: bool = True) -> float:
+    """The median time of ``fn`` (seconds) over ``repeats`` runs of ``inner`` calls (more calls
+    where ``window`` and ``inner`` of them take less than ``_WINDOW_S``).
 
     The median, not the best: a step is timed by its median too, so on a machine shared
-    with other work both see the same share of the cores.
+    with other work both see the same share of the cores. ``window=False`` where the calls
+    are collectives (every rank must make the same number).
     """
+    t0 = time.perf_counter()
     fn()  # warm up
+    if window:
+        inner = max(inner, math.ceil(_WINDOW_S / max(time.perf_counter() - t0, 1e-7)))
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -84,13 +116,224 @@ def measure_op_overhead(repeats: int = 5, n_ops: int = 200) -> float:
     return _best(lambda: gm(one), repeats, inner=10) / n_ops
 
 
+# (m, k, n) of the matmul curve: the shapes of a layer's forward (batch x d -> 4d), its input
+# gradient and its weight gradient (k = the batch, the transposed operand) at a few widths, from
+# a few-row MLP to a 1k x 1k x 8k head; keyed by FLOPs (the same FLOPs in another shape runs at
+# about the same rate on this CPU's BLAS: within ~20% in the shapes above).
+_MATMUL_SHAPES = (
+    (16, 16, 16),
+    (32, 64, 256),
+    (256, 32, 64),
+    (128, 128, 128),
+    (256, 256, 1024),
+    (1024, 256, 256),
+    (512, 512, 512),
+    (1024, 256, 2048),
+    (1024, 1024, 1024),
+)
+# Element counts of the elementwise / reduction curves: in L1, L2, the last-level cache, DRAM.
+_NUMELS = (2**6, 2**10, 2**14, 2**18, 2**21)
+
+
+def _curve(points: Sequence[tuple[float, float]]) -> list[list[float]]:
+    """Ascending by size; points of equal size merged (their mean time); a point slower than a
+    larger one takes the larger one's time (a call on more data is not faster: the difference is
+    noise, e.g. the first calls of a kernel)."""
+    by: dict[float, list[float]] = {}
+    for x, t in points:
+        by.setdefault(float(x), []).append(t)
+    out = [[x, statistics.fmean(ts)] for x, ts in sorted(by.items())]
+    for i in range(len(out) - 2, -1, -1):
+        out[i][1] = min(out[i][1], out[i + 1][1])
+    return out
+
+
+def measure_matmul_curve(repeats: int = 5) -> list[list[float]]:
+    """[[FLOPs, seconds], ...] of fp32 ``mm`` calls with a fresh output, as a graph's mm runs,
+    at the shapes ``_MATMUL_SHAPES``, each the mean of three operand layouts."""
+    pts = []
+    for m, k, n in _MATMUL_SHAPES:
+        # The three layouts a step's matmuls come in: forward (x @ W^T), input gradient
+        # (g @ W), weight gradient (g^T @ x); the point is their mean. Timed in a graph.
+        for a, b in (
+            (torch.randn(m, k), torch.randn(n, k).t()),
+            (torch.randn(m, k), torch.randn(k, n)),
+            (torch.randn(k, m).t(), torch.randn(k, n)),
+        ):
+            pts.append((2 * m * k * n, _in_graph(torch.ops.aten.mm.default, (a, b), repeats)))
+    return _curve(pts)
+
+
+def _op_cases(numel: int) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+    """One call of each op with its own curve, on ``numel`` fp32 elements (rows of 256 where
+    the op works by rows), as the graph calls it (functional: a fresh output): key -> (op, args)."""
+    aten = torch.ops.aten
+    d = 256 if numel >= 256 else numel
+    x = torch.randn(numel // d, d)
+    g = torch.randn(numel // d, d)
+    w, bias = torch.randn(d), torch.randn(d)
+    _, mean, rstd = aten.native_layer_norm(x, [d], w, bias, 1e-5)
+    ls = aten._log_softmax(x, 1, False)
+    sm = aten._softmax(x, 1, False)
+    return {
+        "memory": (aten.add.Tensor, (x, g)),
+        "aten.clone": (aten.clone.default, (x,)),
+        "aten.sum": (aten.sum.dim_IntList, (x, [0], True)),
+        "aten.gelu": (aten.gelu.default, (x,)),
+        "aten.gelu_backward": (aten.gelu_backward.default, (g, x)),
+        "aten.silu": (aten.silu.default, (x,)),
+        "aten.silu_backward": (aten.silu_backward.default, (g, x)),
+        "aten.native_layer_norm": (aten.native_layer_norm.default, (x, [d], w, bias, 1e-5)),
+        "aten.native_layer_norm_backward": (
+            aten.native_layer_norm_backward.default,
+            (g, x, [d], mean, rstd, w, bias, [True, True, True]),
+        ),
+        "aten._log_softmax": (aten._log_softmax.default, (x, 1, False)),
+        "aten._log_softmax_backward_data": (aten._log_softmax_backward_data.default, (g, ls, 1, x.dtype)),
+        "aten._softmax": (aten._softmax.default, (x, 1, False)),
+        "aten._softmax_backward_data": (aten._softmax_backward_data.default, (g, sm, 1, x.dtype)),
+    }
+
+
+# The working set of an in-graph measurement: each call reads its own copy of the inputs, so a
+# small op's inputs come from memory or the last-level cache, as a step's do (a step's ops each
+# read another layer's weights and activations), not from L1 as in a loop over one input.
+_GRAPH_WORKING_SET = 32 * 2**20
+
+
+def _in_graph(target: Any, args: tuple[Any, ...], repeats: int) -> float:
+    """Seconds per call of ``target(*args)`` run as a step's graph runs its ops: a GraphModule
+    of ``k`` calls, each on its own copy of the tensor arguments (fx's generated Python, the
+    dispatcher, a fresh output freed when unused), timed whole and divided by ``k``."""
+    import torch.fx as fx
+
+    per_call = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+    k = max(2, min(64, _GRAPH_WORKING_SET // max(per_call, 1)))
+    g = fx.Graph()
+    flat: list[torch.Tensor] = []
+    for i in range(k):
+        call_args = []
+        for j, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                call_args.append(g.placeholder(f"a{i}_{j}"))
+                flat.append(a.clone())
+            else:
+                call_args.append(a)
+        g.call_function(target, tuple(call_args))
+    g.output(None)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    return _best(functools.partial(gm, *flat), repeats) / k
+
+
+def measure_op_curves(repeats: int = 5) -> dict[str, list[list[float]]]:
+    """Per op (and "memory": a binary add, the fallback of every op without its own curve):
+    [[bytes, seconds], ...] at the element counts ``_NUMELS``, each call timed in a graph
+    (:func:`_in_graph`). Bytes as the cost model counts them for that call
+    (``passes.cost_model.node_bytes``: tensor inputs and outputs)."""
+    import torch.utils._pytree as pytree
+
+    pts: dict[str, list[tuple[float, float]]] = {}
+    for numel in _NUMELS:
+        for key, (target, args) in _op_cases(numel).items():
+            out = target(*args)
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            tensors += [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            pts.setdefault(key, []).append((nbytes, _in_graph(target, args, repeats)))
+    return {k: _curve(v) for k, v in pts.items()}
+
+
+def measure_attention_curves(repeats: int = 3) -> dict[str, list[list[float]]]:
+    """CPU flash attention forward and backward (causal, fp32): [[FLOPs, seconds], ...] by
+    torch's SDPA FLOP formula, at a few (batch, heads, seq, head dim)."""
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    fwd: list[tuple[float, float]] = []
+    bwd: list[tuple[float, float]] = []
+    for b, h, s, d in ((1, 2, 32, 16), (2, 4, 128, 32), (8, 8, 128, 32), (2, 8, 512, 64)):
+        q, k, v = (torch.randn(b, h, s, d) for _ in range(3))
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[:2]
+        go = torch.randn_like(out)
+        fwd_op = aten._scaled_dot_product_flash_attention_for_cpu.default
+        t_f = _in_graph(fwd_op, (q, k, v, 0.0, True), repeats)
+        t_b = _in_graph(
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            (go, q, k, v, out, lse, 0.0, True),
+            repeats,
+        )
+        fwd.append((fc.sdpa_flop_count(q.shape, k.shape, v.shape), t_f))
+        bwd.append((fc.sdpa_backward_flop_count(go.shape, q.shape, k.shape, v.shape), t_b))
+    return {
+        "aten._scaled_dot_product_flash_attention_for_cpu": _curve(fwd),
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward": _curve(bwd),
+    }
+
+
+def _fill_fresh(n: int) -> None:
+    torch.empty(n).fill_(1.0)
+
+
+def measure_fresh_alloc_curve(repeats: int = 5) -> list[list[float]]:
+    """[[bytes, seconds], ...]: what writing a freshly allocated tensor costs beyond writing
+    an existing one (``empty(n).fill_`` against ``fill_``), from 1 MiB to 128 MiB. Small
+    allocations come from the allocator's free lists (about 0); large ones are mapped anew
+    each time (glibc's mmap threshold: at most 32 MiB) and each page faults on first touch."""
+    pts = []
+    for mib in (1, 8, 16, 32, 64, 128):
+        n = mib * 2**20 // 4
+        warm = torch.empty(n)
+        t_warm = _best(functools.partial(warm.fill_, 1.0), repeats)
+        t_fresh = _best(functools.partial(_fill_fresh, n), repeats)
+        pts.append((mib * 2**20, max(t_fresh - t_warm, 1e-7)))
+    return _curve(pts)
+
+
+def measure_view_overhead(repeats: int = 5, n_ops: int = 200) -> float:
+    """Seconds per view op (``aten.t``) of a GraphModule of ``n_ops`` of them: a view is a
+    dispatch and a new tensor header, no kernel."""
+    import torch.fx as fx
+
+    g = fx.Graph()
+    y = g.placeholder("x")
+    for _ in range(n_ops):
+        y = g.call_function(torch.ops.aten.t.default, (y,))
+    g.output(y)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    x = torch.ones(4, 4)
+    return _best(lambda: gm(x), repeats, inner=10) / n_ops
+
+
+def measure_per_tensor(repeats: int = 5, n: int = 256) -> float:
+    """Seconds per tensor of a fused AdamW step over ``n`` one-element tensors (the per-tensor
+    loop of a foreach / fused optimizer op, bytes negligible)."""
+    ps = [torch.zeros(1) for _ in range(4 * n)]
+    p, g, m, v = ps[:n], ps[n : 2 * n], ps[2 * n : 3 * n], ps[3 * n :]
+    steps = [torch.zeros(()) for _ in range(n)]
+    lr = torch.tensor(1e-3)
+
+    def step() -> None:
+        torch._fused_adamw_(
+            p, g, m, v, [], steps, lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8,
+            amsgrad=False, maximize=False,
+        )  # fmt: skip
+
+    return _best(step, repeats, inner=5) / n
+
+
 def measure_compute() -> dict[str, Any]:
-    """This process's compute constants: the profile fields ``peak_flops``, ``memory_bandwidth``
-    and ``op_overhead_s`` (about 5 s)."""
+    """This process's compute constants: the profile fields ``peak_flops``, ``memory_bandwidth``,
+    ``op_overhead_s``, ``view_overhead_s``, ``per_tensor_s``, ``op_curves`` and
+    ``fresh_alloc_curve`` (about 15 s)."""
+    curves = {"matmul": measure_matmul_curve(), **measure_op_curves(), **measure_attention_curves()}
     return {
         "peak_flops": {"fp32": measure_matmul(torch.float32), "bf16": measure_matmul(torch.bfloat16, n=256)},
         "memory_bandwidth": measure_memory_bandwidth(),
         "op_overhead_s": measure_op_overhead(),
+        "view_overhead_s": measure_view_overhead(),
+        "per_tensor_s": measure_per_tensor(),
+        "op_curves": curves,
+        "fresh_alloc_curve": measure_fresh_alloc_curve(),
     }
 
 
@@ -110,10 +353,10 @@ def _gloo_worker(rank: int, init: str, q: Any) -> None:
 
         def timed(fn: Callable[[], Any], repeats: int, inner: int = 1) -> float:
             dist.barrier()
-            return _best(lambda: f.wait_tensor(fn()), repeats, inner)
+            return _best(lambda: f.wait_tensor(fn()), repeats, inner, window=False)
 
         a = torch.randn(256, 256)
-        mm_s = _best(lambda: torch.mm(a, a), 5, inner=10)
+        mm_s = _best(lambda: torch.mm(a, a), 5, inner=10, window=False)
         ar_s = timed(lambda: f.all_reduce(big, "sum", name), 5)
         k = max(1, round(ar_s / mm_s))
 
@@ -126,12 +369,37 @@ def _gloo_worker(rank: int, init: str, q: Any) -> None:
             compute()
             f.wait_tensor(w)
 
-        alone_s = _best(compute, 5)
+        alone_s = _best(compute, 5, window=False)
         dist.barrier()
-        both_s = _best(both, 5)
+        both_s = _best(both, 5, window=False)
+
+        # A small collective as a step pays it: issued, compute that outlasts it, then waited
+        # (so the wait does not block on the wire): what the host pays beyond the compute.
+        unit = torch.ones(_UNIT_BYTES // 4)
+        n_mm = max(1, round(_HIDE_S / mm_s))
+
+        def work() -> None:
+            for _ in range(n_mm):
+                torch.mm(a, a)
+
+        def with_collectives() -> None:
+            for _ in range(_N_INTERLEAVED):
+                w = f.all_gather_into_tensor(unit, 2, name)
+                work()
+                f.wait_tensor(w)
+
+        def without() -> None:
+            for _ in range(_N_INTERLEAVED):
+                work()
+
+        dist.barrier()
+        plain_s = _best(without, 3, window=False)
+        dist.barrier()
+        inter_s = _best(with_collectives, 3, window=False)
         res = {
             # How much of the shorter one hides behind the other when both run at once.
             "overlap": (alone_s + ar_s - both_s) / min(alone_s, ar_s),
+            "collective_host": (inter_s - plain_s) / _N_INTERLEAVED,
             "latency_all_reduce": timed(lambda: f.all_reduce(small, "sum", name), 5, inner=50),
             "all_reduce": timed(lambda: f.all_reduce(big, "sum", name), 5),
             "all_gather": timed(lambda: f.all_gather_into_tensor(half, 2, name), 5),
@@ -178,6 +446,11 @@ def calibrate(threads: int = 1) -> DeviceProfile:
         steps = 2 if kind == "all_reduce" else 1
         t = max(g[kind] - steps * lat, 1e-9)
         by_kind[kind] = _COMM_BYTES * ring_bus_factor(kind, 2) / t
+    overlap = min(max(g["overlap"], 0.0), 1.0)
+    # What the interleaved collectives cost the host, less what the model already charges them
+    # (the launch, and the share of their wire time the compute loses: 1 - overlap).
+    unit_t = lat + _UNIT_BYTES * ring_bus_factor("all_gather", 2) / by_kind["all_gather"]
+    host = max(g["collective_host"] - c["op_overhead_s"] - (1.0 - overlap) * unit_t, 0.0)
     return DeviceProfile(
         name=CPU_LOCAL,
         peak_flops=c["peak_flops"],
@@ -188,7 +461,25 @@ def calibrate(threads: int = 1) -> DeviceProfile:
         inter_node_latency_s=lat,
         gpus_per_node=os.cpu_count() or 1,
         op_overhead_s=c["op_overhead_s"],
-        comm_compute_overlap=min(max(g["overlap"], 0.0), 1.0),
+        view_overhead_s=c["view_overhead_s"],
+        per_tensor_s=c["per_tensor_s"],
+        op_curves=c["op_curves"],
+        fresh_alloc_curve=c["fresh_alloc_curve"],
+        comm_compute_overlap=overlap,
+        collective_host_s=host,
         bandwidth_by_kind=by_kind,
-        sources={k: "measured: " + cmd for k in ("peak_flops", "memory_bandwidth", "op_overhead_s", "gloo")},
+        sources={
+            k: "measured: " + cmd
+            for k in (
+                "peak_flops",
+                "memory_bandwidth",
+                "op_overhead_s",
+                "view_overhead_s",
+                "per_tensor_s",
+                "op_curves",
+                "fresh_alloc_curve",
+                "gloo",
+                "collective_host_s",
+            )
+        },
     )

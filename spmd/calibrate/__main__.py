@@ -34,11 +34,16 @@ def main(argv: list[str] | None = None) -> int:
         "peak_flops",
         "memory_bandwidth",
         "op_overhead_s",
+        "view_overhead_s",
+        "per_tensor_s",
         "intra_node_latency_s",
         "bandwidth_by_kind",
         "comm_compute_overlap",
+        "collective_host_s",
     ):
         print(f"  {k}: {d[k]}")
+    print(f"  op_curves: {', '.join(sorted(d['op_curves']))}")
+    print(f"  fresh_alloc_curve: {len(d['fresh_alloc_curve'])} points")
     return 0
 
 

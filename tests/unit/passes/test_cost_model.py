@@ -7,13 +7,16 @@ take comparable times; the tests assert orderings and relations, not times.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from passes import collectives as C
 from passes.cost_model import (
     DeviceProfile,
     GroupInfo,
     collective_time,
+    compute_time,
     estimate_step_time,
+    interpolate,
     node_bytes,
     node_flops,
 )
@@ -135,3 +138,88 @@ def test_comm_time_by_kind_adds_up() -> None:
     est = estimate_step_time(gm, PROFILE, GROUPS)
     assert set(est.comm_by_kind) == {C.Kind.ALL_GATHER.value}
     assert sum(est.comm_by_kind.values()) == pytest.approx(est.comm_s)
+
+
+# ----------------------------------------------------------------------------- measured costs (issue 22)
+
+
+def _with(**fields: object) -> DeviceProfile:
+    return DeviceProfile(**{**PROFILE.to_dict(), **fields})
+
+
+def test_interpolate_is_log_log_between_points_flat_below_and_linear_above() -> None:
+    pts = [[1e3, 1e-6], [1e5, 1e-4]]
+    assert interpolate(pts, 10) == 1e-6  # a call's fixed cost below the first point
+    assert interpolate(pts, 1e4) == pytest.approx(1e-5)  # log-log midpoint
+    assert interpolate(pts, 1e6) == pytest.approx(1e-3)  # the last point's throughput above it
+
+
+def test_a_measured_curve_prices_its_op_instead_of_the_roofline() -> None:
+    """mm by a "matmul" curve (by FLOPs), relu by its own curve (by bytes), neg by the "memory"
+    fallback; a bf16 op keeps the roofline (the curves are fp32 measurements)."""
+    b = Builder()
+    x = b.input("x", 64, 64)
+    mm = b.op(aten.mm.default, x, x)
+    relu = b.op(aten.relu.default, mm)
+    neg = b.op(aten.neg.default, relu)
+    b.finish(neg)
+    curves = {
+        "matmul": [[1e3, 1e-6], [1e9, 1e-3]],
+        "aten.relu": [[1e2, 2e-6], [1e8, 2e-2]],
+        "memory": [[1e2, 3e-6], [1e8, 3e-2]],
+    }
+    prof = _with(op_curves=curves)
+    assert compute_time(mm, prof)[0] == pytest.approx(interpolate(curves["matmul"], node_flops(mm)))
+    assert compute_time(relu, prof)[0] == pytest.approx(interpolate(curves["aten.relu"], node_bytes(relu)))
+    assert compute_time(neg, prof)[0] == pytest.approx(interpolate(curves["memory"], node_bytes(neg)))
+    assert compute_time(mm, prof)[0] != compute_time(mm, PROFILE)[0]
+    b2 = Builder()
+    h = b2.op(aten.relu.default, b2.input("h", 64, 64, dtype=torch.bfloat16))
+    b2.finish(h)
+    assert compute_time(h, prof)[0] == compute_time(h, PROFILE)[0]
+
+
+def test_a_fresh_large_output_pays_its_first_touch_and_an_in_place_op_does_not() -> None:
+    """relu(x) allocates 1 MiB: the fresh-allocation curve's time is added; relu_(x) writes x."""
+    b = Builder()
+    x = b.input("x", 512, 512)
+    fresh = b.op(aten.relu.default, x)
+    inplace = b.op(aten.relu_.default, x)
+    b.finish(fresh, inplace)
+    prof = _with(fresh_alloc_curve=[[2**20, 1e-3], [2**30, 1.0]])
+    assert compute_time(fresh, prof)[0] == pytest.approx(compute_time(fresh, PROFILE)[0] + 1e-3)
+    assert compute_time(inplace, prof)[0] == compute_time(inplace, PROFILE)[0]
+
+
+def test_each_collective_charges_its_host_cost_to_the_compute_stream() -> None:
+    gm = _gather_then_matmul(True)
+    host = 1e-3
+    base = estimate_step_time(gm, PROFILE, GROUPS)
+    paid = estimate_step_time(gm, _with(collective_host_s=host), GROUPS)
+    assert paid.compute_s == pytest.approx(base.compute_s + host)
+    assert paid.step_s == pytest.approx(base.step_s + host)
+
+
+def test_op_efficiency_scales_its_class_only() -> None:
+    """{"matmul": 0.5}: a compute-bound mm takes twice as long; a memory-bound relu is unchanged."""
+    b = Builder()
+    x = b.input("x", 256, 256)
+    mm = b.op(aten.mm.default, x, x)
+    relu = b.op(aten.relu.default, mm)
+    b.finish(relu)
+    half = _with(op_efficiency={"matmul": 0.5})
+    assert compute_time(mm, half)[0] == pytest.approx(2 * compute_time(mm, PROFILE)[0])
+    assert compute_time(relu, half)[0] == compute_time(relu, PROFILE)[0]
+
+
+def test_an_undeclared_view_is_free_and_allocates_nothing() -> None:
+    """_unsafe_view (no alias annotation; its fake result shares the input's storage) is a view:
+    no bytes moved, no fresh allocation to touch; a clone of the same tensor is not."""
+    b = Builder()
+    x = b.input("x", 512, 512)
+    u = b.op(aten._unsafe_view.default, x, [512 * 512])
+    c = b.op(aten.clone.default, x)
+    gm = b.finish(u, c)
+    prof = _with(fresh_alloc_curve=[[2**20, 1e-3], [2**30, 1.0]])
+    est = estimate_step_time(gm, prof, GROUPS)
+    assert est.compute_s == pytest.approx(compute_time(c, prof)[0])

@@ -1,0 +1,154 @@
+"""Where the cost model's step time goes against where a real step's goes, per op class.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/cost_breakdown.py --models overhead,gpt \
+        [--profile ~/.cache/spmd/cpu-local.json] [--steps 5] [--table 15]
+
+World size 1 (no process group, no collectives): each bench model's step is compiled with the
+eager backend, timed, then profiled with ``torch.profiler`` for ``--steps`` steps. The CPU time
+of every ATen op the graph calls (with its children) is summed by op class
+(``passes.cost_model.op_class``; views apart) and set against the cost model's time for the same
+nodes of the final graph on ``--profile``; "step - ops" is the rest of the profiled step (fx's
+generated Python, the wrapper, the profiler's own cost).
+Used to find what the calibration misses (issue 22), not a validation: ``plan_check.py`` is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+import models  # noqa: E402
+
+import spmd  # noqa: E402
+from passes import cost_model as cm  # noqa: E402
+from spmd.profiles import get_profile  # noqa: E402
+
+
+def predicted_by_class(gm: torch.fx.GraphModule, prof: cm.DeviceProfile) -> dict[str, list[float]]:
+    """op class -> [seconds, ops] of the cost model's compute nodes (launches of free ops: "view")."""
+    out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target.__class__.__name__ == "builtin_function_or_method":
+            continue
+        if cm._is_free(n):
+            out["view"][0] += prof.op_overhead_s
+            out["view"][1] += 1
+            continue
+        t, _ = cm.compute_time(n, prof)
+        rec = out[cm.op_class(n)]
+        rec[0] += t
+        rec[1] += 1
+    return out
+
+
+def graph_op_classes(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """profiler event name (``aten::mm``) -> op class, for the ATen ops the graph calls."""
+    out: dict[str, str] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and hasattr(n.target, "name"):
+            out[n.target.name().split(".")[0]] = "view" if cm._is_free(n) else cm.op_class(n)
+    return out
+
+
+def outer_events(pr: torch.profiler.profile, cls_of: dict[str, str]) -> list:  # type: ignore[type-arg]
+    """The profiler events of the graph's own calls: an ATen op not called from inside another
+    op the graph calls (``aten::linear`` calling ``aten::t``), with its children's time."""
+    return [
+        ev
+        for ev in pr.events()
+        if ev.name in cls_of and not (ev.cpu_parent is not None and ev.cpu_parent.name in cls_of)
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="overhead,gpt")
+    p.add_argument("--profile", default="cpu-local")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--table", type=int, default=0, help="also print the N ops with the most measured time")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    prof = get_profile(args.profile)
+    for name in args.models.split(","):
+        spec = models.get(name)
+        torch.manual_seed(0)
+        model = spec.build()
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+
+        def train_step(model, optim, x, y):  # noqa: ANN001, ANN202
+            loss = spec.loss(model(x), y)  # noqa: B023 - traced at once, in this iteration
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            return loss
+
+        step = spmd.compile()(train_step)
+        gen = torch.Generator().manual_seed(0)
+        x, y = spec.batch(gen)
+        for _ in range(3):
+            step(model, optim, x, y)
+        gm = step.graphs["final"]
+        times = []
+        for _ in range(max(args.steps, 5)):
+            t0 = time.perf_counter()
+            step(model, optim, x, y)
+            times.append(time.perf_counter() - t0)
+        wall = statistics.median(times)
+        t0 = time.perf_counter()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as pr:
+            for _ in range(args.steps):
+                step(model, optim, x, y)
+        prof_wall = (time.perf_counter() - t0) / args.steps
+        cls_of = graph_op_classes(gm)
+        events = outer_events(pr, cls_of)
+        meas: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+        for ev in events:
+            rec = meas[cls_of[ev.name]]
+            rec[0] += ev.cpu_time_total * 1e-6 / args.steps
+            rec[1] += 1 / args.steps
+        pred = predicted_by_class(gm, prof)
+        est = cm.estimate_step_time(gm, prof, {})
+        print(f"\n{name}: step {wall * 1e3:.2f} ms, under the profiler {prof_wall * 1e3:.2f} ms")
+        print(f"  predicted {est.step_s * 1e3:.2f} ms on {prof.name} (compute {est.compute_s * 1e3:.2f} ms)")
+        head = ("class", "ops", "profiled ms", "predicted ms", "us/op prof", "us/op pred")
+        print("  {:12s} {:>6s} {:>12s} {:>13s} {:>11s} {:>11s}".format(*head))
+        tot_m = tot_p = 0.0
+        for k in sorted(set(meas) | set(pred), key=lambda k: -meas.get(k, [0.0])[0]):
+            m, pr_ = meas.get(k, [0.0, 0]), pred.get(k, [0.0, 0])
+            tot_m += m[0]
+            tot_p += pr_[0]
+            print(
+                f"  {k:12s} {pr_[1]:6.0f} {m[0] * 1e3:12.2f} {pr_[0] * 1e3:13.2f} "
+                f"{(m[0] / m[1] * 1e6 if m[1] else 0):11.1f} {(pr_[0] / pr_[1] * 1e6 if pr_[1] else 0):11.1f}"
+            )
+        print(f"  {'ops total':12s} {'':6s} {tot_m * 1e3:12.2f} {tot_p * 1e3:13.2f}")
+        # The profiler's own cost per op inflates the small ops (the overhead model's step runs
+        # about 2x slower under it): read the classes' shares, the unprofiled step for the total.
+        print(f"  {'step - ops':12s} {'':6s} {(prof_wall - tot_m) * 1e3:12.2f}")
+        if args.table:
+            rows: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+            for ev in events:
+                rows[ev.name][0] += ev.cpu_time_total * 1e-6 / args.steps
+                rows[ev.name][1] += 1 / args.steps
+            predn: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+            for n in gm.graph.nodes:
+                if n.op == "call_function" and hasattr(n.target, "name"):
+                    t = prof.op_overhead_s if cm._is_free(n) else cm.compute_time(n, prof)[0]
+                    predn["aten::" + n.target.name().split("::")[1].split(".")[0]][0] += t
+                    predn["aten::" + n.target.name().split("::")[1].split(".")[0]][1] += 1
+            for k, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[: args.table]:
+                pk = predn.get(k, [0.0, 0])
+                print(f"    {k:50s} x{c:5.0f} profiled {t * 1e3:8.2f} ms  pred {pk[0] * 1e3:8.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
