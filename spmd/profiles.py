@@ -2,9 +2,9 @@
 this machine's, measured by ``python -m spmd.calibrate``.
 
 Every number names its source in the profile's ``sources``. The GPU profiles are datasheet
-peaks; ``h100-80gb`` also carries the fraction of peak that matmuls and attention reach in
-published H100 measurements (``op_efficiency``: never fitted to a training run's throughput),
-so its times are achievable ones. ``h100-80gb-roofline`` and ``a100-80gb`` are the datasheet
+peaks; ``h100-80gb`` also carries the fraction of peak that attention reaches in a published
+H100 measurement and an assumed fraction for matmuls (``op_efficiency``; never fitted to a
+training run's throughput), so its times aim at achievable ones. ``h100-80gb-roofline`` and ``a100-80gb`` are the datasheet
 roofline (efficiency 1.0: a lower bound on the time); ``spmd.plan(..., efficiency=x)`` applies
 one efficiency to every op class instead (``efficiency=1.0``: the roofline of any profile).
 ``cpu-local`` is measured on this machine and cached in ``~/.cache/spmd/cpu-local.json``
@@ -31,12 +31,14 @@ _NCCL_TUNING = (
     "(NCCL's own cost model)"
 )
 
-# Published H100 SXM measurements behind h100-80gb's op_efficiency (issue 22).
+# Where h100-80gb's op_efficiency comes from (issue 22): one published figure, one assumption.
 _FA3 = (
-    "Shah et al., FlashAttention-3 (arXiv:2407.08608, 2024), abstract and Section 1: FlashAttention-2 "
-    "reaches 35% of the H100's peak (the attention kernel torch's SDPA runs there), against 80-90% for "
-    "optimized GEMM kernels; 0.80, the low end, for a step's GEMMs, which are smaller and more "
-    "varied than a benchmark's"
+    "attention 0.35: Shah et al., FlashAttention-3 (arXiv:2407.08608, 2024), abstract: FlashAttention-2 "
+    "(the kernel torch's SDPA runs on an H100) reaches 35% utilization on the H100. matmul 0.80: an "
+    "assumption, not a measurement we could cite -- Dao, FlashAttention-2 (arXiv:2307.08691), abstract, "
+    "sets attention's 25-40% against 'optimized matrix-multiply (GEMM) operations' without a figure; "
+    "large bf16 GEMMs are commonly reported at 70-90% of the dense peak, and a step's GEMMs are smaller "
+    "and more varied than a benchmark's"
 )
 _H100_ROOFLINE = DeviceProfile(
     name="h100-80gb-roofline",
