@@ -16,7 +16,7 @@ import torch
 import spmd
 from passes.cost_model import estimate_step_time
 from spmd import models
-from spmd.plan import _group_info, parse_bytes, plan
+from spmd.plan import _group_info, fold, parse_bytes, plan
 from spmd.plan.__main__ import main as plan_main
 from spmd.profiles import get_profile
 from spmd.simulate import fake_copy, fake_world, fresh_copy
@@ -151,3 +151,94 @@ def test_command_lines_take_a_hugging_face_config_file(tmp_path, capsys) -> None
     assert simulate_main([*common, "--world-size", "4", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["world_size"] == 4 and rep["collectives"]["all_gather"]["count"] > 0
+
+
+def test_the_tiny_gpt_is_planned_exactly(tiny_plan: spmd.Plan) -> None:
+    """Two blocks are too few to fold (a folded search lowers copies with 2 and 4): every row exact."""
+    assert tiny_plan.fold is None
+    assert all(r.exact and r.extrapolated is None for r in tiny_plan.rows)
+
+
+def _blocks(n: int, **attrs: object) -> torch.nn.Module:
+    class Block(torch.nn.Module):
+        def __init__(self, i: int) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.layer_idx = i  # each block's own index: not a difference
+            for k, v in attrs.items():
+                setattr(self, k, v(i) if callable(v) else v)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(8, 4)
+            self.layers = torch.nn.ModuleList(Block(i) for i in range(n))
+
+    return Net()
+
+
+def test_only_identical_blocks_fold() -> None:
+    assert fold.find_layers(_blocks(8), min_layers=8) == fold.Layers(path="layers", count=8)
+    assert fold.find_layers(_blocks(7), min_layers=8) is None  # too few
+    # a setting that differs between blocks (a sliding-window layer among full ones)
+    assert fold.find_layers(_blocks(8, window=lambda i: 4 if i % 2 else None), min_layers=8) is None
+    net = _blocks(8)
+    net.layers[3].lin = torch.nn.Linear(4, 4, bias=False)  # another parameter set
+    assert fold.find_layers(net, min_layers=8) is None
+    net = _blocks(8)
+    net.layers[5].lin.weight = net.layers[0].lin.weight  # shared between blocks
+    assert fold.find_layers(net, min_layers=8) is None
+    net = _blocks(8)
+    net.layers[2].lin.weight = torch.nn.Parameter(torch.zeros(4, 4))
+    net.emb.weight = net.layers[2].lin.weight  # tied to a tensor outside the blocks
+    assert fold.find_layers(net, min_layers=8) is None
+
+
+# Llama-shaped, 6 blocks: folded on copies with 2 and 3 of them.
+_LLAMA6 = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+}
+
+
+def test_a_folded_search_extrapolates_the_exact_predictions() -> None:
+    """A 6-block Hugging Face Llama at 32 ranks with bf16 compute: every configuration lowered on
+    copies with 2 and 3 blocks and extrapolated in depth gives the peak, step time, FLOPs and
+    bytes on the wire of the 6-block lowering, within ``TOL`` (floating-point rounding: every block
+    adds the same nodes, collectives and saved activations, so the quantities are linear in the
+    block count); the best row is lowered exactly and keeps its extrapolation."""
+    pytest.importorskip("transformers")
+    tol = 1e-6
+    built = models.build_hf(_LLAMA6, batch=2, seq=32)
+    step = spmd.compile()(models.causal_lm_step)
+    common = dict(
+        world_size=32,
+        mixed_precision=spmd.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        styles=("fully_shard", "hybrid_shard"),
+        prefetch=(1,),
+        min_unit_mb=(1.0,),
+        reshard=(True,),
+        remat=(None, "selective"),
+    )
+    folded = plan(step, *built, fold_depths=(2, 3), **common)
+    exact = {r.label: r for r in plan(step, *built, exact=True, **common).rows}
+    assert folded.fold == {"layers": "model.layers", "depth": 6, "folded": [2, 3]}
+    assert folded.best.exact and folded.best.extrapolated is not None
+    assert [r.exact for r in folded.rows].count(True) >= 1 and not all(r.exact for r in folded.rows)
+    assert folded.best.label == min(exact.values(), key=lambda r: r.step_s).label
+    for r in folded.rows:
+        e = exact[r.label]
+        got = (
+            r.extrapolated
+            if r.exact
+            else {k: getattr(r, k) for k in ("peak_bytes", "step_s", "flops", "comm_bytes")}
+        )
+        assert got is not None
+        for k in ("peak_bytes", "step_s", "flops", "comm_bytes"):
+            assert got[k] == pytest.approx(getattr(e, k), rel=tol), (r.label, k)
