@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         "--exact",
         action="store_true",
         help="lower every configuration on the full model (default: a model of identical blocks is "
-        "searched on copies with 2 and 4 blocks, extrapolated, and the best row lowered exactly)",
+        "searched on copies with 3 and 6 blocks, extrapolated, and the best row lowered exactly)",
     )
     p.add_argument("--tokens-per-step", type=int, default=None, help="tokens per rank per step")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
