@@ -24,8 +24,16 @@ The configurations (each axis can be narrowed by an argument):
 
 One trace serves every configuration that traces the same graph (the traced graph has
 single-device semantics whatever the placements; see ``CompiledStep._trace``): at most
-two traces (replicate and the sharded styles differ in where a step that keeps
-gradients accumulates them), then one partition and one pass pipeline per configuration.
+two traces per model (replicate and the sharded styles differ in where a step that keeps
+gradients accumulates them), then one partition per style and pass-independent setting and
+one pass pipeline per configuration.
+
+A deep model of identical blocks (a Llama's ``model.layers``) is searched folded
+(:mod:`spmd.plan.fold`): every configuration is lowered on copies with ``FOLD_DEPTHS``
+blocks and its predictions extrapolated in depth; then the best row, and each row whose
+extrapolated peak is within ``FOLD_MARGIN`` of the budget, are lowered on the full model
+(the table's ``lowered`` column). ``exact=True`` lowers every row on the full model.
+:meth:`Plan.with_budget` re-judges the rows as they are (no new exact lowering).
 """
 
 from __future__ import annotations

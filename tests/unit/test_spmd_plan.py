@@ -8,6 +8,7 @@ Hugging Face config file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 import spmd
 from passes.cost_model import estimate_step_time
 from spmd import models
-from spmd.plan import _group_info, fold, parse_bytes, plan
+from spmd.plan import PlanRow, _confirm, _group_info, fold, parse_bytes, plan
 from spmd.plan.__main__ import main as plan_main
 from spmd.profiles import get_profile
 from spmd.simulate import fake_copy, fake_world, fresh_copy
@@ -239,3 +240,44 @@ def test_a_folded_search_extrapolates_the_exact_predictions() -> None:
         for k in keys:
             assert got[k] == pytest.approx(getattr(want, k), rel=tol), k
     assert best.step_s <= exact_other.best.step_s  # the exact best is the best
+
+
+def _row(label: str, peak: int, step_s: float) -> PlanRow:
+    return PlanRow(
+        label=label,
+        expression="",
+        options={},
+        peak_bytes=peak,
+        fits=None,
+        step_s=step_s,
+        tokens_per_s=1 / step_s,
+        exposed_comm_s=0.0,
+        comm_s=0.0,
+        compute_s=step_s,
+        flops=0.0,
+        comm_bytes=0,
+        lower_s=1.0,
+        exact=False,
+    )
+
+
+def test_the_folded_rows_lowered_exactly_are_the_best_and_those_near_the_budget() -> None:
+    """Exact lowering (here a stand-in: the exact step is 1 s slower than the extrapolated one
+    for row "a") goes to the rows near the budget, then to the best row until the best is exact."""
+    rows = [_row("a", 50, 1.0), _row("b", 60, 1.5), _row("c", 99, 3.0), _row("d", 200, 0.5)]
+    lowered: list[str] = []
+
+    def exact(r: PlanRow) -> PlanRow:
+        lowered.append(r.label)
+        return dataclasses.replace(r, step_s=r.step_s + (1.0 if r.label == "a" else 0.0), exact=True)
+
+    out = _confirm(rows, 100, 0.05, exact)
+    # c (99 within 5% of 100) first; then a, the best, is slower exactly; then b, the new best
+    assert lowered == ["c", "a", "b"]
+    assert [r.label for r in out] == ["b", "a", "c", "d"]  # d does not fit
+    assert out[0].exact and out[1].extrapolated == {
+        k: getattr(rows[0], k)
+        for k in ("peak_bytes", "step_s", "exposed_comm_s", "comm_s", "compute_s", "flops", "comm_bytes")
+    }
+    assert out[1].lower_s == 2.0  # the copies' lowerings and the exact one
+    assert not out[3].exact
