@@ -472,10 +472,14 @@ def _folded_search(
     lower: Any,
     tokens: int,
 ) -> list[PlanRow]:
-    """Each configuration lowered at ``L1`` and ``L2`` blocks, extrapolated to the model's depth."""
+    """Each configuration lowered at ``L1`` and ``L2`` blocks, extrapolated to the model's depth
+    (one that does not extrapolate, :func:`fold.extrapolates`, lowered on the full model)."""
     l1, l2 = depths
     rows = []
     for opts in configs:
+        if not fold.extrapolates(opts):
+            rows.append(lower(opts, None))
+            continue
         a, b = lower(opts, l1), lower(opts, l2)
         values = {k: fold.extrapolate(getattr(a, k), getattr(b, k), l1, l2, layers.count) for k in _LINEAR}
         step_s = values["step_s"]

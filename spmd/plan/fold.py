@@ -33,7 +33,7 @@ from spmd.frontend import step_inputs
 
 log = logging.getLogger("spmd")
 
-__all__ = ["Layers", "find_layers", "truncated_args", "extrapolate"]
+__all__ = ["Layers", "find_layers", "truncated_args", "extrapolate", "extrapolates"]
 
 _PLAIN = (int, float, str, bool, type(None))
 
@@ -192,3 +192,13 @@ def set_config_depth(args: tuple[Any, ...], kwargs: dict[str, Any], full: int, n
 def extrapolate(v1: float, v2: float, l1: int, l2: int, depth: int) -> float:
     """``v`` at ``depth`` layers, linear in the layer count through ``(l1, v1)`` and ``(l2, v2)``."""
     return v2 + (v2 - v1) / (l2 - l1) * (depth - l2)
+
+
+def extrapolates(options: dict[str, Any]) -> bool:
+    """Whether a configuration's predictions are linear in the block count, as measured
+    (docs/plan.md, "What a plan costs"): not with a remat budget given as a fraction, whose
+    knapsack chooses what to recompute over the whole step (Llama 3.1 8B shapes, ``remat=0.5``:
+    the peak extrapolated from 3 and 6 blocks was 17-25% low). Such a configuration is lowered
+    on the full model."""
+    remat = options.get("remat")
+    return not (isinstance(remat, float) and not isinstance(remat, bool))
