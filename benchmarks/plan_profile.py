@@ -81,6 +81,7 @@ def main() -> int:
     p.add_argument("--min-unit-mb", default="1")
     p.add_argument("--reshard", default="true")
     p.add_argument("--remat", default="none", help="remat policies, comma-separated (none, selective, full)")
+    p.add_argument("--exact", action="store_true", help="no folded search: every row on the full model")
     p.add_argument("--out", default=None, help="write the raw profile here")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("-v", "--verbose", action="store_true", help="log spmd's progress (each pass's time)")
@@ -111,6 +112,7 @@ def main() -> int:
         min_unit_mb=[float(x) for x in args.min_unit_mb.split(",")],
         reshard=[x.strip().lower() == "true" for x in args.reshard.split(",")],
         remat=remat,
+        exact=args.exact,
     )
     prof.disable()
     wall = time.perf_counter() - t0

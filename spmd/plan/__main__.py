@@ -72,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         help="remat policies of the sharded styles: none,selective,full or budgets like 0.5 "
         "(default: none,selective,full)",
     )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="lower every configuration on the full model (default: a model of identical blocks is "
+        "searched on copies with 3 and 6 blocks, extrapolated, and the best row lowered exactly)",
+    )
     p.add_argument("--tokens-per-step", type=int, default=None, help="tokens per rank per step")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="log spmd's progress to stderr")
@@ -98,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         reshard=args.reshard,
         remat=args.remat,
         efficiency=args.efficiency,
+        exact=args.exact,
     )
     print(result.to_json() if args.json else result)
     return 0
