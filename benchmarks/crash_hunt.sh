@@ -8,6 +8,8 @@
 #   MODE=demo benchmarks/crash_hunt.sh 20        # torchrun examples/train_gpt.py --smoke in a loop
 #   MODE=steps benchmarks/crash_hunt.sh 20       # benchmarks/crash_hunt_steps.py: STEPS compiled
 #                                                # steps of 4 configs, two copies compared bit for bit
+#   MODE=plan_check benchmarks/crash_hunt.sh 30  # benchmarks/plan_check.py: 10 configurations of the
+#                                                # bench models in one torchrun job (a rank's SIGSEGV seen there)
 # Defaults: 30 minutes; the tests most likely to race a buffer with gloo's background thread
 # (reduce-scatter as all-to-all, in-place all-reduce, buffer reuse, bucketing, overlap).
 # Output: $OUT_DIR (default /tmp/crash_hunt): one log per run, summary.txt (runs, failures,
@@ -71,6 +73,13 @@ while [ "$(date +%s)" -lt "$end" ]; do
   if [ "$MODE" = steps ]; then
     nice -n 15 timeout 1800 "$PY" benchmarks/crash_hunt_steps.py --steps "${STEPS:-200}" >"$log" 2>&1
     rc=$?
+  elif [ "$MODE" = plan_check ]; then
+    # Where a rank died of SIGSEGV once (2026-11-25, GPT fully_shard, eager backend, under load):
+    # the calibration, then 10 configurations compiled and run one after another in one process.
+    TMPDIR=$OUT_DIR nice -n 15 timeout 1800 "$PY" benchmarks/plan_check.py --out "$OUT_DIR/plan_check.json" >"$log" 2>&1
+    rc=$?
+    cat "$OUT_DIR"/spmd_plan_check_*.log >>"$log" 2>/dev/null
+    rm -f "$OUT_DIR"/spmd_plan_check_*.log
   elif [ "$MODE" = demo ]; then
     tmp=$(mktemp -d)
     (cd "$tmp" && nice -n 15 timeout 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
