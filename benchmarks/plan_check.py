@@ -279,7 +279,8 @@ def run(*, quick: bool, log_path: str, timeout: int = 1500) -> dict[str, Any]:
     ]
     if quick:
         cmd.append("--quick")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # A rank that dies of a signal prints its Python stacks into the log (issue 23).
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     with open(log_path, "a") as log:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()

@@ -109,7 +109,8 @@ def torchrun(
         cmd.append("--quick")
     if "spmd_fully_shard" in variants:
         cmd.append("--overlap")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # A rank that dies of a signal prints its Python stacks into the log (issue 23).
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     with open(log_path, "a") as log:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
