@@ -192,7 +192,7 @@ def check_collective_buffers(
     colls = C.collectives(gm.graph)
     if not colls:
         return []
-    lv = buffer_liveness(gm)
+    lv = buffer_liveness(gm, hold_collective_inputs=False)  # the runtime's drops, not the memory held
     index = {n: i for i, n in enumerate(lv.nodes)}
     writers: list[tuple[int, fx.Node, fx.Node, set[int]]] = []  # (at, writer, written arg, buffers)
     for n in lv.nodes:

@@ -157,8 +157,13 @@ class Liveness:
     last_use: dict[int, int]
 
 
-def buffer_liveness(gm: fx.GraphModule) -> Liveness:
-    """Which buffer each node's value lives in, and when each buffer dies."""
+def buffer_liveness(gm: fx.GraphModule, *, hold_collective_inputs: bool = True) -> Liveness:
+    """Which buffer each node's value lives in, and when each buffer dies.
+
+    ``hold_collective_inputs``: a collective's inputs live until its wait (the memory the
+    process holds). ``False`` gives the graph's own drop schedule instead -- when the runtime
+    drops its last reference, whatever the process group keeps -- which the collective-buffer
+    invariant (``passes.invariants.check_collective_buffers``) judges against ``INPUT_HELD``."""
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
     output = next((n for n in gm.graph.nodes if n.op == "output"), None)
     size: list[int] = []  # buffer id -> bytes
@@ -203,7 +208,7 @@ def buffer_liveness(gm: fx.GraphModule) -> Liveness:
     # whose last reader is the collective is freed after the wait, not after the issue.
     position = {n: at for at, n in enumerate(nodes)}
     held_until: dict[fx.Node, int] = {}
-    for node in nodes:
+    for node in nodes if hold_collective_inputs else ():
         if C.is_collective(node):
             waits = [position[w] for w in C.waits_of(node) if w in position]
             if waits:
