@@ -19,19 +19,16 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.distributed_c10d import _resolve_process_group
 
-from passes import collectives as C
 from passes.stages import Stages
 from spmd.backend.carry import CarriedGathers
 from spmd.backend.carry import install as carry_install
 from spmd.backend.lastcall import LastCall
 from spmd.backend.lowering import check_backend, check_gemm, check_optimizer_lowering, compile_graph
 from spmd.backend.runtime import Executable, check_final_graph, make_executable
-from spmd.backend.step_aside import check_fallback
+from spmd.backend.step_aside import check_fallback, report_fields
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.frontend import guards, step_inputs, tracing
 from spmd.frontend import optim as optim_utils
@@ -41,7 +38,7 @@ from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.parallel.sharding import local
-from spmd.pipeline import build_pipeline, build_trace_pipeline, check_remat, chunk_loss
+from spmd.pipeline import all_gloo, build_pipeline, build_trace_pipeline, check_remat, chunk_loss
 from spmd.reporting.dump import dump_code, dump_report, dump_stages
 from spmd.reporting.report import StepReport, build_report, describe_mode
 
@@ -382,7 +379,7 @@ class CompiledStep:
             inplace_collectives=self.backend == "eager",
             # Both backends: inductor lowers all_to_all_single as an extern call, and its order
             # is checked against the graph's like every collective (spmd.backend.lowering).
-            gloo_collectives=_all_gloo(gm),
+            gloo_collectives=all_gloo(gm),
         )
         gm = pipeline.run(
             gm,
@@ -585,32 +582,5 @@ def _report(entry: _Entry, stage: str) -> StepReport:
         lower_role=entry.lower_role,
         lower_wait_s=entry.lower_wait_s,
         inductor_fallback=entry.inductor_fallback,
-        **_kept(entry),
+        **report_fields(entry.exe.aside, entry.inductor_fallback),
     )
-
-
-def _kept(entry: _Entry) -> dict[str, Any]:
-    """For the report: which callable runs an inductor step, and the timings it was chosen by."""
-    aside = entry.exe.aside
-    if aside is None:  # the eager backend, or inductor_fallback="never"
-        return {"kept": "inductor" if entry.inductor_fallback else None}
-    return {
-        "kept": aside.kept,
-        "measured_ms": dict(aside.medians_ms),
-        "measured_steps": {k: len(v) for k, v in aside.times.items()},
-    }
-
-
-def _all_gloo(gm: fx.GraphModule) -> bool:
-    """Whether the graph has collectives and every one runs on a gloo process group (and
-    ``SPMD_GLOO_ALL_TO_ALL=0`` does not switch gloo's rewrites off)."""
-    if os.environ.get("SPMD_GLOO_ALL_TO_ALL", "1") == "0":
-        return False
-    names = {C.group_of(c) for c in C.collectives(gm.graph)}
-    if not names or not dist.is_initialized():
-        return False
-    try:
-        groups = [_resolve_process_group(n) for n in names]  # type: ignore[arg-type]
-        return all(str(dist.get_backend(g)) == "gloo" for g in groups)
-    except (RuntimeError, ValueError, KeyError):
-        return False

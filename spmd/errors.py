@@ -19,6 +19,16 @@ class ConfigError(SpmdError, ValueError):
     """An unknown parallel style, knob or option value."""
 
 
+def check_choice(option: str, value: object, choices: tuple[str, ...], meaning: str) -> str:
+    """``value`` if it is one of ``choices``; else a ``ConfigError`` naming the option, the
+    choices and what each means (``meaning``, a sentence in parentheses)."""
+    if value not in choices:
+        raise ConfigError(
+            f"spmd.compile: {option}={value!r} is not supported; use one of {list(choices)} ({meaning})."
+        )
+    return str(value)
+
+
 class TraceError(SpmdError):
     """The train step could not be traced into one graph."""
 

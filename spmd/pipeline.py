@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Iterable
 
+import torch.distributed as dist
 import torch.fx as fx
+from torch.distributed.distributed_c10d import _resolve_process_group
 
+from passes import collectives as C
 from passes.bucketing import bucket_collectives
 from passes.chunked_loss import chunk_loss_heads
 from passes.cleanup import strip_grad_tags
@@ -220,3 +224,18 @@ def chunk_loss(gm: fx.GraphModule, option: bool | int | str, parallel_mode: Para
     before = len(gm.graph.nodes)
     chunk_loss_heads(gm, **kwargs)
     return len(gm.graph.nodes) != before
+
+
+def all_gloo(gm: fx.GraphModule) -> bool:
+    """Whether the graph has collectives and every one runs on a gloo process group (and
+    ``SPMD_GLOO_ALL_TO_ALL=0`` does not switch gloo's rewrites off)."""
+    if os.environ.get("SPMD_GLOO_ALL_TO_ALL", "1") == "0":
+        return False
+    names = {C.group_of(c) for c in C.collectives(gm.graph)}
+    if not names or not dist.is_initialized():
+        return False
+    try:
+        groups = [_resolve_process_group(n) for n in names]  # type: ignore[arg-type]
+        return all(str(dist.get_backend(g)) == "gloo" for g in groups)
+    except (RuntimeError, ValueError, KeyError):
+        return False

@@ -4,9 +4,10 @@ this machine's, measured by ``python -m spmd.calibrate``.
 Every number names its source in the profile's ``sources``. The GPU profiles are datasheet
 peaks; ``h100-80gb`` also carries the fraction of peak that attention reaches in a published
 H100 measurement and an assumed fraction for matmuls (``op_efficiency``; never fitted to a
-training run's throughput), so its times aim at achievable ones. ``h100-80gb-roofline`` and ``a100-80gb`` are the datasheet
-roofline (efficiency 1.0: a lower bound on the time); ``spmd.plan(..., efficiency=x)`` applies
-one efficiency to every op class instead (``efficiency=1.0``: the roofline of any profile).
+training run's throughput), so its times aim at achievable ones. ``h100-80gb-roofline`` and
+``a100-80gb`` are the datasheet roofline (efficiency 1.0: a lower bound on the time);
+``spmd.plan(..., efficiency=x)`` applies one efficiency to every op class instead
+(``efficiency=1.0``: the roofline of any profile).
 ``cpu-local`` is measured on this machine and cached in ``~/.cache/spmd/cpu-local.json``
 (``SPMD_PROFILE_DIR`` or ``--out`` to move it).
 """

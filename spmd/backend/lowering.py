@@ -54,7 +54,7 @@ import torch.fx as fx
 from passes import collectives as C
 from spmd.backend.compile_once import Role, compile_once_per_host, graph_key, sharing_safe
 from spmd.backend.inductor_rewrites import for_inductor
-from spmd.errors import ConfigError, LoweringError
+from spmd.errors import LoweringError, check_choice
 
 log = logging.getLogger("spmd")
 
@@ -93,12 +93,12 @@ class Lowered:
 
 
 def check_backend(backend: Any) -> str:
-    if backend not in BACKENDS:
-        raise ConfigError(
-            f"spmd.compile: backend={backend!r} is not supported; use one of {list(BACKENDS)} "
-            "('eager' runs the final graph op by op, 'inductor' compiles it)."
-        )
-    return str(backend)
+    return check_choice(
+        "backend",
+        backend,
+        BACKENDS,
+        "'eager' runs the final graph op by op, 'inductor' compiles it",
+    )
 
 
 def compile_graph(
@@ -194,23 +194,22 @@ def compile_graph(
 
 
 def check_optimizer_lowering(optimizer: Any) -> str:
-    if optimizer not in OPTIMIZER_LOWERINGS:
-        raise ConfigError(
-            f"spmd.compile: inductor_optimizer={optimizer!r} is not supported; use one of "
-            f"{list(OPTIMIZER_LOWERINGS)} ('opaque' calls ATen's fused optimizer kernel, 'inline' lets "
-            "inductor fuse the update itself)."
-        )
-    return str(optimizer)
+    return check_choice(
+        "inductor_optimizer",
+        optimizer,
+        OPTIMIZER_LOWERINGS,
+        "'opaque' calls ATen's fused optimizer kernel, 'inline' lets inductor fuse the update itself",
+    )
 
 
 def check_gemm(gemm: Any) -> str:
-    if gemm not in GEMMS:
-        raise ConfigError(
-            f"spmd.compile: inductor_gemm={gemm!r} is not supported; use one of {list(GEMMS)} "
-            "('auto' times both libraries per matmul shape on this machine and keeps the faster, "
-            "'aten' calls torch's mm/addmm, 'onednn' calls oneDNN's matmul for float32 CPU matmuls)."
-        )
-    return str(gemm)
+    return check_choice(
+        "inductor_gemm",
+        gemm,
+        GEMMS,
+        "'auto' times both libraries per matmul shape on this machine and keeps the faster, 'aten' calls "
+        "torch's mm/addmm, 'onednn' calls oneDNN's matmul for float32 CPU matmuls",
+    )
 
 
 def _fake(example_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:

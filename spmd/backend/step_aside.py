@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from passes import collectives as C
-from spmd.errors import ConfigError
+from spmd.errors import check_choice
 
 log = logging.getLogger("spmd")
 
@@ -67,13 +67,13 @@ MARGIN = 0.03
 
 def check_fallback(value: Any) -> str:
     """The ``inductor_fallback`` option, validated."""
-    if value not in FALLBACKS:
-        raise ConfigError(
-            f"spmd.compile: inductor_fallback={value!r} is not supported; use one of {list(FALLBACKS)} "
-            "('measure' times inductor's code against the eager runtime of the same graph on the first "
-            "steps and keeps the faster, 'never' always runs inductor's code)."
-        )
-    return str(value)
+    return check_choice(
+        "inductor_fallback",
+        value,
+        FALLBACKS,
+        "'measure' times inductor's code against the eager runtime of the same graph on the first "
+        "steps and keeps the faster, 'never' always runs inductor's code",
+    )
 
 
 def time_call(which: str, fn: Callable[..., Any], flat: Sequence[torch.Tensor]) -> tuple[Any, float]:
@@ -178,3 +178,15 @@ class StepAside:
         )
         if self.on_decide is not None:
             self.on_decide(self.kept)
+
+
+def report_fields(aside: Any, fallback: str | None) -> dict[str, Any]:
+    """For ``report()``: which callable runs an inductor step, and the timings it was chosen by.
+    ``aside`` is the executable's measurement (None: the eager backend, or ``"never"``)."""
+    if aside is None:
+        return {"kept": INDUCTOR if fallback else None}
+    return {
+        "kept": aside.kept,
+        "measured_ms": dict(aside.medians_ms),
+        "measured_steps": {k: len(v) for k, v in aside.times.items()},
+    }

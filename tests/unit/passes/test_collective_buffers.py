@@ -157,7 +157,7 @@ def fake_two_ranks(monkeypatch):
 
     import spmd.api
 
-    monkeypatch.setattr(spmd.api, "_all_gloo", lambda gm: True)
+    monkeypatch.setattr(spmd.api, "all_gloo", lambda gm: True)
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     yield
     dist.destroy_process_group()
