@@ -53,7 +53,8 @@ def reduce_grads(ps: PartitionState) -> None:
         sharded = comm.shard is not None
         perm = None if sharded else layout.memory_order(ps.by_name[name].meta["val"])
         grad_dtype = g.meta["val"].dtype
-        with ps.graph.inserting_before(tag):
+        # Issued as soon as the gradient exists: after autograd's upcast, moved to its input.
+        with ps.graph.inserting_before(_hoist_upcast(g) or tag):
             send = _to_reduce_dtype(ps, g, tag)
             if sharded:
                 coll = _emit_reduce_scatter(ps, send, name, tag)
@@ -101,6 +102,35 @@ def reduce_grads(ps: PartitionState) -> None:
             if not isinstance(up, fx.Node):
                 break
             dead = up
+
+
+def _hoist_upcast(g: fx.Node) -> fx.Node | None:
+    """Move autograd's upcast of a gradient (``_to_copy``, then ``detach``s) to just after the
+    gradient it casts; return the node after the moved chain (None: ``g`` is no such upcast).
+
+    With mixed precision the parameters' casts run at the start of forward, so autograd runs
+    their backward, the upcast of each bf16 gradient to the parameter's fp32, at the very end
+    of backward: every full-size bf16 gradient would live until then, and every reduction,
+    issued after it, would wait for the end of backward instead of overlapping it. Legal: each
+    moved op reads only the one before it in the chain (the first reads the gradient), so it
+    can run as soon as that exists; its value and everything downstream are unchanged.
+    """
+    chain, n = [], g
+    while (
+        n.op == "call_function"
+        and n.target in (aten.detach.default, aten._to_copy.default)
+        and len(n.all_input_nodes) == 1
+        and n.all_input_nodes[0] is n.args[0]
+    ):
+        chain.append(n)
+        n = n.args[0]
+    if not any(c.target is aten._to_copy.default for c in chain):
+        return None
+    at = n
+    for c in reversed(chain):
+        at.append(c)
+        at = c
+    return at.next
 
 
 def _to_reduce_dtype(ps: PartitionState, g: fx.Node, like: fx.Node) -> fx.Node:

@@ -307,6 +307,45 @@ def test_replicate_casts_in_graph_and_all_reduces_in_reduce_dtype(fake_world) ->
     _assert_optimizer_in_fp32(stages["final"])
 
 
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
+def _matmuls_before_reductions(part: fx.GraphModule, kind: C.Kind) -> dict[str, int]:
+    """Each parameter's gradient reduction -> how many matmuls the graph runs before its issue."""
+    out: dict[str, int] = {}
+    matmuls = 0
+    for n in part.graph.nodes:
+        matmuls += n.target in _MATMULS
+        if C.is_collective(n) and C.kind_of(n) is kind:
+            grad = C.wait_of(n)
+            while grad.meta.get(GRAD_OF) is None:  # past the un-padding slice, the cast back
+                grad = next(iter(grad.users))
+            out[grad.meta[GRAD_OF]] = matmuls
+    return out
+
+
+@pytest.mark.parametrize(
+    "style,mp",
+    [
+        ("fully_shard", {"param_dtype": BF16, "reduce_dtype": torch.float32}),
+        ("fully_shard", {"param_dtype": BF16}),
+        ("replicate", {"param_dtype": BF16, "reduce_dtype": torch.float32}),
+    ],
+)
+def test_reductions_are_issued_where_they_are_without_mixed_precision(
+    fake_world, style: str, mp: dict
+) -> None:
+    """Each gradient's reduction is issued as soon as the gradient is made, between the same
+    backward matmuls as without mixed precision. autograd runs the upcast of every bf16
+    gradient at the end of backward (the parameters' casts are the first ops of forward); a
+    reduction issued after that upcast kept every full-size bf16 gradient live, and every
+    reduction exposed, until the end of backward."""
+    kind = C.Kind.REDUCE_SCATTER if style == "fully_shard" else C.Kind.ALL_REDUCE
+    plain = _matmuls_before_reductions(_lower(style)["partitioned"], kind)
+    assert len(set(plain.values())) > 2  # spread over backward: the comparison can tell
+    assert _matmuls_before_reductions(_lower(style, **mp)["partitioned"], kind) == plain
+
+
 def test_input_casts_at_every_unit_by_default() -> None:
     """Forward inputs are cast at the root and at each numbered block (FSDP2 casts at each
     fully_shard-ed module); ``cast_forward_inputs_at`` picks modules by pattern; [] is the root."""
