@@ -19,7 +19,9 @@ from passes.cost_model import (
     interpolate,
     node_bytes,
     node_flops,
+    op_class,
 )
+from passes.meta import Role
 from tests.unit.passes.graphs import Builder, aten
 
 PROFILE = DeviceProfile(
@@ -223,3 +225,24 @@ def test_an_undeclared_view_is_free_and_allocates_nothing() -> None:
     prof = _with(fresh_alloc_curve=[[2**20, 1e-3], [2**30, 1.0]])
     est = estimate_step_time(gm, prof, GROUPS)
     assert est.compute_s == pytest.approx(compute_time(c, prof)[0])
+
+
+def test_the_chunked_loss_head_counts_its_three_matmuls() -> None:
+    """spmd::linear_cross_entropy(x[N,D], W[V,D], ...) runs the logits, grad_x and grad_W
+    matmuls (2NDV each) over its chunks: 6NDV FLOPs, the same as the unchunked head's three mm,
+    and priced as a matmul (by FLOPs), not by its few bytes of inputs and outputs."""
+    from passes.linear_cross_entropy import LINEAR_CROSS_ENTROPY, REDUCTION_MEAN
+
+    n, d, v = 64, 32, 512
+    b = Builder()
+    x, w = b.input("x", n, d), b.input("w", v, d)
+    target = b.input("target", n, dtype=torch.int64, role=Role.INPUT)
+    grad_loss = b.input("grad_loss", dtype=torch.float32, role=Role.INPUT)
+    head = b.op(LINEAR_CROSS_ENTROPY, x, w, target, grad_loss, 16, REDUCTION_MEAN, -100, None)
+    b.finish(head)
+    mm = Builder()
+    mm_node = mm.op(aten.mm.default, mm.input("a", n, d), mm.input("b", d, v))
+    mm.finish(mm_node)
+    assert node_flops(head) == 6 * n * d * v == 3 * node_flops(mm_node)
+    assert op_class(head) == "matmul"
+    assert compute_time(head, PROFILE)[0] == pytest.approx(6 * n * d * v / PROFILE.peak_flops["fp32"])
