@@ -13,6 +13,7 @@ from passes import collectives as C
 from passes.cost_model import (
     DeviceProfile,
     GroupInfo,
+    causal_share,
     collective_time,
     compute_time,
     estimate_step_time,
@@ -246,3 +247,22 @@ def test_the_chunked_loss_head_counts_its_three_matmuls() -> None:
     assert node_flops(head) == 6 * n * d * v == 3 * node_flops(mm_node)
     assert op_class(head) == "matmul"
     assert compute_time(head, PROFILE)[0] == pytest.approx(6 * n * d * v / PROFILE.peak_flops["fp32"])
+
+
+def test_causal_attention_runs_the_unmasked_share_of_its_flops() -> None:
+    """sdpa(q, k, v, is_causal=True) on s tokens counts torch's s^2 FLOPs (as FlopCounterMode)
+    but a causal kernel runs s(s+1)/2 of them: its roofline time is that share of the
+    non-causal op's; a measured curve keeps torch's count (it was measured by it)."""
+    s = 64
+    b = Builder()
+    q, k, v = (b.input(name, 1, 2, s, 16) for name in "qkv")
+    attn = aten._scaled_dot_product_flash_attention_for_cpu.default
+    causal = b.op(attn, q, k, v, 0.0, True)
+    full = b.op(attn, q, k, v, 0.0, False)
+    b.finish(causal, full)
+    assert node_flops(causal) == node_flops(full) > 0
+    share = (s + 1) / (2 * s)
+    assert causal_share(causal) == pytest.approx(share) and causal_share(full) == 1.0
+    assert compute_time(causal, PROFILE)[0] == pytest.approx(share * compute_time(full, PROFILE)[0])
+    curve = _with(op_curves={"attention": [[1.0, 1e-6], [1e9, 1.0]]})
+    assert compute_time(causal, curve)[0] == compute_time(full, curve)[0]
