@@ -26,6 +26,7 @@ import json
 import time
 
 import torch
+import torch.nn.functional as F
 
 import spmd
 from passes import collectives as C
@@ -68,12 +69,34 @@ def torchtitan_sac_recompute(gm: torch.fx.GraphModule, prof: DeviceProfile) -> t
     return secs, flops
 
 
+def torchtitan_step(
+    model: torch.nn.Module, optim: torch.optim.Optimizer, idx: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """torchtitan's Llama training step at the Table 1 commit (``train.py``): cross-entropy on the
+    logits cast to fp32, gradient clipping to norm 1.0 (``training.max_norm``), AdamW."""
+    logits = model(input_ids=idx, use_cache=False).logits
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--remat", default="selective", help="none, selective, full or a budget")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--profiles", default="h100-hbm2e-500w,h100-hbm2e-500w@sxm,h100-80gb,h100-80gb-roofline")
+    p.add_argument(
+        "--step",
+        default="torchtitan",
+        choices=["torchtitan", "spmd"],
+        help="torchtitan: its loss (fp32 logits), clipping and foreach AdamW, the whole logits "
+        "(chunked_loss=False); spmd: `python -m spmd.plan --preset`'s step (fused AdamW, no "
+        "clipping, chunked loss head)",
+    )
     args = p.parse_args()
     margs = argparse.ArgumentParser()
     models.add_model_arguments(margs)
@@ -94,7 +117,12 @@ def main() -> None:
         backward_prefetch=1,
         min_unit_mb=1,
     )
-    step = spmd.compile(parallel_mode=dp, remat=remat)(fn)
+    if args.step == "torchtitan":
+        fn = torchtitan_step
+        # torchtitan's AdamW (build_optimizers): foreach, as optimizer.fused is off in its config.
+        optim = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, foreach=True)
+    chunked = "auto" if args.step == "spmd" else False
+    step = spmd.compile(parallel_mode=dp, remat=remat, chunked_loss=chunked)(fn)
     t0 = time.perf_counter()
     sim = fresh_copy(step)
     fargs, fkw = fake_copy((model, optim, idx, targets), {})
@@ -130,6 +158,7 @@ def main() -> None:
                     {
                         "profile": name,
                         "remat": args.remat,
+                        "step": args.step,
                         "layers": args.layers,
                         "tokens_per_s_per_gpu": round(tps),
                         "vs_torchtitan_eager": round(tps / TORCHTITAN["tokens_per_s_eager"] - 1, 3),
