@@ -44,10 +44,11 @@ _EFFICIENCY = (
     "ml-engineering (github.com/stas00/ml-engineering, compute/accelerator/README.md, 'Maximum "
     "Achievable Matmul FLOPS comparison table', commit 744d01e): H100 SXM bf16 MAMF 794.5 of 989 "
     "TFLOPS = 80.3% (best shape 2048x2048x13312, torch 2.7.0+cu126, mean of 100 iterations); and the "
-    "Llama 3.1 8B step's own GEMM shapes (16384 tokens x 4096 -> 4096 / 1024) in OpenXLA's measured "
-    "sm_90 table (tensorflow/tensorflow third_party/xla/xla/service/gpu/model/"
-    "matmul_interpolator_data.h, commit 372d578, bf16xbf16->bf16, b=4 x m=4096 rows): n=4096 k=4096 "
-    "793.1 TFLOP/s (80.2%), n=2048 k=4096 808.7 (81.7%), n=1024 k=4096 777.6 (78.6%)"
+    "Llama 3.1 8B step's forward projections (16384 tokens x 4096 -> 4096 for q/o, 1024 for k/v) in "
+    "OpenXLA's measured sm_90 table (tensorflow/tensorflow third_party/xla/xla/service/gpu/model/"
+    "matmul_interpolator_data.h, commit 372d578, bf16xbf16->bf16, b=4 x m=4096 rows, k=4096): "
+    "n=4096 793.1 TFLOP/s (80.2%), n=1024 777.6 (78.6%); the table stops at 4096 (not the MLP's "
+    "14336 nor the weight gradients' 16384-long reductions)"
 )
 # nccl-tests on one NVLink 4 / NVSwitch node (the DGX H100's fabric: 18 links, 900 GB/s both ways).
 _NCCL_TESTS = (
