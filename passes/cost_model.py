@@ -15,7 +15,9 @@ The model, per node in program order:
 - **Compute** (every other op): where the profile has a measured curve for the op (or its class,
   :func:`op_class`) and the op computes in fp32, the curve's time at the op's FLOPs (matmul,
   attention) or bytes (the rest); else ``max(FLOPs / (peak FLOP/s of its dtype x efficiency of
-  its class), bytes / (memory bandwidth x efficiency)) + op overhead``, where a causal
+  its class), bytes moved / (memory bandwidth x efficiency)) + op overhead`` (the arguments
+  it reads, those it writes and the outputs it allocates: an ``out=`` buffer is written, not
+  read, an in-place argument read and written once each), where a causal
   attention op runs only the unmasked share of its FLOPs (:func:`causal_share`; a measured
   curve keeps torch's count, which it was measured by). Plus, where the profile
   measured them, the per-tensor cost of an optimizer op's tensor lists and the first touch of
@@ -317,6 +319,24 @@ def _bytes(node: fx.Node, values: Any) -> int:
     return total
 
 
+def _moved_bytes(node: fx.Node, values: Any) -> int:
+    """The bytes a kernel moves through device memory: the arguments it reads (not an ``out=``
+    buffer, which it only writes), the arguments it writes (in place or ``out=``) and the
+    outputs it allocates. :func:`node_bytes` counts a written argument up to three times (as an
+    argument, as the returned alias and as written): the key of the measured curves, kept."""
+    args, kwargs = values
+    total = sum(_nbytes(t) for t in _tensors(values))
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        for i, a in enumerate(target._schema.arguments):
+            if a.is_out:
+                v = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+                total -= sum(_nbytes(t) for t in _tensors(v))
+    written = fx.node.map_aggregate(tuple(_written_args(node)), _val)
+    total += sum(_nbytes(t) for t in _tensors(written))
+    return total + sum(_fresh_bytes(node))
+
+
 def _dtype_key(node: fx.Node, values: Any) -> str:
     for t in _tensors(values) + _tensors(node.meta.get("val")):
         if t.is_floating_point():
@@ -412,7 +432,8 @@ def compute_time(node: fx.Node, profile: DeviceProfile) -> tuple[float, float]:
         # (the FLOPs a published attention efficiency is measured on). Curves keep the count
         # they were measured by.
         run = flops * causal_share(node, values) if cls == "attention" else flops
-        t = max(run / (peak * f_eff), nbytes / (profile.memory_bandwidth * m_eff))
+        moved = _moved_bytes(node, values)
+        t = max(run / (peak * f_eff), moved / (profile.memory_bandwidth * m_eff))
         t += profile.op_overhead_s
     if profile.per_tensor_s and cls == "optimizer":
         t += profile.per_tensor_s * _list_tensors(values)

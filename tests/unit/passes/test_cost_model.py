@@ -266,3 +266,20 @@ def test_causal_attention_runs_the_unmasked_share_of_its_flops() -> None:
     assert compute_time(causal, PROFILE)[0] == pytest.approx(share * compute_time(full, PROFILE)[0])
     curve = _with(op_curves={"attention": [[1.0, 1e-6], [1e9, 1.0]]})
     assert compute_time(causal, curve)[0] == compute_time(full, curve)[0]
+
+
+def test_a_memory_bound_op_moves_what_it_reads_and_writes_once() -> None:
+    """mul(a, b), mul.out(a, b, out=o) and a.add_(b) each read two n-element tensors and write
+    one: 3n elements through memory on the roofline, whether the result is fresh, an out=
+    buffer (written, not read) or written in place (read once, written once)."""
+    n = 1 << 16
+    b = Builder()
+    x, y, o = b.input("x", n), b.input("y", n), b.input("o", n)
+    fresh = b.op(aten.mul.Tensor, x, y)
+    out = b.graph.call_function(aten.mul.out, (x, y), {"out": o})
+    out.meta["val"] = o.meta["val"]
+    inplace = b.op(aten.add_.Tensor, o, y)
+    b.finish(fresh, out, inplace)
+    want = 3 * 4 * n / PROFILE.memory_bandwidth
+    for node in (fresh, out, inplace):
+        assert compute_time(node, PROFILE)[0] == pytest.approx(want)
