@@ -126,7 +126,8 @@ _H100_HBM2E = dataclasses.replace(
     sources={
         **_H100_ACHIEVABLE.sources,
         "peak_flops": "NVIDIA H100 datasheet, H100 NVL column: BF16 1,671 TFLOPS with sparsity (835.5 "
-        "dense), FP32 60 -- the lower end of " + _TORCHTITAN_H100 + ": 'between SXM and NVL'",
+        "dense), FP32 60 -- the lower end of " + _TORCHTITAN_H100 + ": 'between SXM and NVL' (the "
+        "datasheet page was not opened when this was written: the figure as quoted in spec tables)",
         "memory_bandwidth": _TORCHTITAN_H100 + ": 96GB HBM2e, 2.4 TB/s peak, 500W power limit",
         "gpus_per_node": _TORCHTITAN_H100 + ": 8 H100 per host, NVLink",
     },
