@@ -15,7 +15,11 @@ The model, per node in program order:
 - **Compute** (every other op): where the profile has a measured curve for the op (or its class,
   :func:`op_class`) and the op computes in fp32, the curve's time at the op's FLOPs (matmul,
   attention) or bytes (the rest); else ``max(FLOPs / (peak FLOP/s of its dtype x efficiency of
-  its class), bytes / (memory bandwidth x efficiency)) + op overhead``. Plus, where the profile
+  its class), bytes moved / (memory bandwidth x efficiency)) + op overhead`` (the arguments
+  it reads, those it writes and the outputs it allocates: an ``out=`` buffer is written, not
+  read, an in-place argument read and written once each), where a causal
+  attention op runs only the unmasked share of its FLOPs (:func:`causal_share`; a measured
+  curve keeps torch's count, which it was measured by). Plus, where the profile
   measured them, the per-tensor cost of an optimizer op's tensor lists and the first touch of
   each large fresh output (``fresh_alloc_curve``: page faults of a newly mapped buffer). FLOPs come from
   ``torch.utils.flop_counter``'s formulas (the ones ``FlopCounterMode`` uses: matmuls,
@@ -41,8 +45,8 @@ exposed in full.
 
 What it leaves out: kernel-level overlap costs on GPUs (a collective slowing the compute it
 overlaps, by memory bandwidth or SMs), caching-allocator and host (Python) overhead beyond the
-measured per-call costs, efficiency by shape on GPUs (one efficiency per op class), causal
-attention's skipped half (torch's formula counts it whole), tree all-reduce algorithms,
+measured per-call costs, efficiency by shape on GPUs (one efficiency per op class), tree
+all-reduce algorithms,
 topology beyond "one node / more", and fusion (each op reads and writes memory, as an eager
 step does).
 """
@@ -68,6 +72,7 @@ __all__ = [
     "collective_time",
     "estimate_step_time",
     "interpolate",
+    "causal_share",
     "node_bytes",
     "node_flops",
     "op_class",
@@ -266,6 +271,40 @@ def _flops(node: fx.Node, values: Any) -> float:
         return 0.0
 
 
+def _arg(node: fx.Node, values: Any, name: str) -> Any:
+    """The value of the schema argument ``name`` (its default where not given; None where the
+    op has no such argument)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    args, kwargs = values
+    for i, a in enumerate(target._schema.arguments):
+        if a.name == name:
+            if name in kwargs:
+                return kwargs[name]
+            if not a.kwarg_only and i < len(args):
+                return args[i]
+            return a.default_value if a.has_default_value() else None
+    return None
+
+
+def causal_share(node: fx.Node, values: Any | None = None) -> float:
+    """The share of an attention op's FLOPs (torch's count: every query against every key) that a
+    causal kernel runs: the unmasked entries of the top-left causal mask, ``s(s+1)/2`` of ``s^2``
+    for equal lengths (about half); 1.0 where the op is not causal."""
+    if values is None:
+        values = fx.node.map_aggregate((node.args, node.kwargs), _val)
+    if _arg(node, values, "is_causal") is not True:
+        return 1.0
+    q, k = _arg(node, values, "query"), _arg(node, values, "key")
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return 1.0
+    sq, sk = q.shape[-2], k.shape[-2]
+    # Query i sees keys 0..i (all sk of them once i >= sk).
+    kept = sq * (sq + 1) / 2 if sq <= sk else sk * (sk + 1) / 2 + (sq - sk) * sk
+    return float(kept / (sq * sk))
+
+
 def node_bytes(node: fx.Node) -> int:
     """Bytes an op moves: its tensor inputs and outputs, and its in-place writes once more."""
     return _bytes(node, fx.node.map_aggregate((node.args, node.kwargs), _val))
@@ -278,6 +317,24 @@ def _bytes(node: fx.Node, values: Any) -> int:
     written = fx.node.map_aggregate(tuple(_written_args(node)), _val)
     total += sum(_nbytes(t) for t in _tensors(written))
     return total
+
+
+def _moved_bytes(node: fx.Node, values: Any) -> int:
+    """The bytes a kernel moves through device memory: the arguments it reads (not an ``out=``
+    buffer, which it only writes), the arguments it writes (in place or ``out=``) and the
+    outputs it allocates. :func:`node_bytes` counts a written argument up to three times (as an
+    argument, as the returned alias and as written): the key of the measured curves, kept."""
+    args, kwargs = values
+    total = sum(_nbytes(t) for t in _tensors(values))
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        for i, a in enumerate(target._schema.arguments):
+            if a.is_out:
+                v = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+                total -= sum(_nbytes(t) for t in _tensors(v))
+    written = fx.node.map_aggregate(tuple(_written_args(node)), _val)
+    total += sum(_nbytes(t) for t in _tensors(written))
+    return total + sum(_fresh_bytes(node))
 
 
 def _dtype_key(node: fx.Node, values: Any) -> str:
@@ -371,7 +428,12 @@ def compute_time(node: fx.Node, profile: DeviceProfile) -> tuple[float, float]:
         peak = profile.peak_flops.get(dtype) or profile.peak_flops["fp32"]
         f_eff = profile.op_efficiency.get(cls, profile.compute_efficiency)
         m_eff = profile.op_efficiency.get("memory", profile.memory_efficiency)
-        t = max(flops / (peak * f_eff), nbytes / (profile.memory_bandwidth * m_eff))
+        # A causal kernel skips the masked blocks: it runs the causal share of torch's count
+        # (the FLOPs a published attention efficiency is measured on). Curves keep the count
+        # they were measured by.
+        run = flops * causal_share(node, values) if cls == "attention" else flops
+        moved = _moved_bytes(node, values)
+        t = max(run / (peak * f_eff), moved / (profile.memory_bandwidth * m_eff))
         t += profile.op_overhead_s
     if profile.per_tensor_s and cls == "optimizer":
         t += profile.per_tensor_s * _list_tensors(values)

@@ -35,6 +35,7 @@ rewrite records them on the node (``passes.meta.WORKSPACE``, :func:`workspace_by
 from __future__ import annotations
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 aten = torch.ops.aten
 
@@ -122,6 +123,18 @@ def _(x, weight, target, grad_loss, chunk, reduction, ignore_index, logits_dtype
 
 
 LINEAR_CROSS_ENTROPY = torch.ops.spmd.linear_cross_entropy.default
+
+
+@register_flop_formula(torch.ops.spmd.linear_cross_entropy)
+def _flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001, ANN003
+    """The op's three matmuls, whatever the chunking: the logits ``x @ weight.T``,
+    ``grad_x = g @ weight`` and ``grad_weight = g.T @ x``, ``2 N D V`` each (torch's ``mm``
+    formula), so ``FlopCounterMode`` and ``passes.cost_model`` count the loss head's FLOPs
+    (without it the head's forward and backward matmuls, 6 N D V, counted as none and the cost
+    model priced the op by its bytes). The log-softmax and the loss are not counted, as torch
+    counts no elementwise op."""
+    n, d = x_shape
+    return 6 * n * d * w_shape[0]
 
 
 def workspace_bytes(n: int, vocab: int, chunk: int, logits_dtype: torch.dtype) -> int:

@@ -2,9 +2,11 @@
 this machine's, measured by ``python -m spmd.calibrate``.
 
 Every number names its source in the profile's ``sources``. The GPU profiles are datasheet
-peaks; ``h100-80gb`` also carries the fraction of peak that attention reaches in a published
-H100 measurement and an assumed fraction for matmuls (``op_efficiency``; never fitted to a
-training run's throughput), so its times aim at achievable ones. ``h100-80gb-roofline`` and
+peaks; ``h100-80gb`` also carries published H100 measurements (never fitted to a training
+run's throughput): the fraction of peak that attention and matmuls reach (``op_efficiency``),
+NCCL's bus bandwidth per collective on one NVLink node, and how much an overlapped collective
+slows the compute, so its times aim at achievable ones. ``h100-hbm2e-500w`` is the same on
+torchtitan's Table 1 GPU (HBM2e at 2.4 TB/s, 500 W). ``h100-80gb-roofline`` and
 ``a100-80gb`` are the datasheet roofline (efficiency 1.0: a lower bound on the time);
 ``spmd.plan(..., efficiency=x)`` applies one efficiency to every op class instead
 (``efficiency=1.0``: the roofline of any profile).
@@ -32,14 +34,42 @@ _NCCL_TUNING = (
     "(NCCL's own cost model)"
 )
 
-# Where h100-80gb's op_efficiency comes from (issue 22): one published figure, one assumption.
-_FA3 = (
-    "attention 0.35: Shah et al., FlashAttention-3 (arXiv:2407.08608, 2024), abstract: FlashAttention-2 "
-    "(the kernel torch's SDPA runs on an H100) reaches 35% utilization on the H100. matmul 0.80: an "
-    "assumption, not a measurement we could cite -- Dao, FlashAttention-2 (arXiv:2307.08691), abstract, "
-    "sets attention's 25-40% against 'optimized matrix-multiply (GEMM) operations' without a figure; "
-    "large bf16 GEMMs are commonly reported at 70-90% of the dense peak, and a step's GEMMs are smaller "
-    "and more varied than a benchmark's"
+# Where h100-80gb's achievable figures come from (issue 22): published measurements, none
+# fitted to a training run's throughput.
+_AZURE_H100 = (
+    "Azure/AI-benchmarking-guide, 'Azure Results/ND_H100_v5_results.md' (commit f350e7e; NVIDIA H100 "
+    "80GB HBM3, CUDA 12.6, PyTorch 2.4.0)"
+)
+_EFFICIENCY = (
+    "attention 0.331: " + _AZURE_H100 + ", 'Flash Attention 2.0': 327.9 TFLOPS fwd + bwd at head dim "
+    "128, batch 2, sequence 8192, causal (Benchmarks/NVIDIA/FlashAttention.py runs flash-attention's "
+    "benchmarks/benchmark_flash_attention.py, which counts a causal kernel's FLOPs halved and the "
+    "backward as 2.5x the forward, as the cost model's causal_share and torch's formula do) = 33.1% of "
+    "989.5; Shah et al., FlashAttention-3 (arXiv:2407.08608), abstract, gives FlashAttention-2 35% on "
+    "the H100. memory 0.876: the same file, 'HBM Bandwidth' (BabelStream, CUDA): Copy 2.90, Mul 2.90, "
+    "Add 2.97, Triad 2.97 TB/s, their mean 2.935 of 3.35 TB/s. matmul 0.80: Bekman, "
+    "ml-engineering (github.com/stas00/ml-engineering, compute/accelerator/README.md, 'Maximum "
+    "Achievable Matmul FLOPS comparison table', commit 744d01e): H100 SXM bf16 MAMF 794.5 of 989 "
+    "TFLOPS = 80.3% (best shape 2048x2048x13312, torch 2.7.0+cu126, mean of 100 iterations); and the "
+    "Llama 3.1 8B step's forward projections (16384 tokens x 4096 -> 4096 for q/o, 1024 for k/v) in "
+    "OpenXLA's measured sm_90 table (tensorflow/tensorflow third_party/xla/xla/service/gpu/model/"
+    "matmul_interpolator_data.h, commit 372d578, bf16xbf16->bf16, b=4 x m=4096 rows, k=4096): "
+    "n=4096 793.1 TFLOP/s (80.2%), n=1024 777.6 (78.6%); the table stops at 4096 (not the MLP's "
+    "14336 nor the weight gradients' 16384-long reductions)"
+)
+# nccl-tests on one NVLink 4 / NVSwitch node (the DGX H100's fabric: 18 links, 900 GB/s both ways).
+_NCCL_TESTS = (
+    "Bekman, ml-engineering (github.com/stas00/ml-engineering, network/README.md, SHARP section, "
+    "commit 744d01e): nccl-tests on 8x H200 (NVLink 4, NVSwitch, the H100 SXM's fabric), 16 GiB, "
+    "NCCL 2.27.7, busbw: all-gather 361.4 GB/s, reduce-scatter 362.9 GB/s (ring; NVLS does not apply). "
+    "all-reduce 478.87 GB/s: " + _AZURE_H100 + ", 'NCCL Bandwidth': AllReduce (NVLS) busbw at 8 GB on 8 "
+    "H100 (400.61 at 134 MB, 438.46 at 536 MB)"
+)
+_OVERLAP = (
+    "Lee et al., Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep "
+    "Learning (arXiv:2507.03114, 2025), abstract: overlapping computation and communication slows "
+    "the computation by 18.9% on average (max 40.0%; GPT and LLaMA models on 4x A100, H100, MI250, "
+    "MI210): compute during a collective progresses at 1/1.189 of its rate = 0.841"
 )
 _H100_ROOFLINE = DeviceProfile(
     name="h100-80gb-roofline",
@@ -63,14 +93,50 @@ _H100_ROOFLINE = DeviceProfile(
     },
 )
 
+_H100_ACHIEVABLE = dataclasses.replace(
+    _H100_ROOFLINE,
+    name="h100-80gb",
+    op_efficiency={
+        "matmul": 0.80,
+        "attention": round(327.9e12 / 989.5e12, 3),
+        "memory": round(2.935 / 3.35, 3),
+    },
+    bandwidth_by_kind={"all_gather": 361.4e9, "reduce_scatter": 362.9e9, "all_reduce": 478.87e9},
+    comm_compute_overlap=round(1 / 1.189, 3),
+    sources={
+        **_H100_ROOFLINE.sources,
+        "op_efficiency": _EFFICIENCY,
+        "bandwidth_by_kind": _NCCL_TESTS,
+        "comm_compute_overlap": _OVERLAP,
+        "memory_bandwidth": _H100_DATASHEET + " (the achievable fraction: op_efficiency['memory'])",
+    },
+)
+# torchtitan's Table 1 GPU (benchmarks/llama3_h100_202412_torchtitan.md, commit 820504e): "96GB
+# HBM2e with 2.4 TB/sec peak memory bandwidth", the default 500W power limit, Grand Teton hosts of
+# 8 NVLink-connected GPUs; its footnote: "the actual peak TFLOPs number is between SXM and NVL, and
+# we don't know its exact value". The profile takes the NVL figure (the lower end; `peak_flops=`
+# of h100-80gb gives the upper end) and h100-80gb's achievable fractions (measured on HBM3 and at
+# 700 W: assumed to hold on its HBM2e and at 500 W).
+_TORCHTITAN_H100 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Hardware; footnote 2)"
+_H100_HBM2E = dataclasses.replace(
+    _H100_ACHIEVABLE,
+    name="h100-hbm2e-500w",
+    peak_flops={"bf16": 835.5e12, "fp16": 835.5e12, "fp32": 60e12, "fp64": 30e12},
+    memory_bandwidth=2.4e12,
+    sources={
+        **_H100_ACHIEVABLE.sources,
+        "peak_flops": "NVIDIA H100 datasheet, H100 NVL column: BF16 1,671 TFLOPS with sparsity (835.5 "
+        "dense), FP32 60 -- the lower end of " + _TORCHTITAN_H100 + ": 'between SXM and NVL' (the "
+        "datasheet page was not opened when this was written: the figure as quoted in spec tables)",
+        "memory_bandwidth": _TORCHTITAN_H100 + ": 96GB HBM2e, 2.4 TB/s peak, 500W power limit",
+        "gpus_per_node": _TORCHTITAN_H100 + ": 8 H100 per host, NVLink",
+    },
+)
+
 PROFILES: dict[str, DeviceProfile] = {
-    "h100-80gb": dataclasses.replace(
-        _H100_ROOFLINE,
-        name="h100-80gb",
-        op_efficiency={"matmul": 0.80, "attention": 0.35},
-        sources={**_H100_ROOFLINE.sources, "op_efficiency": _FA3},
-    ),
+    "h100-80gb": _H100_ACHIEVABLE,
     "h100-80gb-roofline": _H100_ROOFLINE,
+    "h100-hbm2e-500w": _H100_HBM2E,
     "a100-80gb": DeviceProfile(
         name="a100-80gb",
         # Datasheet: BF16/FP16 Tensor Core 312 TFLOPS dense (624 with sparsity); FP32 19.5.

@@ -13,13 +13,16 @@ from passes import collectives as C
 from passes.cost_model import (
     DeviceProfile,
     GroupInfo,
+    causal_share,
     collective_time,
     compute_time,
     estimate_step_time,
     interpolate,
     node_bytes,
     node_flops,
+    op_class,
 )
+from passes.meta import Role
 from tests.unit.passes.graphs import Builder, aten
 
 PROFILE = DeviceProfile(
@@ -223,3 +226,60 @@ def test_an_undeclared_view_is_free_and_allocates_nothing() -> None:
     prof = _with(fresh_alloc_curve=[[2**20, 1e-3], [2**30, 1.0]])
     est = estimate_step_time(gm, prof, GROUPS)
     assert est.compute_s == pytest.approx(compute_time(c, prof)[0])
+
+
+def test_the_chunked_loss_head_counts_its_three_matmuls() -> None:
+    """spmd::linear_cross_entropy(x[N,D], W[V,D], ...) runs the logits, grad_x and grad_W
+    matmuls (2NDV each) over its chunks: 6NDV FLOPs, the same as the unchunked head's three mm,
+    and priced as a matmul (by FLOPs), not by its few bytes of inputs and outputs."""
+    from passes.linear_cross_entropy import LINEAR_CROSS_ENTROPY, REDUCTION_MEAN
+
+    n, d, v = 64, 32, 512
+    b = Builder()
+    x, w = b.input("x", n, d), b.input("w", v, d)
+    target = b.input("target", n, dtype=torch.int64, role=Role.INPUT)
+    grad_loss = b.input("grad_loss", dtype=torch.float32, role=Role.INPUT)
+    head = b.op(LINEAR_CROSS_ENTROPY, x, w, target, grad_loss, 16, REDUCTION_MEAN, -100, None)
+    b.finish(head)
+    mm = Builder()
+    mm_node = mm.op(aten.mm.default, mm.input("a", n, d), mm.input("b", d, v))
+    mm.finish(mm_node)
+    assert node_flops(head) == 6 * n * d * v == 3 * node_flops(mm_node)
+    assert op_class(head) == "matmul"
+    assert compute_time(head, PROFILE)[0] == pytest.approx(6 * n * d * v / PROFILE.peak_flops["fp32"])
+
+
+def test_causal_attention_runs_the_unmasked_share_of_its_flops() -> None:
+    """sdpa(q, k, v, is_causal=True) on s tokens counts torch's s^2 FLOPs (as FlopCounterMode)
+    but a causal kernel runs s(s+1)/2 of them: its roofline time is that share of the
+    non-causal op's; a measured curve keeps torch's count (it was measured by it)."""
+    s = 64
+    b = Builder()
+    q, k, v = (b.input(name, 1, 2, s, 16) for name in "qkv")
+    attn = aten._scaled_dot_product_flash_attention_for_cpu.default
+    causal = b.op(attn, q, k, v, 0.0, True)
+    full = b.op(attn, q, k, v, 0.0, False)
+    b.finish(causal, full)
+    assert node_flops(causal) == node_flops(full) > 0
+    share = (s + 1) / (2 * s)
+    assert causal_share(causal) == pytest.approx(share) and causal_share(full) == 1.0
+    assert compute_time(causal, PROFILE)[0] == pytest.approx(share * compute_time(full, PROFILE)[0])
+    curve = _with(op_curves={"attention": [[1.0, 1e-6], [1e9, 1.0]]})
+    assert compute_time(causal, curve)[0] == compute_time(full, curve)[0]
+
+
+def test_a_memory_bound_op_moves_what_it_reads_and_writes_once() -> None:
+    """mul(a, b), mul.out(a, b, out=o) and a.add_(b) each read two n-element tensors and write
+    one: 3n elements through memory on the roofline, whether the result is fresh, an out=
+    buffer (written, not read) or written in place (read once, written once)."""
+    n = 1 << 16
+    b = Builder()
+    x, y, o = b.input("x", n), b.input("y", n), b.input("o", n)
+    fresh = b.op(aten.mul.Tensor, x, y)
+    out = b.graph.call_function(aten.mul.out, (x, y), {"out": o})
+    out.meta["val"] = o.meta["val"]
+    inplace = b.op(aten.add_.Tensor, o, y)
+    b.finish(fresh, out, inplace)
+    want = 3 * 4 * n / PROFILE.memory_bandwidth
+    for node in (fresh, out, inplace):
+        assert compute_time(node, PROFILE)[0] == pytest.approx(want)
