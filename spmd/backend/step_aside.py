@@ -225,11 +225,11 @@ class StepAside:
             return
         self.kept = choose(inductor_ms, eager_ms)
         log.info(
-            "spmd: %s: kept %s's code after timing %d steps of each: median %.2f ms inductor, %.2f ms "
+            "spmd: %s: kept %s after timing %d pairs of steps: median %.2f ms inductor's code, %.2f ms "
             "the eager backend's graph, interquartile ranges %.2f / %.2f ms (%s; eager is kept if more "
             "than %.0f%% faster)",
             self.label,
-            self.kept,
+            "inductor's code" if self.kept == INDUCTOR else "the eager backend's graph",
             len(te),
             inductor_ms,
             eager_ms,
