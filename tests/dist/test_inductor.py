@@ -40,6 +40,16 @@ def test_inductor_matches_eager_backend_in_place(per_rank) -> None:
         assert set(out["max_diff"]) == {"/".join(c) for c in CASES}
 
 
+def test_eager_candidate_is_the_eager_backends_graph(per_rank) -> None:
+    """The eager candidate of the measured choice is the eager backend's final graph (with its
+    in-place all-reduces and buffer reuse), on every rank and style."""
+    for r, out in enumerate(per_rank):
+        assert all(out["alt_is_eager"].values()) and len(out["alt_is_eager"]) == len(CASES), (
+            r,
+            out["alt_is_eager"],
+        )
+
+
 def test_generated_code_keeps_collective_order(per_rank) -> None:
     """The generated code issues exactly the final graph's collectives, in its order
     (checked inside compile_graph too; here the counts are pinned)."""

@@ -55,6 +55,7 @@ def inductor_vs_eager(
         "kept": {},
         "measured_ms": {},
         "measured_steps": {},
+        "alt_is_eager": {},
     }
     real_timer = gemm_policy.time_gemm
     real_time_call = step_aside.time_call
@@ -100,6 +101,8 @@ def inductor_vs_eager(
         out["kept"][tag] = report.kept
         out["measured_ms"][tag] = report.measured_ms
         out["measured_steps"][tag] = report.measured_steps
+        alt = ind._last.exe.alt  # type: ignore[union-attr]
+        out["alt_is_eager"][tag] = alt is not None and alt.gm.code == eag.graphs["final"].code
         out["kinds"][tag] = sorted({C.kind_of(n).value for n in C.collectives(ind.graphs["final"].graph)})
     gemm_policy.time_gemm = real_timer
     step_aside.time_call = real_time_call

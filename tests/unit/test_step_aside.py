@@ -16,7 +16,7 @@ import pytest
 
 import spmd
 from spmd import api
-from spmd.backend import step_aside
+from spmd.backend import runtime, step_aside
 from spmd.backend.lowering import Lowered, graph_order
 from spmd.backend.runtime import Executable
 from tests import models
@@ -137,9 +137,12 @@ def test_decision_follows_timings(
 
 def test_eager_candidate_is_the_eager_backends_graph(ran, monkeypatch, tmp_path) -> None:
     """The eager candidate runs the graph backend="eager" runs (its own pipeline: in-place
-    collectives, buffer reuse), not the inductor pipeline's final graph; the dump has it as the
-    stage after inductor's code; with eager kept, the steps run it."""
+    collectives, buffer reuse), not the inductor pipeline's final graph, and is checked for the
+    ranks' agreement under its own name; the dump has it as the stage after inductor's code; with
+    eager kept, the steps run it."""
     _inject(monkeypatch, 10.0, 5.0)
+    agreed: list[str] = []  # the graphs checked for the ranks' agreement on their collectives
+    monkeypatch.setattr(runtime, "check_rank_agreement", lambda gm, step_name: agreed.append(step_name))
     model, twin = models.build("mlp"), models.build("mlp")
     opt, twin_opt = models.make_optimizer("adamw_fused", model), models.make_optimizer("adamw_fused", twin)
     step = spmd.compile(backend="inductor", dump_dir=str(tmp_path))(models.train_step)
@@ -151,6 +154,7 @@ def test_eager_candidate_is_the_eager_backends_graph(ran, monkeypatch, tmp_path)
     assert alt.gm.code == eager.graphs["final"].code
     assert alt.gm.code != step.graphs["final"].code  # the inductor pipeline's graph differs
     assert step._last.exe.compiled == alt.run_graph
+    assert agreed == ["train_step:eager_alternative"]
     files = sorted(os.listdir(tmp_path / "train_step" / "rank0"))
     final = files.index(next(f for f in files if f.endswith("_final.py")))
     assert files[final + 1].endswith("_inductor.py") and files[final + 2].endswith("_eager_alternative.py")
