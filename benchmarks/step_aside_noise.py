@@ -4,10 +4,11 @@ identical callables, timed as it times inductor's code against the eager backend
     OMP_NUM_THREADS=1 python benchmarks/step_aside_noise.py --models overhead,gpt,encoder --reps 8
 
 World size 1, one thread, the spmd eager backend's step of each bench model. Each repetition runs
-step_aside's measurement with the SAME callable in both slots, A for inductor and B for eager (a
-warm-up each, then timed pairs until :func:`~spmd.backend.step_aside.settled`) and reports how
-many pairs it took, how far apart the medians came out (``B / A - 1``) and how often B was kept:
-how often identical callables would make the choice step aside by noise alone. ``--fixed N``
+step_aside's schedule with the SAME callable in both slots, A for inductor and B for eager (a
+warm-up each, then timed pairs in alternating order until
+:func:`~spmd.backend.step_aside.settled`) and reports how many pairs it took, how far apart the
+medians came out (``B / A - 1``) and how often B was kept: how often identical callables would
+make the choice step aside by noise alone. ``--fixed N``
 times N pairs instead (the rule before the adaptive one was 3), for the spread of N-pair medians.
 """
 
@@ -27,7 +28,7 @@ sys.path.insert(0, HERE)
 import models  # noqa: E402
 
 import spmd  # noqa: E402
-from spmd.backend.step_aside import EAGER, INDUCTOR, WARM_UP, choose, iqr, settled  # noqa: E402
+from spmd.backend.step_aside import EAGER, INDUCTOR, choose, iqr, scheduled, settled  # noqa: E402
 
 
 def main() -> None:
@@ -60,16 +61,19 @@ def main() -> None:
         pairs_used: list[int] = []
         kept_b = 0
         for _ in range(args.reps):
-            for i in range(len(WARM_UP)):
-                step(model, optim, *batches[i % 4])
             times: dict[str, list[float]] = {INDUCTOR: [], EAGER: []}
+            calls = 0
             while True:
-                for slot in (INDUCTOR, EAGER):
-                    t0 = time.perf_counter()
-                    step(model, optim, *batches[len(times[slot]) % 4])
+                slot, timed = scheduled(calls)
+                t0 = time.perf_counter()
+                step(model, optim, *batches[calls % 4])
+                calls += 1
+                if timed:
                     times[slot].append(1e3 * (time.perf_counter() - t0))
-                a, b = statistics.median(times[INDUCTOR]), statistics.median(times[EAGER])
                 n = len(times[EAGER])
+                if not timed or n != len(times[INDUCTOR]) or n == 0:
+                    continue  # a pair is not complete
+                a, b = statistics.median(times[INDUCTOR]), statistics.median(times[EAGER])
                 if (args.fixed and n >= args.fixed) or (
                     not args.fixed and settled(a, b, iqr(times[INDUCTOR]), iqr(times[EAGER]), n)
                 ):

@@ -26,7 +26,8 @@ the rank-agreement check at compile (the ranks compiled the same collective sequ
 inductor's code is checked against its graph's collective order (:mod:`spmd.backend.lowering`).
 
 **Schedule.** The compile call runs inductor (its warm-up), the next one eager (its warm-up),
-then pairs of timed calls, inductor then eager, so drifting load falls on both alike. Each is a
+then pairs of timed calls, inductor-eager, eager-inductor, and so on (:func:`scheduled`), so
+drifting load and the position in a pair fall on both alike. Each is a
 real training step. Timed: the callable's wall time (:func:`time_call`), collectives' waits
 included, as the user sees it.
 
@@ -110,10 +111,14 @@ def time_call(which: str, fn: Callable[..., Any], flat: Sequence[torch.Tensor]) 
 
 
 def scheduled(calls: int) -> tuple[str, bool]:
-    """The candidate the call after ``calls`` earlier ones runs, and whether it is timed."""
+    """The candidate the call after ``calls`` earlier ones runs, and whether it is timed. Timed
+    pairs alternate their order (inductor-eager, eager-inductor, ...), so neither candidate always
+    runs first in a pair and a load that drifts steadily falls on both alike."""
     if calls < len(WARM_UP):
         return WARM_UP[calls], False
-    return (INDUCTOR, EAGER)[(calls - len(WARM_UP)) % 2], True
+    k = calls - len(WARM_UP)
+    first, second = (INDUCTOR, EAGER) if (k // 2) % 2 == 0 else (EAGER, INDUCTOR)
+    return (first if k % 2 == 0 else second), True
 
 
 def choose(inductor_ms: float, eager_ms: float) -> str:
@@ -206,7 +211,8 @@ class StepAside:
         self.calls += 1
         if timed:
             self.times[which].append(seconds)
-            if which == EAGER and len(self.times[EAGER]) >= MIN_PAIRS:
+            pairs = len(self.times[EAGER])
+            if pairs == len(self.times[INDUCTOR]) and pairs >= MIN_PAIRS:  # a pair is complete
                 self._check()
         return outs
 

@@ -71,6 +71,13 @@ def test_choose_keeps_inductor_unless_eager_wins_by_the_margin() -> None:
     assert step_aside.choose(100.0, 150.0) == "inductor"
 
 
+def test_schedule_alternates_the_order_of_the_pairs() -> None:
+    """A warm-up of each, then timed pairs inductor-eager, eager-inductor, ...: neither always first."""
+    got = [step_aside.scheduled(i) for i in range(10)]
+    assert [t for _, t in got] == [False, False] + [True] * 8
+    assert "".join(w[0] for w, _ in got) == "ie" + "ie" + "ei" + "ie" + "ei"
+
+
 def test_settled_needs_a_gap_beyond_spread_and_margin() -> None:
     """Stop after MIN_PAIRS only where the medians differ by more than both spreads and MARGIN;
     at MAX_PAIRS always."""
