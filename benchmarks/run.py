@@ -21,9 +21,15 @@ data and times them in interleaved rounds (``worker.py``; how each number is mea
     spmd_fully_shard_inductor   spmd_fully_shard with backend="inductor"
 
 The inductor variants run with the defaults, so their first steps time inductor's code against
-the eager runtime of the same graph and keep the faster (``inductor_fallback="measure"``,
-``spmd.backend.step_aside``); those steps are untimed warm-up here, and the table's ``kept``
-column shows the callable kept, with the eager runtime's median step over inductor's.
+the eager backend's graph of the same step and keep the faster (``inductor_fallback="measure"``,
+``spmd.backend.step_aside``); those steps are untimed warm-up here (as many as the measurement
+takes), and the table's ``kept`` column shows the callable kept, with the eager candidate's median
+step over inductor's and the timed pairs it took.
+
+``--malloc keep`` (the default) runs every job (each row, peers and spmd alike, and the plan
+check) with glibc's allocator told to keep freed memory instead of returning it to the kernel
+(:data:`MALLOC_KEEP`); ``--malloc system`` with glibc's defaults (those variables unset). On
+this machine fresh mmap'd pages cost 10-17% of a step and most of the noise (docs/performance.md).
 
 Ablations (only when named in --variants): ``spmd_replicate_no_optoverlap`` and
 ``spmd_fully_shard_no_optoverlap`` run with the ``overlap_optimizer`` pass disabled;
@@ -66,6 +72,17 @@ sys.path.insert(0, HERE)
 from worker import ABLATIONS, OPTION_VARIANTS, REFERENCES, VARIANTS  # noqa: E402
 
 MODELS = ("overhead", "gpt", "encoder")
+# --malloc keep: glibc serves no allocation by mmap (each fresh mmap'd page faults in as it is
+# first written, ~1 ms per MiB here), never trims the heap, and grows it by 256 MiB at a time, so
+# a step's large buffers reuse pages that earlier steps faulted in. Measured (2026-11-25, GPT,
+# --steps 12): no_comm 598 -> 497 ms, spmd fully_shard 628 -> 571, IQRs 6-16% -> 3-6%. torch's
+# CPU performance tuning guide recommends a caching allocator (jemalloc, tcmalloc) for the same
+# reason: https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html
+MALLOC_KEEP = {
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(16 * 1024**3),
+    "MALLOC_TOP_PAD_": str(256 * 1024**2),
+}
 INDUCTOR = ("spmd_replicate_inductor", "spmd_fully_shard_inductor")
 NPROC = 2
 MiB = 1024 * 1024
@@ -79,6 +96,13 @@ p.add_argument("--steps", type=int, default=None, help="timed steps per variant 
 p.add_argument("--out", default=os.path.join(ROOT, "bench.json"), help="where to write the records")
 p.add_argument("--timeout", type=int, default=None, help="seconds per torchrun job (default 1500, quick 600)")
 p.add_argument("--no-plan-check", action="store_true", help="skip the cost-model check (plan_check.py)")
+p.add_argument(
+    "--malloc",
+    choices=("keep", "system"),
+    default="keep",
+    help="keep: every job runs with glibc keeping freed memory (MALLOC_KEEP: less noise, faster for "
+    "every variant); system: glibc's defaults",
+)
 args = p.parse_args()
 steps = args.steps or (4 if args.quick else 24)  # the median is over at least 20
 rounds = 2 if args.quick else 4  # interleaved rounds the timed steps are split into
@@ -283,12 +307,14 @@ def table(records: list[dict[str, Any]]) -> str:
 
 
 def _kept_cell(r: dict[str, Any]) -> str:
-    """backend="inductor": the callable kept, and the eager runtime's median step over inductor's."""
+    """backend="inductor": the callable kept, the eager candidate's median step over inductor's,
+    and the timed pairs the choice took."""
     rep = r.get("report", {})
     kept, ms = rep.get("kept"), rep.get("measured_ms") or {}
     if not kept:
         return "-"
-    return f"{kept} ({ms['eager'] / ms['inductor']:.2f})" if ms.get("inductor") else kept
+    pairs = (rep.get("measured_steps") or {}).get("eager")
+    return f"{kept} ({ms['eager'] / ms['inductor']:.2f}, {pairs} pairs)" if ms.get("inductor") else kept
 
 
 def _compile_cell(r: dict[str, Any]) -> str:
@@ -413,6 +439,12 @@ def main() -> None:
     if bad:
         sys.exit(f"unknown model/variant {bad}; models: {', '.join(MODELS)}; variants: {', '.join(VARIANTS)}")
     log_path = os.path.join(tempfile.gettempdir(), f"spmd_bench_{os.getpid()}.log")
+    # Every job inherits it (torchrun's ranks, plan_check's jobs): no variant runs on other terms.
+    for k, val in MALLOC_KEEP.items():
+        if args.malloc == "keep":
+            os.environ[k] = val
+        else:
+            os.environ.pop(k, None)
     started = datetime.datetime.now()
     run_info = {
         "date": started.strftime("%Y-%m-%d %H:%M"),
@@ -422,6 +454,8 @@ def main() -> None:
         "threads_per_rank": 1,
         "steps": steps,
         "quick": args.quick,
+        "malloc": args.malloc,
+        "malloc_env": {k: os.environ[k] for k in MALLOC_KEEP if k in os.environ},
     }
     try:
         import torch
@@ -452,6 +486,8 @@ def main() -> None:
         f"spmd bench, {run_info['date']}: {NPROC} ranks (gloo, 1 thread each) on {run_info['machine']}, "
         f"torch {run_info.get('torch', '?')}; median of {steps} timed steps{' (quick)' if args.quick else ''}"
     )
+    env = " ".join(f"{k}={v}" for k, v in run_info["malloc_env"].items())
+    print(f"malloc: {args.malloc}" + (f" ({env})" if env else " (glibc's defaults)"))
     for model in models:
         recs = [r for r in all_records if r["model"] == model]
         desc = next((r["description"] for r in recs if r.get("description")), model)
@@ -471,8 +507,8 @@ def main() -> None:
         "comm MiB: per rank per step, larger side of each collective (profiler); min MiB: least the "
         "variant's semantics need; wire MiB: bytes written to sockets (/proc/self/io); colls: collective "
         "launches per step; compile s: first call minus a step (of it, inductor's lowering); kept: the "
-        "inductor rows' choice between inductor's code and the eager runtime of the same graph (eager "
-        "runtime / inductor median step over the first steps, spmd.backend.step_aside)."
+        "inductor rows' choice between inductor's code and the eager backend's graph of the same step "
+        "(eager / inductor median step over the first steps, and the timed pairs; spmd.backend.step_aside)."
     )
     if check is not None:
         import plan_check

@@ -1,13 +1,15 @@
-"""The noise of the measured choice of ``spmd.backend.step_aside``: how far apart the medians of
-two identical callables come out when timed as it times inductor against the eager runtime.
+"""The noise of the measured choice of ``spmd.backend.step_aside``: what it decides between two
+identical callables, timed as it times inductor's code against the eager backend's graph.
 
     OMP_NUM_THREADS=1 python benchmarks/step_aside_noise.py --models overhead,gpt,encoder --reps 8
 
 World size 1, one thread, the spmd eager backend's step of each bench model. Each repetition runs
-step_aside's schedule with the SAME callable in both slots (a warm-up each, then TIMED_STEPS of
-each, alternating) and compares the two medians: ``B / A - 1``. For each margin, the fraction of
-repetitions in which B would beat A by more than it, i.e. how often identical callables would
-make the choice step aside by noise alone.
+step_aside's schedule with the SAME callable in both slots, A for inductor and B for eager (a
+warm-up each, then timed pairs in alternating order until
+:func:`~spmd.backend.step_aside.settled`) and reports how many pairs it took, how far apart the
+medians came out (``B / A - 1``) and how often B was kept: how often identical callables would
+make the choice step aside by noise alone. ``--fixed N``
+times N pairs instead (the rule before the adaptive one was 3), for the spread of N-pair medians.
 """
 
 from __future__ import annotations
@@ -26,15 +28,14 @@ sys.path.insert(0, HERE)
 import models  # noqa: E402
 
 import spmd  # noqa: E402
-from spmd.backend.step_aside import SCHEDULE, TIMED_STEPS  # noqa: E402
-
-MARGINS = (0.01, 0.03, 0.05, 0.10)
+from spmd.backend.step_aside import EAGER, INDUCTOR, choose, iqr, scheduled, settled  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="overhead,gpt,encoder")
-    p.add_argument("--reps", type=int, default=8, help="repetitions of the schedule per model")
+    p.add_argument("--reps", type=int, default=8, help="repetitions of the measurement per model")
+    p.add_argument("--fixed", type=int, default=0, help="time this many pairs (0: step_aside's rule)")
     p.add_argument("--quick", action="store_true", help="the bench's small models")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -57,20 +58,36 @@ def main() -> None:
         for i in range(3):  # the first call and two warm-up steps
             step(model, optim, *batches[i % 4])
         rel: list[float] = []
+        pairs_used: list[int] = []
+        kept_b = 0
         for _ in range(args.reps):
-            times: dict[str, list[float]] = {"A": [], "B": []}
-            for i, (_, timed) in enumerate(SCHEDULE):
-                slot = "AB"[i % 2]
+            times: dict[str, list[float]] = {INDUCTOR: [], EAGER: []}
+            calls = 0
+            while True:
+                slot, timed = scheduled(calls)
                 t0 = time.perf_counter()
-                step(model, optim, *batches[i % 4])
+                # the same batch for both calls of a pair (a batch may cost more than another)
+                step(model, optim, *batches[(calls // 2) % 4])
+                calls += 1
                 if timed:
-                    times[slot].append(time.perf_counter() - t0)
-            rel.append(statistics.median(times["B"]) / statistics.median(times["A"]) - 1)
+                    times[slot].append(1e3 * (time.perf_counter() - t0))
+                n = len(times[EAGER])
+                if not timed or n != len(times[INDUCTOR]) or n == 0:
+                    continue  # a pair is not complete
+                a, b = statistics.median(times[INDUCTOR]), statistics.median(times[EAGER])
+                if (args.fixed and n >= args.fixed) or (
+                    not args.fixed and settled(a, b, iqr(times[INDUCTOR]), iqr(times[EAGER]), n)
+                ):
+                    break
+            rel.append(b / a - 1)
+            pairs_used.append(n)
+            kept_b += choose(a, b) == EAGER
         med = statistics.median(abs(r) for r in rel)
-        wrong = ", ".join(f">{100 * m:.0f}%: {sum(r < -m for r in rel)}/{len(rel)}" for m in MARGINS)
         print(
-            f"{name}: {TIMED_STEPS}+{TIMED_STEPS} alternating steps x {len(rel)}: |B/A - 1| median "
-            f"{100 * med:.1f}%, max {100 * max(abs(r) for r in rel):.1f}%; B faster by {wrong}",
+            f"{name}: {len(rel)} measurements ({'fixed ' + str(args.fixed) if args.fixed else 'adaptive'}): "
+            f"pairs {min(pairs_used)}-{max(pairs_used)} (median {statistics.median(pairs_used):g}); "
+            f"|B/A - 1| median {100 * med:.1f}%, max {100 * max(abs(r) for r in rel):.1f}%; "
+            f"B (identical) kept in {kept_b}/{len(rel)}",
             flush=True,
         )
 

@@ -103,9 +103,10 @@ class Variant:
     wchar_steps: int = 0
     error: str | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # Untimed steps after the first call, at least: an inductor variant's measured choice between
-    # its code and the eager runtime (spmd.backend.step_aside) ends before the timed steps.
-    settle_steps: int = 0
+    # Whether more untimed steps must follow the warm-up: an inductor variant's measured choice
+    # between its code and the eager backend's graph (spmd.backend.step_aside) ends before the
+    # timed steps.
+    settling: Callable[[], bool] | None = None
 
 
 def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
@@ -120,7 +121,7 @@ def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
         return loss
 
     step: Callable[..., Any] = train_step
-    settle = 0
+    settling: Callable[[], bool] | None = None
     if name == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     elif name in ("fsdp2", "fsdp2_ckpt"):
@@ -152,9 +153,7 @@ def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
             train_step
         )
         if backend == "inductor":
-            from spmd.backend.step_aside import SCHEDULE
-
-            settle = len(SCHEDULE) - 1  # the first call is the schedule's first step
+            settling = lambda step=step: _measuring(step)  # noqa: E731
     elif name == "no_comm_compiled":
         # torch.compile of the single-device forward (and, through AOTAutograd, backward);
         # the optimizer stays eager. The bar the inductor backend is measured against.
@@ -185,7 +184,7 @@ def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
     elif name != "no_comm":
         raise KeyError(f"unknown variant {name!r}; the variants are {VARIANTS + REFERENCES}")
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
-    return Variant(name, model, optim, step, settle_steps=settle)
+    return Variant(name, model, optim, step, settling=settling)
 
 
 class GemmPolicyPass:
@@ -202,6 +201,32 @@ class GemmPolicyPass:
 
     def uuid(self) -> None:
         return None  # no FX graph cache for these graphs: the decisions depend on the machine
+
+
+def _aside(step: Any) -> Any:
+    """An inductor step's measured choice (spmd.backend.step_aside.StepAside), or None. Read off
+    the step's last graph, not report(), which estimates memory each time."""
+    last = getattr(step, "_last", None)
+    return last.exe.aside if last is not None else None
+
+
+def _measuring(step: Any) -> bool:
+    """Whether an inductor step still alternates its code and the eager backend's graph (its
+    measured choice, rank-agreed: the same on every rank)."""
+    aside = _aside(step)
+    return aside is not None and aside.kept is None
+
+
+def _pair_batch(step: Any, default: int) -> int:
+    """Which batch the next call gets: ``default`` (the next in turn), but while an inductor step
+    measures, the same batch for both calls of a timed pair. The bench cycles 4 batches and the
+    pairs alternate their order, so in turn each candidate would get the same two batches every
+    time, and a batch that costs more would bias the choice (the encoder's batch 0 was ~5% cheaper
+    in one run under load); real training has a new batch every step."""
+    aside = _aside(step)
+    if aside is None or aside.kept is not None or aside.calls < 2:
+        return default
+    return (aside.calls - 2) // 2
 
 
 def one_line(exc: BaseException) -> str:
@@ -237,7 +262,7 @@ def main() -> None:
     it = [0]
 
     def run(v: Variant) -> Any:
-        x, y = batches[it[0] % len(batches)]
+        x, y = batches[_pair_batch(v.step, it[0]) % len(batches)]
         it[0] += 1
         return v.step(v.model, v.optim, x, y)  # type: ignore[misc]
 
@@ -267,7 +292,9 @@ def main() -> None:
             t0 = time.perf_counter()
             run(v)
             v.first_call_s = time.perf_counter() - t0
-            for _ in range(max(args.warmup, v.settle_steps)):
+            for _ in range(args.warmup):
+                run(v)
+            while v.settling is not None and v.settling():  # rank-agreed: as many steps on every rank
                 run(v)
         except Exception as exc:  # noqa: BLE001
             fail(v, exc, "setup")
@@ -326,6 +353,8 @@ def main() -> None:
                     "lower_s": rep.lower_s,
                     "kept": rep.kept,  # backend="inductor": the callable kept (spmd.backend.step_aside)
                     "measured_ms": rep.measured_ms,
+                    "measured_iqr_ms": rep.measured_iqr_ms,
+                    "measured_steps": rep.measured_steps,
                 }
         except Exception as exc:  # noqa: BLE001
             fail(v, exc, "measurement")

@@ -27,7 +27,13 @@ from spmd.backend.carry import CarriedGathers
 from spmd.backend.carry import install as carry_install
 from spmd.backend.lastcall import LastCall
 from spmd.backend.lowering import check_backend, check_gemm, check_optimizer_lowering, compile_graph
-from spmd.backend.runtime import Executable, check_final_graph, make_executable
+from spmd.backend.runtime import (
+    ALT_STAGE,
+    Executable,
+    build_eager_alternative,
+    check_final_graph,
+    make_executable,
+)
 from spmd.backend.step_aside import check_fallback, report_fields
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.frontend import guards, step_inputs, tracing
@@ -38,8 +44,8 @@ from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.parallel.sharding import local
-from spmd.pipeline import all_gloo, build_pipeline, build_trace_pipeline, check_remat, chunk_loss
-from spmd.reporting.dump import dump_code, dump_report, dump_stages
+from spmd.pipeline import backend_pipeline, build_trace_pipeline, check_remat, chunk_loss
+from spmd.reporting.dump import dump_code, dump_graph, dump_report, dump_stages, dump_where
 from spmd.reporting.report import StepReport, build_report, describe_mode
 
 log = logging.getLogger("spmd")
@@ -369,24 +375,14 @@ class CompiledStep:
             gm = res
         if record is not None:
             record("partitioned", gm)
-        # Eager only: a backend compiles the graph as a whole, and inductor does not take an
-        # unwaited collective as an input or output.
-        # Eager only as well: inductor functionalizes the graph and rejects the in-place all_reduce_.
-        pipeline = build_pipeline(
-            self.parallel_mode,
-            cross_step_prefetch=self.cross_step_prefetch and self.backend == "eager",
-            reuse_buffers=self.backend == "eager",  # inductor reuses buffers itself
-            inplace_collectives=self.backend == "eager",
-            # Both backends: inductor lowers all_to_all_single as an extern call, and its order
-            # is checked against the graph's like every collective (spmd.backend.lowering).
-            gloo_collectives=all_gloo(gm),
+        pipeline = backend_pipeline(
+            self.parallel_mode, gm, backend=self.backend, cross_step_prefetch=self.cross_step_prefetch
         )
-        gm = pipeline.run(
-            gm,
-            disabled=[d for d in self.disabled_passes if d not in before],
-            check=self.check_invariants,
-            record=record,
-        )
+        measure = self.backend != "eager" and self.inductor_fallback == "measure"
+        # The eager candidate of spmd.backend.step_aside starts from the same partitioned graph.
+        partitioned = tracing.copy_graph_module(gm) if measure else None
+        disabled = [d for d in self.disabled_passes if d not in before]
+        gm = pipeline.run(gm, disabled=disabled, check=self.check_invariants, record=record)
         if self.gm_transformation is not None:
             gm = self.gm_transformation(gm)
             graphs.record("gm_transformation", gm)
@@ -407,7 +403,12 @@ class CompiledStep:
                 gemm=self.inductor_gemm,
                 share=self.share_compile,
             )
-            exe.use_compiled(lowered.fn, measure=self.inductor_fallback == "measure", label=self.__name__)
+            alt = None
+            if partitioned is not None:  # measure: the eager backend's graph of the step too
+                eager = backend_pipeline(self.parallel_mode, partitioned, backend="eager")
+                options = (disabled, self.check_invariants, self.gm_transformation, self.__name__)
+                alt = build_eager_alternative(partitioned, gm, eager, traced, state, *options)
+            exe.use_compiled(lowered.fn, alt=alt, label=self.__name__)
         style, world = describe_mode(self.parallel_mode)
         entry = _Entry(
             exe=exe,
@@ -426,11 +427,10 @@ class CompiledStep:
             attr_guards=read,
         )
         exe.on_layout_fix = functools.partial(self._record_layout_fix, entry)
-        if self.dump_dir:
-            where = dump_stages(self.dump_dir, self.__name__, graphs)
-            if lowered is not None:
-                dump_code(where, len(graphs), lowered.backend, lowered.code)
-            dump_report(where, _report(entry, "final"))
+        if exe.alt is not None:  # the dump shows the eager candidate's fix-ups and the decision
+            exe.alt.on_layout_fix = lambda _: self._dump(entry, stages=False)
+            exe.on_decide = lambda _: self._dump(entry, stages=False)
+        self._dump(entry)
         return entry, signature(step_args)
 
     def _trace_key(self, step_args: step_inputs.StepArgs) -> Hashable:
@@ -556,14 +556,22 @@ class CompiledStep:
             stale = os.path.join(where, f"{old_index:02d}_final.py")  # now NN_fix_layouts.py
             if os.path.exists(stale):
                 os.remove(stale)
-            if entry.lowered_code is not None:
-                # backend="inductor" runs this graph too while it measures (spmd.backend.step_aside):
-                # its code, compiled from the graph before the fix-ups, stays the stage after final.
-                code = os.path.join(where, f"{old_index + 1:02d}_{entry.backend}.py")
-                if os.path.exists(code):
-                    os.remove(code)
-                dump_code(where, len(entry.graphs), entry.backend, entry.lowered_code)
             dump_report(where, _report(entry, "final"))
+
+    def _dump(self, entry: _Entry, *, stages: bool = True) -> None:
+        """Write the stages (``stages``), the backend's code and the eager backend's graph of an
+        inductor step (as the two stages after ``final``), and the report, if dumping."""
+        if not self.dump_dir:
+            return
+        where = dump_where(self.dump_dir, self.__name__)
+        if stages:
+            dump_stages(self.dump_dir, self.__name__, entry.graphs)
+        n = len(entry.graphs)
+        if entry.lowered_code is not None:
+            dump_code(where, n, entry.backend, entry.lowered_code)
+        if entry.exe.alt is not None:
+            dump_graph(where, n + 1, ALT_STAGE, entry.exe.alt.gm, self.__name__)
+        dump_report(where, _report(entry, "final"))
 
 
 def _report(entry: _Entry, stage: str) -> StepReport:

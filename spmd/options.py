@@ -24,8 +24,8 @@ OPTIONS: dict[str, str] = {
     "oneDNN's matmul measured faster here, cached; see spmd.backend.gemm_policy), 'onednn' (oneDNN's "
     "matmul for large ones) or 'aten' (torch's mm/addmm: MKL's sgemm in x86 builds); backend='inductor' only",
     "inductor_fallback": "'measure' (default: the first calls time inductor's code against the eager "
-    "runtime of the same graph, alternating, and keep the faster; the same choice on every rank; see "
-    "spmd.backend.step_aside) or 'never' (always inductor's code); backend='inductor' only",
+    "backend's graph of the same step, alternating, and keep the faster; the same choice on every rank; "
+    "see spmd.backend.step_aside) or 'never' (always inductor's code); backend='inductor' only",
     "inductor_config": "dict of torch._inductor.config settings for backend='inductor' (applied over spmd's)",
     "chunked_loss": "the loss head (output projection + cross-entropy, forward and backward) as one node "
     "that runs over chunks of tokens, so the [tokens, vocab] logits never exist: 'auto' (default: when "

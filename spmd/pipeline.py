@@ -205,6 +205,27 @@ def build_pipeline(
     return Pipeline(passes)
 
 
+def backend_pipeline(
+    parallel_mode: ParallelMode, gm: fx.GraphModule, *, backend: str, cross_step_prefetch: bool = False
+) -> Pipeline:
+    """The pass pipeline of the partitioned graph ``gm`` for ``backend``.
+
+    The eager backend gets the eager-only passes: in-place collectives (inductor functionalizes
+    the graph and rejects the in-place ``all_reduce_``, and reinplaces the functional all-reduce
+    itself), buffer reuse (inductor reuses buffers itself) and, if asked, cross-step prefetch
+    (a backend compiles the graph as a whole, and inductor does not take an unwaited collective
+    as an input or output). Both get gloo's rewrites where every group is gloo: inductor lowers
+    all_to_all_single as an extern call, and its order is checked like every collective's."""
+    eager = backend == "eager"
+    return build_pipeline(
+        parallel_mode,
+        cross_step_prefetch=cross_step_prefetch and eager,
+        reuse_buffers=eager,
+        inplace_collectives=eager,
+        gloo_collectives=all_gloo(gm),
+    )
+
+
 def chunk_loss(gm: fx.GraphModule, option: bool | int | str, parallel_mode: ParallelMode) -> bool:
     """``passes.chunked_loss.chunk_loss_heads`` on the traced graph, per the ``chunked_loss``
     option of ``spmd.compile`` (in place); whether a head was rewritten.

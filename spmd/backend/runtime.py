@@ -13,7 +13,9 @@ as :class:`CollectiveError` naming the collective and what to do.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -31,10 +33,16 @@ from passes.invariants import check_collective_buffers
 from passes.layouts import FAILING_NODE, fix_layouts
 from passes.meta import Role
 from spmd.backend.carry import CarriedGathers
-from spmd.backend.step_aside import INDUCTOR, StepAside, deciding_groups
+from spmd.backend.step_aside import EAGER, INDUCTOR, StepAside, deciding_groups
 from spmd.errors import CollectiveError, KernelError, ModelChangedError, PassError, SpmdError
 from spmd.frontend import step_inputs, tracing
+from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.sharding import local
+
+# The dump's and the logs' name for the eager backend's graph of an inductor step (step_aside).
+ALT_STAGE = "eager_alternative"
+
+log = logging.getLogger("spmd")
 
 # Backend errors of a broken or timed-out collective, where the failing op is not
 # identifiable from the traceback (e.g. raised by a later op on a poisoned group).
@@ -80,9 +88,12 @@ class Executable:
     # inductor retraced the graph on the real inputs, so the first-run layout check is not needed.
     compiled: Any = None
     # backend="inductor" with inductor_fallback="measure": the first calls time ``compiled``
-    # against the eager runtime of ``gm`` (spmd.backend.step_aside), then ``compiled`` is the
-    # faster (None: eager). Kept for the report.
+    # against ``alt``, the eager backend's graph of the same step run by its own Executable
+    # (spmd.backend.step_aside), then ``compiled`` is the faster. Kept for the report; ``on_decide``
+    # is told the choice.
     aside: StepAside | None = None
+    alt: Executable | None = None
+    on_decide: Callable[[str], None] | None = None
     # cross_step_prefetch (passes.cross_step): the graph's last ``n_carried`` inputs are the
     # gathers the previous call issued, its last ``n_carried`` outputs those for the next;
     # ``carry`` (shared by the compiled step's graphs) keeps them, ``issue`` gathers them when
@@ -170,13 +181,14 @@ class Executable:
             with torch.no_grad():
                 outs = self.compiled(*flat) if self.compiled is not None else self.run_graph(*flat)
         except RuntimeError as exc:
-            node = _failing_node(exc, self.gm)
+            gm = self._graph_that_ran()
+            node = _failing_node(exc, gm)
             is_comm = node is not None and (C.is_collective(node) or C.is_wait(node))
             if not (is_comm or isinstance(exc, dist.DistError) or _BACKEND_FAILURE.search(str(exc))):
                 if node is None or isinstance(exc, SpmdError):
                     raise
                 raise KernelError(_kernel_message(exc, node)) from exc
-            raise CollectiveError(_collective_message(exc, self.gm, node if is_comm else None)) from exc
+            raise CollectiveError(_collective_message(exc, gm, node if is_comm else None)) from exc
         if self.n_carried:
             assert self.carry is not None
             outs = list(outs)
@@ -195,18 +207,31 @@ class Executable:
         """The eager runtime: run ``gm`` op by op (the first run checks and fixes layouts)."""
         return self.gm(*flat) if self.layouts_checked else self._first_run(list(flat))
 
-    def use_compiled(self, fn: Any, *, measure: bool, label: str = "train_step") -> None:
-        """Run ``fn`` (the backend's compiled graph) instead of ``gm``; with ``measure``, only if it
-        is faster than the eager runtime of ``gm`` on the first calls (:class:`StepAside`)."""
-        if not measure:
+    def _graph_that_ran(self) -> fx.GraphModule:
+        """The graph whose code the current call runs: ``alt``'s where the eager candidate runs."""
+        alt = self.alt
+        if alt is not None and (
+            self.compiled == alt.run_graph or (self.compiled is self.aside and self.aside.last == EAGER)
+        ):
+            return alt.gm
+        return self.gm
+
+    def use_compiled(self, fn: Any, *, alt: Executable | None = None, label: str = "train_step") -> None:
+        """Run ``fn`` (the backend's compiled graph) instead of ``gm``; with ``alt`` (the eager
+        backend's graph of the same step), only if it is faster than ``alt`` on the first calls
+        (:class:`StepAside`), else ``alt``."""
+        if alt is None:
             self.compiled = fn
             return
+        self.alt = alt
 
         def keep(kept: str) -> None:
-            self.compiled = fn if kept == INDUCTOR else None
+            self.compiled = fn if kept == INDUCTOR else alt.run_graph
+            if self.on_decide is not None:
+                self.on_decide(kept)
 
         self.aside = StepAside(
-            fn, self.run_graph, groups=deciding_groups(self.gm), on_decide=keep, label=label
+            fn, alt.run_graph, groups=deciding_groups(self.gm), on_decide=keep, label=label
         )
         self.compiled = self.aside
 
@@ -239,6 +264,56 @@ def check_final_graph(gm: fx.GraphModule, after: str = "the pass pipeline") -> N
             "This is a bug in a pass (or in gm_transformation): disable the pass named in the "
             "message with disabled_passes=[...] and report it."
         )
+
+
+def build_eager_alternative(
+    partitioned: fx.GraphModule,
+    final: fx.GraphModule,
+    pipeline: Any,
+    traced: tracing.TracedStep,
+    state: step_inputs.LiftedState,
+    disabled: list[str],
+    check: bool,
+    transformation: Callable[[fx.GraphModule], fx.GraphModule] | None,
+    step_name: str,
+) -> Executable:
+    """The eager backend's graph of a step compiled for another backend, and its Executable:
+    ``pipeline`` (the eager backend's, :func:`spmd.pipeline.backend_pipeline`) and
+    ``transformation`` (the user's ``gm_transformation``) run on ``partitioned``, a copy of the
+    partitioned graph, with the checks every final graph gets (collective buffers; the ranks'
+    agreement on its collectives, under its own name). Its placeholders and outputs must be those
+    of ``final`` (the other backend's graph): both are fed the same flat inputs and read back the
+    same way (:class:`PassError` otherwise: a pass changed the step's signature)."""
+    t0 = time.perf_counter()
+    gm = pipeline.run(partitioned, disabled=disabled, check=check)
+    if transformation is not None:
+        gm = transformation(gm)
+    check_final_graph(gm, "the eager alternative's pass pipeline")
+    check_rank_agreement(gm, step_name=f"{step_name}:{ALT_STAGE}")
+    mine, theirs = _signature_of(gm), _signature_of(final)
+    if mine != theirs:
+        i = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        raise PassError(
+            f"spmd: the eager backend's graph of {step_name} does not take and return what the inductor "
+            f"backend's does (first difference at placeholder/output #{i}: "
+            f"{mine[i] if i < len(mine) else None} vs {theirs[i] if i < len(theirs) else None}); "
+            "a pass changed the step's signature. Use inductor_fallback='never' and report it."
+        )
+    log.info("spmd: %s: the eager backend's graph built in %.2f s", step_name, time.perf_counter() - t0)
+    return make_executable(gm, traced, state)
+
+
+def _signature_of(gm: fx.GraphModule) -> list[tuple[Any, ...]]:
+    """Each placeholder's name, shape and dtype, then the number of outputs."""
+    out: list[tuple[Any, ...]] = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            val = n.meta.get("val")
+            shape = (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None
+            out.append((n.name, shape))
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    out.append(("outputs", len(outputs) if isinstance(outputs, list | tuple) else 1))
+    return out
 
 
 def set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:

@@ -92,14 +92,25 @@ def annotated_code(gm: fx.GraphModule) -> str:
 
 def dump_stages(dump_dir: str, step_name: str, graphs: Mapping[str, fx.GraphModule]) -> str:
     """Write ``graphs`` to ``dump_dir/<step>/rank<r>/NN_<stage>.py``; returns that directory."""
-    where = os.path.join(dump_dir, step_name, f"rank{_rank()}")
-    os.makedirs(where, exist_ok=True)
+    where = dump_where(dump_dir, step_name)
     for i, (stage, gm) in enumerate(graphs.items()):
-        with open(os.path.join(where, f"{i:02d}_{stage}.py"), "w") as f:
-            f.write(f"# stage {stage!r} of {step_name}: {len(gm.graph.nodes)} nodes\n")
-            f.write(annotated_code(gm))
+        dump_graph(where, i, stage, gm, step_name)
     log.info("spmd: wrote %d graph stages to %s", len(graphs), where)
     return where
+
+
+def dump_where(dump_dir: str, step_name: str) -> str:
+    """This rank's directory of ``step_name``'s dump, ``dump_dir/<step>/rank<r>`` (created)."""
+    where = os.path.join(dump_dir, step_name, f"rank{_rank()}")
+    os.makedirs(where, exist_ok=True)
+    return where
+
+
+def dump_graph(where: str, index: int, stage: str, gm: fx.GraphModule, step_name: str) -> None:
+    """Write ``gm`` as ``where/NN_<stage>.py`` (annotated Python)."""
+    with open(os.path.join(where, f"{index:02d}_{stage}.py"), "w") as f:
+        f.write(f"# stage {stage!r} of {step_name}: {len(gm.graph.nodes)} nodes\n")
+        f.write(annotated_code(gm))
 
 
 def dump_code(where: str, index: int, stage: str, code: str) -> None:

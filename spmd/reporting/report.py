@@ -61,12 +61,14 @@ class StepReport:
     lower_role: str | None = None  # shared compile (spmd.backend.compile_once): "alone", "leader", "follower"
     lower_wait_s: float | None = None  # a follower's wait for its leader's compile, part of lower_s
     # backend="inductor" (spmd.backend.step_aside): the option, which callable runs the step from
-    # now on ("inductor" or "eager", the eager runtime of the same graph; None while measuring or
-    # for the eager backend), the medians it was chosen by (ms per step, the largest over the ranks
-    # when the graph has collectives) and the timed steps per callable so far.
+    # now on ("inductor" or "eager", the eager backend's graph of the same step; None while
+    # measuring or for the eager backend), the medians and interquartile ranges it was chosen by
+    # (ms per step, the largest over the ranks when the graph has collectives) and the timed steps
+    # per callable so far.
     inductor_fallback: str | None = None  # "measure" or "never"
     kept: str | None = None
     measured_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    measured_iqr_ms: dict[str, float] = dataclasses.field(default_factory=dict)  # their spreads
     measured_steps: dict[str, int] = dataclasses.field(default_factory=dict)
     # Loss heads passes.chunked_loss rewrote, in words (tokens x vocab, chunks); empty if none.
     loss_heads: list[str] = dataclasses.field(default_factory=list)
@@ -155,10 +157,11 @@ class StepReport:
         steps = "/".join(str(n) for n in self.measured_steps.values())
         if self.kept is None:
             return f"measuring (timed steps inductor/eager so far: {steps})"
-        ms = self.measured_ms
+        ms, q = self.measured_ms, self.measured_iqr_ms
         return (
             f"{self.kept} (median step {ms.get('inductor', 0.0):.2f} ms inductor, {ms.get('eager', 0.0):.2f} "
-            f"ms eager runtime, {steps} timed steps)"
+            f"ms the eager backend's graph, interquartile ranges {q.get('inductor', 0.0):.2f} / "
+            f"{q.get('eager', 0.0):.2f} ms, {steps} timed steps)"
         )
 
 
@@ -196,6 +199,7 @@ def build_report(
     inductor_fallback: str | None = None,
     kept: str | None = None,
     measured_ms: dict[str, float] | None = None,
+    measured_iqr_ms: dict[str, float] | None = None,
     measured_steps: dict[str, int] | None = None,
     traced: fx.GraphModule | None = None,
     remat: str | float | None = None,
@@ -247,6 +251,7 @@ def build_report(
         inductor_fallback=inductor_fallback,
         kept=kept,
         measured_ms=dict(measured_ms or {}),
+        measured_iqr_ms=dict(measured_iqr_ms or {}),
         measured_steps=dict(measured_steps or {}),
         loss_heads=[n.meta[CHUNKED_LOSS] for n in gm.graph.nodes if n.meta.get(CHUNKED_LOSS)],
         remat=remat,

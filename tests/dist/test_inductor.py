@@ -2,7 +2,7 @@
 
 One spawned job covers every case (inductor compiles take tens of seconds each on
 these cores): an MLP, fused AdamW, the steps of the measured choice between inductor's code
-and the eager runtime (spmd.backend.step_aside) and one more, each,
+and the eager backend's graph (spmd.backend.step_aside, up to its cap) and one more, each,
 then a deliberately reordered lowering that must raise LoweringError.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from spmd.backend import step_aside
 from tests.dist import workers_inductor as wi
 from tests.dist.launcher import run_ranks
 
@@ -37,6 +38,16 @@ def test_inductor_matches_eager_backend_in_place(per_rank) -> None:
     for r, out in enumerate(per_rank):
         assert out["problems"] == [], f"rank {r}: {out['problems']}"
         assert set(out["max_diff"]) == {"/".join(c) for c in CASES}
+
+
+def test_eager_candidate_is_the_eager_backends_graph(per_rank) -> None:
+    """The eager candidate of the measured choice is the eager backend's final graph (with its
+    in-place all-reduces and buffer reuse), on every rank and style."""
+    for r, out in enumerate(per_rank):
+        assert all(out["alt_is_eager"].values()) and len(out["alt_is_eager"]) == len(CASES), (
+            r,
+            out["alt_is_eager"],
+        )
 
 
 def test_generated_code_keeps_collective_order(per_rank) -> None:
@@ -74,14 +85,18 @@ def test_reordered_lowering_raises(per_rank) -> None:
 
 
 def test_ranks_keep_the_same_callable(per_rank) -> None:
-    """Replicate: rank 0's own step times would keep the eager runtime, rank 1's inductor's code;
-    both keep eager, chosen from the largest medians over the ranks (wi.STEP_MS: 10 / 8 ms).
-    fully_shard, real timings: the ranks agree, on the same medians."""
+    """Replicate, injected step times (wi.STEP_MS): rank 0's own would stop after MIN_PAIRS and
+    keep eager, rank 1's run to MAX_PAIRS and keep inductor; from the medians and spreads agreed
+    over the ranks (max) both stop together, at MAX_PAIRS, and keep eager.
+    fully_shard, real timings: the ranks agree on the choice, the medians and the length."""
     tag = "replicate/mlp/adamw_fused"
+    pairs = step_aside.MAX_PAIRS
     for r, out in enumerate(per_rank):
         assert out["kept"][tag] == "eager", f"rank {r} kept {out['kept'][tag]}"
-        assert out["measured_ms"][tag] == {"inductor": 10.0, "eager": 8.0}, out["measured_ms"][tag]
+        assert out["measured_ms"][tag] == {"inductor": 10.0, "eager": 9.5}, out["measured_ms"][tag]
+        assert out["measured_steps"][tag] == {"inductor": pairs, "eager": pairs}, out["measured_steps"][tag]
     tag = "fully_shard/mlp/adamw_fused"
     assert len({out["kept"][tag] for out in per_rank}) == 1
     assert per_rank[0]["kept"][tag] in ("inductor", "eager")
     assert all(out["measured_ms"][tag] == per_rank[0]["measured_ms"][tag] for out in per_rank)
+    assert all(out["measured_steps"][tag] == per_rank[0]["measured_steps"][tag] for out in per_rank)

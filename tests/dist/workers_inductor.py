@@ -26,7 +26,7 @@ def inductor_vs_eager(
     rank: int,
     world: int,
     cases: list[tuple[str, str, str]],
-    steps: int = len(step_aside.SCHEDULE) + 1,
+    steps: int = step_aside.MAX_CALLS + 1,
     reorder: bool = True,
 ) -> dict[str, Any]:
     """For each (style, model, optimizer): the same training on backend='eager' and 'inductor'.
@@ -36,7 +36,8 @@ def inductor_vs_eager(
     oneDNN's matmul. In the replicate case the GEMM timings disagree across ranks (rank 0
     finds oneDNN faster, the others ATen): every rank must lower with rank 0's choice,
     oneDNN. Each case starts from an empty GEMM policy cache. The steps cover the measured choice
-    between inductor's code and the eager runtime (spmd.backend.step_aside) and one after it; in
+    between inductor's code and the eager backend's graph (spmd.backend.step_aside, up to its
+    cap) and one after it; in
     the replicate case its timings disagree across ranks too (:func:`_disagreeing_step_times`):
     ``out["kept"]`` and ``out["measured_ms"]`` are each case's decision and the medians it was
     made from. With ``reorder``, the last
@@ -53,6 +54,8 @@ def inductor_vs_eager(
         "kinds": {},
         "kept": {},
         "measured_ms": {},
+        "measured_steps": {},
+        "alt_is_eager": {},
     }
     real_timer = gemm_policy.time_gemm
     real_time_call = step_aside.time_call
@@ -97,6 +100,9 @@ def inductor_vs_eager(
         out["onednn"][tag] = "onednn_mm" in (ind.lowered_code or "")
         out["kept"][tag] = report.kept
         out["measured_ms"][tag] = report.measured_ms
+        out["measured_steps"][tag] = report.measured_steps
+        alt = ind._last.exe.alt  # type: ignore[union-attr]
+        out["alt_is_eager"][tag] = alt is not None and alt.gm.code == eag.graphs["final"].code
         out["kinds"][tag] = sorted({C.kind_of(n).value for n in C.collectives(ind.graphs["final"].graph)})
     gemm_policy.time_gemm = real_timer
     step_aside.time_call = real_time_call
@@ -116,17 +122,25 @@ def _disagreeing_timer(rank: int) -> Any:
     return timer
 
 
-# Injected step times (ms, inductor / eager): rank 0 alone would keep eager (2x faster), rank 1
-# inductor; the largest over the ranks, 10 / 8, keeps eager on both.
-STEP_MS = {0: (10.0, 5.0), 1: (6.0, 8.0)}
+# Injected step times (ms, inductor / eager; a list is cycled call after call, its first entry
+# going to the warm-up call). Alone, rank 0 would stop after MIN_PAIRS and keep eager (2x
+# faster); rank 1, whose inductor steps alternate 6 / 12 ms (an interquartile range of 3-6 ms),
+# would run to MAX_PAIRS and keep inductor (median 9 vs 9.5). Agreed over the ranks (max of
+# medians and spreads: 10 / 9.5 ms, spread >= 3 ms > the 0.5 ms gap), both run to MAX_PAIRS and
+# keep eager (more than MARGIN below 10).
+STEP_MS: dict[int, tuple[float | list[float], float]] = {0: (10.0, 5.0), 1: ([12.0, 6.0], 9.5)}
 
 
 def _disagreeing_step_times(rank: int) -> Any:
     """A step_aside.time_call that runs the step and reports :data:`STEP_MS` for this rank."""
+    seen = {step_aside.INDUCTOR: 0, step_aside.EAGER: 0}
 
     def time_call(which: str, fn: Any, flat: Any) -> tuple[Any, float]:
-        inductor_ms, eager_ms = STEP_MS[rank % 2]
-        return fn(*flat), 1e-3 * (inductor_ms if which == step_aside.INDUCTOR else eager_ms)
+        ms = STEP_MS[rank % 2][0 if which == step_aside.INDUCTOR else 1]
+        if isinstance(ms, list):
+            ms = ms[seen[which] % len(ms)]
+        seen[which] += 1
+        return fn(*flat), 1e-3 * ms
 
     return time_call
 

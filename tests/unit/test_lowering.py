@@ -97,10 +97,10 @@ def inductor_cache(tmp_path, monkeypatch):
 def test_world_size_1_inductor_matches_eager_backend_in_place(inductor_cache, monkeypatch) -> None:
     """ConvBN + fused SGD with momentum: loss, parameters, BatchNorm buffers and optimizer state
     within TOL of the eager backend after every step, all updated in their own storage, over the
-    steps that alternate inductor's code and the eager runtime (spmd.backend.step_aside) and after.
-    With the eager runtime timed faster (injected), it is kept: from the same state, a later step
-    equals the eager backend's bit for bit (inductor's rounds differently). The report and the dump
-    show the backend, its code and the decision."""
+    steps that alternate inductor's code and the eager backend's graph (spmd.backend.step_aside) and
+    after. With the eager candidate timed faster (injected), it is kept: from the same state, a later
+    step equals the eager backend's bit for bit (inductor's rounds differently). The report and the
+    dump show the backend, its code, the eager candidate's graph and the decision."""
     from spmd.backend import step_aside
 
     monkeypatch.setattr(
@@ -116,7 +116,7 @@ def test_world_size_1_inductor_matches_eager_backend_in_place(inductor_cache, mo
     ind = spmd.compile(backend="inductor", dump_dir=str(dump))(models.train_step)
     eag = spmd.compile()(models.train_step)
     ptrs = None
-    n = len(step_aside.SCHEDULE)
+    n = step_aside.MIN_CALLS  # a clear win: decided after the fewest timed pairs
     for i, (x, y) in enumerate(models.batches("convbn", n + 2)):
         if i == n:  # decided: the eager side starts from the compiled side's state
             with torch.no_grad():
@@ -147,7 +147,9 @@ def test_world_size_1_inductor_matches_eager_backend_in_place(inductor_cache, mo
     assert eag.report().backend == "eager" and eag.lowered_code is None
     assert "def call(" in ind.lowered_code
     files = sorted(os.listdir(dump / "train_step" / "rank0"))
-    assert files[files.index(next(f for f in files if f.endswith("_final.py"))) + 1].endswith("_inductor.py")
+    final = files.index(next(f for f in files if f.endswith("_final.py")))
+    assert files[final + 1].endswith("_inductor.py") and files[final + 2].endswith("_eager_alternative.py")
+    assert "eager (median step" in (dump / "train_step" / "rank0" / "report.txt").read_text()
 
 
 def test_cat_onto_legacy_empty_becomes_a_clone_in_eager_layout() -> None:

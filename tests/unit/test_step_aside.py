@@ -10,17 +10,19 @@ tests/dist/test_inductor.py (2 ranks, opposite timings per rank).
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
 import spmd
 from spmd import api
-from spmd.backend import step_aside
+from spmd.backend import runtime, step_aside
 from spmd.backend.lowering import Lowered, graph_order
 from spmd.backend.runtime import Executable
 from tests import models
 
-STEPS = len(step_aside.SCHEDULE)
+STEPS = step_aside.MIN_CALLS  # warm-up and the fewest timed pairs: a clear decision
+CAP = step_aside.MAX_CALLS  # warm-up and the most timed pairs: a tie
 
 
 @pytest.fixture
@@ -47,9 +49,16 @@ def ran(monkeypatch) -> dict[str, int]:
     return counts
 
 
-def _inject(monkeypatch, inductor_ms: float, eager_ms: float) -> None:
+def _inject(monkeypatch, inductor_ms: float | list[float], eager_ms: float | list[float]) -> None:
+    """Per-call step times: a number, or a list cycled through call after call of that callable."""
+    seen = {"inductor": 0, "eager": 0}
+
     def timer(which, fn, flat):  # noqa: ANN001, ANN202
-        return fn(*flat), 1e-3 * (inductor_ms if which == "inductor" else eager_ms)
+        ms = inductor_ms if which == "inductor" else eager_ms
+        if isinstance(ms, list):
+            ms = ms[seen[which] % len(ms)]
+        seen[which] += 1
+        return fn(*flat), 1e-3 * ms
 
     monkeypatch.setattr(step_aside, "time_call", timer)
 
@@ -62,35 +71,100 @@ def test_choose_keeps_inductor_unless_eager_wins_by_the_margin() -> None:
     assert step_aside.choose(100.0, 150.0) == "inductor"
 
 
+def test_schedule_alternates_the_order_of_the_pairs() -> None:
+    """A warm-up of each, then timed pairs inductor-eager, eager-inductor, ...: neither always first."""
+    got = [step_aside.scheduled(i) for i in range(10)]
+    assert [t for _, t in got] == [False, False] + [True] * 8
+    assert "".join(w[0] for w, _ in got) == "ie" + "ie" + "ei" + "ie" + "ei"
+
+
+def test_settled_needs_a_gap_beyond_spread_and_margin() -> None:
+    """Stop after MIN_PAIRS only where the medians differ by more than both spreads and MARGIN;
+    at MAX_PAIRS always."""
+    lo, hi = step_aside.MIN_PAIRS, step_aside.MAX_PAIRS
+    assert not step_aside.settled(100.0, 50.0, 0.0, 0.0, lo - 1)
+    assert step_aside.settled(100.0, 50.0, 0.0, 0.0, lo)
+    assert step_aside.settled(50.0, 100.0, 10.0, 20.0, lo)
+    assert not step_aside.settled(100.0, 50.0, 60.0, 0.0, lo)  # inductor's spread is wider
+    assert not step_aside.settled(100.0, 50.0, 0.0, 60.0, hi - 1)  # eager's spread is wider
+    assert not step_aside.settled(100.0, 100.0 * (1 - step_aside.MARGIN / 2), 0.0, 0.0, lo)
+    assert step_aside.settled(100.0, 100.0, 5.0, 5.0, hi)
+
+
 @pytest.mark.parametrize(
-    "inductor_ms,eager_ms,kept",
-    [(10.0, 5.0, "eager"), (5.0, 10.0, "inductor"), (10.0, 10.0 * (1 - step_aside.MARGIN / 2), "inductor")],
-    ids=["eager_faster", "inductor_faster", "within_margin"],
+    "inductor_ms,eager_ms,kept,pairs",
+    [
+        (10.0, 5.0, "eager", step_aside.MIN_PAIRS),
+        (5.0, 10.0, "inductor", step_aside.MIN_PAIRS),
+        (10.0, 10.0, "inductor", step_aside.MAX_PAIRS),
+        (10.0, 10.0 * (1 - step_aside.MARGIN / 2), "inductor", step_aside.MAX_PAIRS),
+        # timed inductor steps 10, 20, 10, 20, ... (the warm-up call takes the first 20)
+        ([20.0, 10.0], 9.0, "eager", step_aside.MAX_PAIRS),
+    ],
+    ids=["eager_faster", "inductor_faster", "tie", "within_margin", "spread_wider_than_gap"],
 )
-def test_decision_follows_timings(ran, monkeypatch, caplog, inductor_ms, eager_ms, kept) -> None:
-    """The first len(SCHEDULE) calls alternate (a warm-up each, then TIMED_STEPS each); from then on
-    only the kept callable runs; the report and the spmd logger give the decision and both medians."""
+def test_decision_follows_timings(
+    ran, monkeypatch, caplog, tmp_path, inductor_ms, eager_ms, kept, pairs
+) -> None:
+    """Two warm-up calls, then timed pairs (inductor, eager): a clear win (medians apart by more
+    than the spreads and MARGIN) stops at MIN_PAIRS; a tie, a gap within MARGIN, or a gap within
+    the spread of the steps runs to MAX_PAIRS, then eager is kept only if more than MARGIN faster.
+    From then on only the kept callable runs; the report, the dump's report.txt and the spmd logger
+    give the decision, medians and spreads."""
     _inject(monkeypatch, inductor_ms, eager_ms)
     model = models.build("mlp")
     opt = models.make_optimizer("adamw_fused", model)
-    step = spmd.compile(backend="inductor")(models.train_step)
-    half = STEPS // 2
+    step = spmd.compile(backend="inductor", dump_dir=str(tmp_path))(models.train_step)
+    calls = len(step_aside.WARM_UP) + 2 * pairs
+    report_txt = tmp_path / "train_step" / "rank0" / "report.txt"
     with caplog.at_level(logging.INFO, logger="spmd"):
-        for i, (x, y) in enumerate(models.batches("mlp", STEPS + 3)):
+        for i, (x, y) in enumerate(models.batches("mlp", calls + 3)):
             step(model, opt, x, y)
             if i == 2:
                 assert ran == {"inductor": 2, "eager": 1}
                 assert step.report().kept is None and "measuring" in str(step.report())
+                assert "measuring" in report_txt.read_text()
+            if i == calls - 2:  # the last call of the measurement is still to come
+                assert step.report().kept is None
     assert ran == {
-        "inductor": half + (3 if kept == "inductor" else 0),
-        "eager": half + (3 if kept == "eager" else 0),
+        "inductor": calls // 2 + (3 if kept == "inductor" else 0),
+        "eager": calls // 2 + (3 if kept == "eager" else 0),
     }
     report = step.report()
     assert report.inductor_fallback == "measure" and report.kept == kept
-    assert report.measured_ms == pytest.approx({"inductor": inductor_ms, "eager": eager_ms})
-    assert report.measured_steps == {"inductor": step_aside.TIMED_STEPS, "eager": step_aside.TIMED_STEPS}
-    assert f"{kept} (median step {inductor_ms:.2f} ms inductor" in str(report)
-    assert any(f"kept {kept}'s code after timing" in r.getMessage() for r in caplog.records)
+    if not isinstance(inductor_ms, list):
+        assert report.measured_ms == pytest.approx({"inductor": inductor_ms, "eager": eager_ms})
+        assert report.measured_iqr_ms == {"inductor": 0.0, "eager": 0.0}
+    assert report.measured_steps == {"inductor": pairs, "eager": pairs}
+    assert f"{kept} (median step " in str(report)
+    assert f"{kept} (median step " in report_txt.read_text() and "measuring" not in report_txt.read_text()
+    what = "inductor's code" if kept == "inductor" else "the eager backend's graph"
+    assert any(f"kept {what} after timing {pairs} pairs" in r.getMessage() for r in caplog.records)
+
+
+def test_eager_candidate_is_the_eager_backends_graph(ran, monkeypatch, tmp_path) -> None:
+    """The eager candidate runs the graph backend="eager" runs (its own pipeline: in-place
+    collectives, buffer reuse), not the inductor pipeline's final graph, and is checked for the
+    ranks' agreement under its own name; the dump has it as the stage after inductor's code; with
+    eager kept, the steps run it."""
+    _inject(monkeypatch, 10.0, 5.0)
+    agreed: list[str] = []  # the graphs checked for the ranks' agreement on their collectives
+    monkeypatch.setattr(runtime, "check_rank_agreement", lambda gm, step_name: agreed.append(step_name))
+    model, twin = models.build("mlp"), models.build("mlp")
+    opt, twin_opt = models.make_optimizer("adamw_fused", model), models.make_optimizer("adamw_fused", twin)
+    step = spmd.compile(backend="inductor", dump_dir=str(tmp_path))(models.train_step)
+    eager = spmd.compile()(models.train_step)
+    for x, y in models.batches("mlp", STEPS + 1):
+        step(model, opt, x, y)
+        eager(twin, twin_opt, x, y)
+    alt = step._last.exe.alt
+    assert alt.gm.code == eager.graphs["final"].code
+    assert alt.gm.code != step.graphs["final"].code  # the inductor pipeline's graph differs
+    assert step._last.exe.compiled == alt.run_graph
+    assert agreed == ["train_step:eager_alternative"]
+    files = sorted(os.listdir(tmp_path / "train_step" / "rank0"))
+    final = files.index(next(f for f in files if f.endswith("_final.py")))
+    assert files[final + 1].endswith("_inductor.py") and files[final + 2].endswith("_eager_alternative.py")
 
 
 def test_never_runs_only_inductor(ran, monkeypatch) -> None:
@@ -102,6 +176,7 @@ def test_never_runs_only_inductor(ran, monkeypatch) -> None:
     for x, y in models.batches("mlp", STEPS + 2):
         step(model, opt, x, y)
     assert ran == {"inductor": STEPS + 2, "eager": 0}
+    assert step._last.exe.alt is None  # no eager candidate is built
     report = step.report()
     assert report.kept == "inductor" and report.measured_ms == {}
     assert "inductor_fallback='never'" in str(report)
@@ -120,6 +195,7 @@ def test_retrace_measures_again(ran, monkeypatch) -> None:
         step(model, opt, x[:3], y[:3])
     assert step.num_graphs == 2 and step.report().kept is None
     assert ran == {"inductor": STEPS // 2 + 1, "eager": STEPS // 2 + 1}
+    assert step._last.exe.alt is not None
 
 
 def test_eager_backend_and_bad_option() -> None:
