@@ -29,11 +29,21 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from passes.meta import MODULE, PHASE
 from spmd.frontend import step_inputs
 
 log = logging.getLogger("spmd")
 
-__all__ = ["Layers", "find_layers", "truncated_args", "extrapolate", "extrapolates"]
+__all__ = [
+    "Layers",
+    "find_layers",
+    "truncated_args",
+    "extrapolate",
+    "extrapolates",
+    "same_site",
+    "confirm",
+    "peak_site",
+]
 
 _PLAIN = (int, float, str, bool, type(None))
 
@@ -202,3 +212,63 @@ def extrapolates(options: dict[str, Any]) -> bool:
     on the full model."""
     remat = options.get("remat")
     return not (isinstance(remat, float) and not isinstance(remat, bool))
+
+
+def _block_of(module: str, path: str) -> int | None:
+    """The block index of a module path inside ``path`` (``model.layers.5.mlp`` -> 5), else None."""
+    prefix = path + "."
+    if not module.startswith(prefix):
+        return None
+    head = module[len(prefix) :].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def same_site(a: tuple[str, str], b: tuple[str, str], path: str, l1: int, l2: int) -> bool:
+    """Whether the peaks of the ``l1``- and ``l2``-block copies are at the same point of the step:
+    the same phase, and the same module outside the blocks, or the same block counted from the
+    first or from the last (the first backward block is the last one). Only then is the
+    difference of the two peaks the growth per block of one peak: where the peak moves (a late
+    backward peak in the short copy, an early backward one in the long), linear extrapolation
+    through the two mixes two lines, and the full model is lowered instead."""
+    (pa, ma), (pb, mb) = a, b
+    if pa != pb:
+        return False
+    ia, ib = _block_of(ma, path), _block_of(mb, path)
+    if ia is None or ib is None:
+        return ia is None and ib is None and ma == mb
+    return ia == ib or l1 - 1 - ia == l2 - 1 - ib
+
+
+def confirm(
+    rows: list[Any], budget: int | None, margin: float, exact: Any, linear: tuple[str, ...]
+) -> list[Any]:
+    """Lower exactly the rows a folded search could get wrong: those whose extrapolated peak is
+    within ``margin`` of the budget (fits or not could flip), then the best row, again until the
+    best row is an exact one."""
+
+    def key(r: Any) -> tuple[bool, float, int]:
+        return (budget is not None and r.peak_bytes > budget, r.step_s, r.peak_bytes)
+
+    def redo(r: Any) -> Any:
+        e = exact(r)
+        return dataclasses.replace(
+            e, lower_s=e.lower_s + r.lower_s, extrapolated={k: getattr(r, k) for k in linear}
+        )
+
+    rows = list(rows)
+    if budget is not None:
+        rows = [redo(r) if abs(r.peak_bytes - budget) <= margin * budget else r for r in rows]
+    rows.sort(key=key)
+    while not rows[0].exact:
+        rows[0] = redo(rows[0])
+        rows.sort(key=key)
+    return rows
+
+
+def peak_site(gm: Any, node_name: str) -> tuple[str, str]:
+    """(phase, module path) of the node ``node_name`` of ``gm`` (empty where not found)."""
+    for n in gm.graph.nodes:
+        if n.name == node_name:
+            phase = n.meta.get(PHASE)
+            return (getattr(phase, "value", str(phase or "")), str(n.meta.get(MODULE, "")))
+    return ("", "")

@@ -17,7 +17,7 @@ import torch
 import spmd
 from passes.cost_model import estimate_step_time
 from spmd import models
-from spmd.plan import PlanRow, _confirm, _group_info, fold, parse_bytes, plan
+from spmd.plan import _LINEAR, PlanRow, _folded_search, _group_info, fold, parse_bytes, plan
 from spmd.plan.__main__ import main as plan_main
 from spmd.profiles import get_profile
 from spmd.simulate import fake_copy, fake_world, fresh_copy
@@ -279,7 +279,7 @@ def test_the_folded_rows_lowered_exactly_are_the_best_and_those_near_the_budget(
         lowered.append(r.label)
         return dataclasses.replace(r, step_s=r.step_s + (1.0 if r.label == "a" else 0.0), exact=True)
 
-    out = _confirm(rows, 100, 0.05, exact)
+    out = fold.confirm(rows, 100, 0.05, exact, _LINEAR)
     # c (99 within 5% of 100) first; then a, the best, is slower exactly; then b, the new best
     assert lowered == ["c", "a", "b"]
     assert [r.label for r in out] == ["b", "a", "c", "d"]  # d does not fit
@@ -289,3 +289,33 @@ def test_the_folded_rows_lowered_exactly_are_the_best_and_those_near_the_budget(
     }
     assert out[1].lower_s == 2.0  # the copies' lowerings and the exact one
     assert not out[3].exact
+
+
+def test_a_peak_that_moves_between_the_copies_is_lowered_exactly() -> None:
+    """Extrapolation through two copies holds only where both peaks are the same point of the step.
+    Llama 3.1 70B shapes at 1,024 ranks, fully_shard, prefetch 0, selective remat (before the
+    reductions were issued as gradients are made): the 3-block copy peaked late in backward
+    (block 1), the 6-block copy early (block 5, the first backward block), and the extrapolated
+    171 GiB was 232 GiB exactly. Here a stand-in lowering gives such peak sites."""
+    path = "model.layers"
+    assert fold.same_site(("backward", "model.layers.2.mlp"), ("backward", "model.layers.5.mlp"), path, 3, 6)
+    assert fold.same_site(("backward", "model.layers.1.mlp"), ("backward", "model.layers.1.attn"), path, 3, 6)
+    assert fold.same_site(("backward", "lm_head"), ("backward", "lm_head"), path, 3, 6)
+    assert not fold.same_site(("backward", "model.layers.1"), ("backward", "model.layers.5.mlp"), path, 3, 6)
+    assert not fold.same_site(("forward", "lm_head"), ("backward", "lm_head"), path, 3, 6)
+    assert not fold.same_site(("backward", "lm_head"), ("backward", "model.layers.5"), path, 3, 6)
+
+    sites = {3: ("backward", "model.layers.1.mlp"), 6: ("backward", "model.layers.5.mlp")}
+    asked: list[int | None] = []
+
+    def lower(opts: dict, depth: int | None) -> PlanRow:
+        asked.append(depth)
+        row = _row("r", 10 * (depth or 80), 1.0)
+        return dataclasses.replace(row, peak_site=sites.get(depth or 0, ("", "")), exact=depth is None)
+
+    rows = _folded_search([{"parallel_style": "fully_shard"}], fold.Layers(path, 80), (3, 6), lower, 1)
+    assert asked == [3, 6, None] and rows[0].exact and rows[0].peak_bytes == 800
+    sites[3] = ("backward", "model.layers.2.mlp")  # the first backward block in both: extrapolated
+    asked.clear()
+    rows = _folded_search([{"parallel_style": "fully_shard"}], fold.Layers(path, 80), (3, 6), lower, 1)
+    assert asked == [3, 6] and not rows[0].exact and rows[0].peak_bytes == 800
