@@ -16,6 +16,7 @@ from passes.cost_model import (
     collective_time,
     compute_time,
     estimate_step_time,
+    free_time,
     interpolate,
     node_bytes,
     node_flops,
@@ -223,3 +224,58 @@ def test_an_undeclared_view_is_free_and_allocates_nothing() -> None:
     prof = _with(fresh_alloc_curve=[[2**20, 1e-3], [2**30, 1.0]])
     est = estimate_step_time(gm, prof, GROUPS)
     assert est.compute_s == pytest.approx(compute_time(c, prof)[0])
+
+
+def _call(b, target, *args, **kwargs):  # noqa: ANN001, ANN202
+    """A node of ``target(*args, **kwargs)`` (keyword arguments allowed) with its fake value."""
+    node = b.graph.call_function(target, args, kwargs)
+    vals = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta.get("val"))
+    with b.mode:
+        out = target(*vals[0], **vals[1])
+    if out is not None:
+        node.meta["val"] = out
+    return node
+
+
+def test_bytes_read_and_written_once_in_place_out_and_fused() -> None:
+    """add(x, y), add_(x, y) and add(x, y, out=z) all read two tensors and write one; a fused
+    optimizer that returns nothing reads its lists and writes four of them."""
+    b = Builder()
+    x, y, z = (b.input(n, 64, 64) for n in "xyz")
+    size = 64 * 64 * 4
+    assert node_bytes(_call(b, aten.add.Tensor, x, y)) == 3 * size
+    assert node_bytes(_call(b, aten.add_.Tensor, x, y)) == 3 * size
+    assert node_bytes(_call(b, aten.add.out, x, y, out=z)) == 3 * size
+    p, g, m, v = ([b.input(f"{n}{i}", 64, 64) for i in range(2)] for n in "pgmv")
+    steps = [b.input(f"s{i}") for i in range(2)]
+    lr = b.input("lr")
+    opts = dict(lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+    adamw = _call(b, aten._fused_adamw_.tensor_lr, p, g, m, v, [], steps, **opts)
+    # read p, g, m, v, the steps and lr; write p, g, m, v
+    assert node_bytes(adamw) == 2 * (8 * size + 4) + 4
+
+
+def test_an_op_that_loops_over_its_tensors_pays_its_measured_call_costs() -> None:
+    """copy-in of 3 shards, one shorter than its chunk: call + 3 x per_tensor + the padded path
+    once (ragged_call + per_ragged) on top of its bytes; without call_costs, its bytes only."""
+    from passes import flat_ops
+
+    b = Builder()
+    shards = [b.input("a", 8), b.input("b", 8), b.input("c", 5)]
+    node = _call(b, flat_ops.COPY_IN, shards, [8, 8, 8], torch.float32)
+    costs = {"call": 1e-3, "per_tensor": 1e-4, "ragged_call": 1e-5, "per_ragged": 1e-6}
+    prof = _with(call_costs={"spmd.all_gather_copy_in": costs})
+    base = compute_time(node, PROFILE)[0] - PROFILE.op_overhead_s
+    expect = base + 1e-3 + 3 * 1e-4 + 1e-5 + 1e-6
+    assert compute_time(node, prof)[0] == pytest.approx(expect)
+
+
+def test_a_view_with_its_own_measured_call_pays_it() -> None:
+    b = Builder()
+    x = b.input("x", 8, 8)
+    t = b.op(aten.t.default, x)
+    d = b.op(aten.detach.default, x)
+    gm = b.finish(t, d)
+    prof = _with(op_overhead_s=1e-6, view_overhead_s=2e-6, op_curves={"aten.t": [[0.0, 5e-6]]})
+    assert free_time(t, prof) == 5e-6 and free_time(d, prof) == 2e-6
+    assert estimate_step_time(gm, prof, GROUPS).compute_s == pytest.approx(7e-6)
