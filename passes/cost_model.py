@@ -73,6 +73,7 @@ __all__ = [
     "node_bytes",
     "node_flops",
     "op_class",
+    "ragged_copy_bytes",
     "ragged_pieces",
     "ring_bus_factor",
 ]
@@ -389,6 +390,25 @@ def ragged_pieces(target: Any, args: Sequence[Any]) -> int:
     return 0
 
 
+def ragged_copy_bytes(target: Any, args: Sequence[Any]) -> int:
+    """Bytes the padded path of the aligned fused optimizer copies beyond its kernel's (0 for
+    any other op), given its positional arguments as values: each padded shard of every list is
+    copied into a zero buffer (read and written) and, but for the gradients (the kernel's
+    scratch), back (read and written again)."""
+    from passes import fused_align
+
+    if target is not fused_align.ALIGNED_FUSED:
+        return 0
+    lists = args[:5]
+    total = 0
+    for k, (a, b) in enumerate(zip(args[6], args[7])):
+        if a or b:
+            for j, lst in enumerate(lists):
+                if lst:
+                    total += (2 if j == 1 else 4) * _nbytes(lst[k])
+    return total
+
+
 def free_time(node: fx.Node, profile: DeviceProfile) -> float:
     """Host time of a free op (no kernel): its own measured call where the profile has one (a
     one-point curve under its overload packet, ``aten.t``), else ``view_overhead_s`` (else
@@ -449,6 +469,11 @@ def compute_time(node: fx.Node, profile: DeviceProfile) -> tuple[float, float]:
         ragged = ragged_pieces(node.target, values[0])
         if ragged:
             t += calls.get("ragged_call", 0.0) + calls.get("per_ragged", 0.0) * ragged
+            copied = ragged_copy_bytes(node.target, values[0])
+            if copied:  # at the rate of a copy: the "memory" curve above its fixed part, or the roofline
+                mem = profile.op_curves.get("memory")
+                bw = profile.memory_bandwidth * profile.op_efficiency.get("memory", profile.memory_efficiency)
+                t += interpolate(mem, copied) - mem[0][1] if mem else copied / bw
     elif profile.per_tensor_s and cls == "optimizer":
         t += profile.per_tensor_s * call_tensors(values, None)
     if profile.fresh_alloc_curve:

@@ -279,3 +279,22 @@ def test_a_view_with_its_own_measured_call_pays_it() -> None:
     prof = _with(op_overhead_s=1e-6, view_overhead_s=2e-6, op_curves={"aten.t": [[0.0, 5e-6]]})
     assert free_time(t, prof) == 5e-6 and free_time(d, prof) == 2e-6
     assert estimate_step_time(gm, prof, GROUPS).compute_s == pytest.approx(7e-6)
+
+
+def test_padded_shards_of_the_aligned_optimizer_pay_their_copies() -> None:
+    """Two parameters, the second padded: its shard is copied into a zero buffer and back for
+    the parameter and both moments (read and written each way), the gradient only in: 14 x its
+    bytes, at the "memory" rate."""
+    from passes import fused_align
+
+    b = Builder()
+    p, g, m, v = ([b.input(f"{n}{i}", 100 + i) for i in range(2)] for n in "pgmv")
+    steps = [b.input(f"s{i}") for i in range(2)]
+    args = (p, g, m, v, [], steps, [0, 3], [0, 12], [0, 0], "_fused_adamw_.default", "{}")
+    node = _call(b, fused_align.ALIGNED_FUSED, *args)
+    rate = 1e-9  # seconds per byte
+    costs = {"call": 0.0, "per_tensor": 0.0, "ragged_call": 0.0, "per_ragged": 0.0}
+    prof = _with(call_costs={"spmd.aligned_fused_optimizer_": costs}, op_curves={"memory": [[1e-3, 1e-3 * rate]]})
+    unpadded = _call(b, fused_align.ALIGNED_FUSED, *args[:6], [0, 0], [0, 0], *args[8:])
+    extra = compute_time(node, prof)[0] - compute_time(unpadded, prof)[0]
+    assert extra == pytest.approx(14 * 101 * 4 * rate)
