@@ -10,18 +10,24 @@ The model, per node in program order:
 
 - **Free**: placeholders, outputs, ``getitem`` and ops whose schema says the result
   aliases an argument without writing it (``view``, ``t``, ``slice``, ``split``, ...): no
-  device time; a view still pays ``op_overhead_s`` (its dispatch), as does every
-  collective and wait (the launch, on the compute stream). The GPU profiles set it to 0.
+  device time; a view still pays its call on the host (:func:`free_time`: its own measured
+  point where the profile has one, else ``view_overhead_s``), and every collective and wait
+  pays ``op_overhead_s`` (the launch, on the compute stream). The GPU profiles set them to 0.
 - **Compute** (every other op): where the profile has a measured curve for the op (or its class,
   :func:`op_class`) and the op computes in fp32, the curve's time at the op's FLOPs (matmul,
   attention) or bytes (the rest); else ``max(FLOPs / (peak FLOP/s of its dtype x efficiency of
   its class), bytes / (memory bandwidth x efficiency)) + op overhead``. Plus, where the profile
-  measured them, the per-tensor cost of an optimizer op's tensor lists and the first touch of
-  each large fresh output (``fresh_alloc_curve``: page faults of a newly mapped buffer). FLOPs come from
+  measured them, the first touch of each large fresh output (``fresh_alloc_curve``: page
+  faults of a newly mapped buffer), and for an op that loops over its tensors (the all-gather
+  copy-in/out and the aligned fused optimizer of a fully_shard step, a fused optimizer, a
+  foreach op) its measured call and per-tensor costs (``call_costs``; padded pieces apart,
+  and the copies of the aligned optimizer's padded shards by their bytes) in place of the
+  curve's fixed part; else the per-tensor cost of an optimizer op's tensor lists. FLOPs come from
   ``torch.utils.flop_counter``'s formulas (the ones ``FlopCounterMode`` uses: matmuls,
   convolutions, attention), applied to the node's ``meta["val"]`` shapes; an op with no
   formula (elementwise, reductions, the fused optimizer) is priced by its bytes. Bytes are
-  its tensor inputs plus its outputs, plus once more each argument it writes in place.
+  the tensors it reads and writes: its tensor inputs and outputs, less an ``out=`` buffer
+  (written, not read), plus a tensor written in place that the op does not return.
 - **Collective**: issued when the program reaches it (the host issues in program order;
   on CUDA the communication stream first waits for the compute issued before it) and the
   communication stream is free; it takes ``steps x latency + bytes x factor / bandwidth``,
@@ -410,12 +416,19 @@ def ragged_copy_bytes(target: Any, args: Sequence[Any]) -> int:
 
 
 def free_time(node: fx.Node, profile: DeviceProfile) -> float:
-    """Host time of a free op (no kernel): its own measured call where the profile has one (a
-    one-point curve under its overload packet, ``aten.t``), else ``view_overhead_s`` (else
+    """Host time of a free op (no kernel): its measured call and per-output cost where the profile
+    has them (``call_costs``: a split into many views), else its own measured call (a one-point
+    curve under its overload packet, ``aten.t``), else ``view_overhead_s`` (else
     ``op_overhead_s``); nothing for a ``getitem``, a placeholder or the output."""
     if node.op != "call_function" or node.target is operator.getitem:
         return 0.0
     packet = getattr(node.target, "overloadpacket", None)
+    calls = profile.call_costs.get(str(packet)) if packet is not None else None
+    if calls:  # a view per output (split_with_sizes, unbind): its measured call and per-output cost
+        values = fx.node.map_aggregate((node.args, node.kwargs), _val)
+        return calls.get("call", 0.0) + calls.get("per_tensor", 0.0) * call_tensors(
+            values, node.meta.get("val")
+        )
     curve = profile.op_curves.get(str(packet)) if packet is not None else None
     if curve:
         return float(curve[0][1])

@@ -25,7 +25,8 @@ What it measures (about 40 s), each as the median of several repeats:
   the fixed and per-tensor cost of each op that loops over its tensors (``call_costs``): the
   all-gather copy-in and copy-out and the aligned fused optimizer of a fully_shard step (Python
   per shard; padded shards apart), fused AdamW, ``_foreach_add_`` (one dispatch per tensor on
-  CPU), each from calls on 1 and 32 tiny tensors per list;
+  CPU), and the views with an output per piece (``split_with_sizes``, ``unbind``), each from
+  calls on 1 and 32 tiny tensors per list (or outputs);
 - gloo between 2 local processes, through the functional collectives a step's graph calls
   (each with its ``wait_tensor``): latency of a 4-byte all-reduce (two ring steps), and
   the bus bandwidth of a 16 MiB all-reduce, all-gather, reduce-scatter and all-to-all,
@@ -423,6 +424,10 @@ def _list_op_cases(n: int, ragged: bool) -> dict[str, tuple[Any, tuple[Any, ...]
     if not ragged:
         cases["aten._fused_adamw_"] = (kernel, (p, g, m, v, [], steps), adamw)
         cases["aten._foreach_add_"] = (torch.ops.aten._foreach_add_.Scalar, (steps, 1), {})
+        # Views, one per output: a flat gradient buffer split back into its parameters, q/k/v.
+        rows = torch.randn(n, 8)
+        cases["aten.split_with_sizes"] = (torch.ops.aten.split_with_sizes.default, (rows, [1] * n), {})
+        cases["aten.unbind"] = (torch.ops.aten.unbind.int, (rows,), {})
     return cases
 
 

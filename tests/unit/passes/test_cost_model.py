@@ -281,6 +281,14 @@ def test_a_view_with_its_own_measured_call_pays_it() -> None:
     assert estimate_step_time(gm, prof, GROUPS).compute_s == pytest.approx(7e-6)
 
 
+def test_a_split_pays_its_measured_cost_per_output() -> None:
+    """split_with_sizes into 4 views: call + 4 x per_tensor where measured (``call_costs``)."""
+    b = Builder()
+    split = b.op(aten.split_with_sizes.default, b.input("x", 8, 8), [2, 2, 2, 2])
+    prof = _with(call_costs={"aten.split_with_sizes": {"call": 1e-5, "per_tensor": 1e-6}})
+    assert free_time(split, prof) == pytest.approx(1e-5 + 4e-6)
+
+
 def test_padded_shards_of_the_aligned_optimizer_pay_their_copies() -> None:
     """Two parameters, the second padded: its shard is copied into a zero buffer and back for
     the parameter and both moments (read and written each way), the gradient only in: 14 x its
