@@ -25,8 +25,9 @@ What it measures (about 40 s), each as the median of several repeats:
   the fixed and per-tensor cost of each op that loops over its tensors (``call_costs``): the
   all-gather copy-in and copy-out and the aligned fused optimizer of a fully_shard step (Python
   per shard; padded shards apart), fused AdamW, ``_foreach_add_`` (one dispatch per tensor on
-  CPU), and the views with an output per piece (``split_with_sizes``, ``unbind``), each from
-  calls on 1 and 32 tiny tensors per list (or outputs);
+  CPU), the copies of a list into one buffer (``cat``, ``_chunk_cat``, ``stack``) and the views
+  with an output per piece (``split_with_sizes``, ``unbind``), each from calls on 1 and 32 tiny
+  tensors per list (or outputs);
 - gloo between 2 local processes, through the functional collectives a step's graph calls
   (each with its ``wait_tensor``): latency of a 4-byte all-reduce (two ring steps), and
   the bus bandwidth of a 16 MiB all-reduce, all-gather, reduce-scatter and all-to-all,
@@ -428,6 +429,10 @@ def _list_op_cases(n: int, ragged: bool) -> dict[str, tuple[Any, tuple[Any, ...]
         rows = torch.randn(n, 8)
         cases["aten.split_with_sizes"] = (torch.ops.aten.split_with_sizes.default, (rows, [1] * n), {})
         cases["aten.unbind"] = (torch.ops.aten.unbind.int, (rows,), {})
+        # Copies of a list into one buffer: a bucket's flat gradients, a unit's reduce-scatter input.
+        cases["aten.cat"] = (torch.ops.aten.cat.default, (g,), {})
+        cases["aten._chunk_cat"] = (torch.ops.aten._chunk_cat.default, (g, 0, 2), {})
+        cases["aten.stack"] = (torch.ops.aten.stack.default, (g,), {})
     return cases
 
 
