@@ -3,7 +3,7 @@
     python -m spmd.calibrate                 # writes ~/.cache/spmd/cpu-local.json
     python -m spmd.calibrate --out prof.json --threads 1
 
-What it measures (about 40 s), each as the median of several repeats:
+What it measures (about 50 s idle), each as the median of several repeats:
 
 - matmul FLOP/s per dtype (fp32, bf16) at ``--threads`` threads (the bench runs 1 per rank);
 - memory bandwidth: a large ``add`` (reads two tensors, writes one);
