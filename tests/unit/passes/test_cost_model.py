@@ -302,7 +302,8 @@ def test_padded_shards_of_the_aligned_optimizer_pay_their_copies() -> None:
     node = _call(b, fused_align.ALIGNED_FUSED, *args)
     rate = 1e-9  # seconds per byte
     costs = {"call": 0.0, "per_tensor": 0.0, "ragged_call": 0.0, "per_ragged": 0.0}
-    prof = _with(call_costs={"spmd.aligned_fused_optimizer_": costs}, op_curves={"memory": [[1e-3, 1e-3 * rate]]})
+    memory = [[1e-3, 1e-3 * rate]]
+    prof = _with(call_costs={"spmd.aligned_fused_optimizer_": costs}, op_curves={"memory": memory})
     unpadded = _call(b, fused_align.ALIGNED_FUSED, *args[:6], [0, 0], [0, 0], *args[8:])
     extra = compute_time(node, prof)[0] - compute_time(unpadded, prof)[0]
     assert extra == pytest.approx(14 * 101 * 4 * rate)
