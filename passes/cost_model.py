@@ -138,6 +138,12 @@ class DeviceProfile:
     # are padded (:func:`ragged_pieces`) ragged_call + per_ragged x their number, on top of the
     # bandwidth part of its bytes (its curve's time above the curve's first point).
     call_costs: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
+    # The fixed (per-call) part of each op's time in a step over the same op measured on its own:
+    # a step's ops of different kinds run one after another, each with the host's caches and
+    # predictors cold for it (measured: a graph mixing tiny ops against each alone; 1.0 on GPUs,
+    # where the launch is asynchronous). Scales a curve's first point, a view's call, op_overhead_s
+    # of an op priced by the roofline, and the call of ``call_costs``.
+    mixed_call_factor: float = 1.0
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -426,13 +432,14 @@ def free_time(node: fx.Node, profile: DeviceProfile) -> float:
     calls = profile.call_costs.get(str(packet)) if packet is not None else None
     if calls:  # a view per output (split_with_sizes, unbind): its measured call and per-output cost
         values = fx.node.map_aggregate((node.args, node.kwargs), _val)
-        return calls.get("call", 0.0) + calls.get("per_tensor", 0.0) * call_tensors(
-            values, node.meta.get("val")
-        )
+        return calls.get("call", 0.0) * profile.mixed_call_factor + calls.get(
+            "per_tensor", 0.0
+        ) * call_tensors(values, node.meta.get("val"))
     curve = profile.op_curves.get(str(packet)) if packet is not None else None
     if curve:
-        return float(curve[0][1])
-    return profile.op_overhead_s if profile.view_overhead_s is None else profile.view_overhead_s
+        return float(curve[0][1]) * profile.mixed_call_factor
+    view = profile.op_overhead_s if profile.view_overhead_s is None else profile.view_overhead_s
+    return view * profile.mixed_call_factor
 
 
 def _fresh_bytes(node: fx.Node) -> list[int]:
@@ -475,9 +482,10 @@ def compute_time(node: fx.Node, profile: DeviceProfile) -> tuple[float, float]:
         call = profile.op_overhead_s
         t += call
     calls = profile.call_costs.get(str(packet)) if packet is not None else None
+    mixed = profile.mixed_call_factor
     if calls:
         # A loop over tensors: its measured call and per-tensor costs replace the curve's fixed part.
-        t = max(t - call, 0.0) + calls.get("call", 0.0)
+        t = max(t - call, 0.0) + calls.get("call", 0.0) * mixed
         t += calls.get("per_tensor", 0.0) * call_tensors(values, node.meta.get("val"))
         ragged = ragged_pieces(node.target, values[0])
         if ragged:
@@ -487,8 +495,10 @@ def compute_time(node: fx.Node, profile: DeviceProfile) -> tuple[float, float]:
                 mem = profile.op_curves.get("memory")
                 bw = profile.memory_bandwidth * profile.op_efficiency.get("memory", profile.memory_efficiency)
                 t += interpolate(mem, copied) - mem[0][1] if mem else copied / bw
-    elif profile.per_tensor_s and cls == "optimizer":
-        t += profile.per_tensor_s * call_tensors(values, None)
+    else:
+        t += (mixed - 1.0) * call  # the call's fixed part as a step runs it
+        if profile.per_tensor_s and cls == "optimizer":
+            t += profile.per_tensor_s * call_tensors(values, None)
     if profile.fresh_alloc_curve:
         t += sum(
             interpolate(profile.fresh_alloc_curve, b)

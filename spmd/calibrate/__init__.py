@@ -19,6 +19,9 @@ What it measures (about 50 s idle), each as the median of several repeats:
 - ``addmm`` (a linear layer's forward with its bias) by FLOPs at the matmul shapes; a fused
   AdamW step by bytes (the ``"optimizer"`` curve); each view op of a step's graph (``t``,
   ``view``, ``as_strided``, ``detach``, ...: one point each, its call in a graph);
+- how much more a call costs in a step than alone (``mixed_call_factor``): a graph mixing tiny
+  ops of nine kinds against each kind alone (each run after another kind finds the host's
+  caches cold for it);
 - the first touch of a fresh allocation by size (``fresh_alloc_curve``): above glibc's mmap
   threshold every allocation is mapped anew and page-faults as it is written;
 - the per-tensor cost of a fused optimizer step over many tiny tensors (``per_tensor_s``), and
@@ -475,10 +478,59 @@ def measure_call_costs(repeats: int = 5) -> dict[str, dict[str, float]]:
     return costs
 
 
+def _graph_of(calls: Sequence[tuple[Any, tuple[Any, ...]]], k: int) -> tuple[Any, list[torch.Tensor]]:
+    """A GraphModule of ``k`` rounds of ``calls`` (each call on its own copies of its tensors)."""
+    import torch.fx as fx
+
+    g = fx.Graph()
+    flat: list[torch.Tensor] = []
+    for i in range(k):
+        for j, (op, args) in enumerate(calls):
+            call_args = []
+            for a_i, a in enumerate(args):
+                if isinstance(a, torch.Tensor):
+                    call_args.append(g.placeholder(f"a{i}_{j}_{a_i}"))
+                    flat.append(a.clone())
+                else:
+                    call_args.append(a)
+            g.call_function(op, tuple(call_args))
+    g.output(None)
+    return fx.GraphModule(torch.nn.Module(), g), flat
+
+
+def measure_mixed_call_factor(repeats: int = 3, k: int = 40, rounds: int = 5) -> float:
+    """``mixed_call_factor``: a graph of ``k`` rounds of nine tiny ops of different kinds (a step's
+    mix: views, a copy, a reduction, elementwise, a norm, an activation, a matmul), each call on
+    its own inputs, against the sum of the same ops each in a graph of ``k`` of its own kind. The
+    ops are tiny, so their time is their fixed (per-call) part; measured here 1.7x (2026-11-25)."""
+    aten = torch.ops.aten
+    x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
+    calls = [
+        (aten.t.default, (x,)),
+        (aten.clone.default, (x,)),
+        (aten.sum.dim_IntList, (x, [0], True)),
+        (aten.add.Tensor, (x, x)),
+        (aten.native_layer_norm.default, (x, [8], w, b, 1e-5)),
+        (aten.gelu.default, (x,)),
+        (aten.mm.default, (x, x.t())),
+        (aten.detach.default, (x,)),
+        (aten.view.default, (x, [-1])),
+    ]
+    singles = [functools.partial(gm, *flat) for gm, flat in (_graph_of([c], k) for c in calls)]
+    gm, flat = _graph_of(calls, k)
+    mixed = functools.partial(gm, *flat)
+    # Alternated, the median of the ratios: each pair sees the same share of a busy machine.
+    ratios = []
+    for _ in range(rounds):
+        alone = sum(_best(f, repeats) for f in singles)
+        ratios.append(_best(mixed, repeats) / alone)
+    return max(statistics.median(ratios), 1.0)
+
+
 def measure_compute() -> dict[str, Any]:
     """This process's compute constants: the profile fields ``peak_flops``, ``memory_bandwidth``,
-    ``op_overhead_s``, ``view_overhead_s``, ``per_tensor_s``, ``call_costs``, ``op_curves`` and
-    ``fresh_alloc_curve`` (about 20 s)."""
+    ``op_overhead_s``, ``view_overhead_s``, ``per_tensor_s``, ``call_costs``,
+    ``mixed_call_factor``, ``op_curves`` and ``fresh_alloc_curve`` (about 20 s)."""
     curves = {
         **measure_matmul_curves(),
         **measure_op_curves(),
@@ -493,6 +545,7 @@ def measure_compute() -> dict[str, Any]:
         "view_overhead_s": measure_view_overhead(),
         "per_tensor_s": measure_per_tensor(),
         "call_costs": measure_call_costs(),
+        "mixed_call_factor": measure_mixed_call_factor(),
         "op_curves": curves,
         "fresh_alloc_curve": measure_fresh_alloc_curve(),
     }
@@ -625,6 +678,7 @@ def calibrate(threads: int = 1) -> DeviceProfile:
         view_overhead_s=c["view_overhead_s"],
         per_tensor_s=c["per_tensor_s"],
         call_costs=c["call_costs"],
+        mixed_call_factor=c["mixed_call_factor"],
         op_curves=c["op_curves"],
         fresh_alloc_curve=c["fresh_alloc_curve"],
         comm_compute_overlap=overlap,
@@ -639,6 +693,7 @@ def calibrate(threads: int = 1) -> DeviceProfile:
                 "view_overhead_s",
                 "per_tensor_s",
                 "call_costs",
+                "mixed_call_factor",
                 "op_curves",
                 "fresh_alloc_curve",
                 "gloo",

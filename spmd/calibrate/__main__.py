@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth_by_kind",
         "comm_compute_overlap",
         "collective_host_s",
+        "mixed_call_factor",
     ):
         print(f"  {k}: {d[k]}")
     print(f"  op_curves: {', '.join(sorted(d['op_curves']))}")

@@ -307,3 +307,17 @@ def test_padded_shards_of_the_aligned_optimizer_pay_their_copies() -> None:
     unpadded = _call(b, fused_align.ALIGNED_FUSED, *args[:6], [0, 0], [0, 0], *args[8:])
     extra = compute_time(node, prof)[0] - compute_time(unpadded, prof)[0]
     assert extra == pytest.approx(14 * 101 * 4 * rate)
+
+
+def test_a_step_pays_each_call_s_fixed_part_times_the_mixed_call_factor() -> None:
+    """The curve's first point (a call on almost no data) and a view's call, x 1.5; the part of an
+    op's time above its fixed part is unchanged."""
+    b = Builder()
+    x = b.input("x", 64, 64)
+    relu = b.op(aten.relu.default, x)
+    t = b.op(aten.t.default, x)
+    b.finish(relu, t)
+    curves = {"memory": [[1e2, 3e-6], [1e8, 3e-2]], "aten.t": [[0.0, 2e-6]]}
+    plain, mixed = _with(op_curves=curves), _with(op_curves=curves, mixed_call_factor=1.5)
+    assert compute_time(relu, mixed)[0] == pytest.approx(compute_time(relu, plain)[0] + 0.5 * 3e-6)
+    assert free_time(t, mixed) == pytest.approx(1.5 * free_time(t, plain))
