@@ -1,7 +1,7 @@
-"""Where the cost model's step time goes against where a real step's goes, per op class.
+"""Where the cost model's step time goes against where a real step's goes, per op class and per op.
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/cost_breakdown.py --models overhead,gpt \
-        [--profile ~/.cache/spmd/cpu-local.json] [--steps 5] [--table 15]
+        [--profile ~/.cache/spmd/cpu-local.json] [--steps 5] [--table 15] [--stamps]
 
 World size 1 (no process group, no collectives): each bench model's step is compiled with the
 eager backend, timed, then profiled with ``torch.profiler`` for ``--steps`` steps. The CPU time
@@ -9,6 +9,12 @@ of every ATen op the graph calls (with its children) is summed by op class
 (``passes.cost_model.op_class``; views apart) and set against the cost model's time for the same
 nodes of the final graph on ``--profile``; "step - ops" is the rest of the profiled step (fx's
 generated Python, the wrapper, the profiler's own cost).
+
+``--stamps``: instead of the profiler (whose own cost per op inflates the small ops about 2x),
+a copy of the final graph with a ``time.perf_counter_ns()`` call between every two nodes, run on
+the step's real inputs: each node's time in place (cold caches, fx's ``del``s, what the profiler
+does not see), median over ``--steps`` runs, summed per op against the cost model's per node.
+The per-op table of issue 22 comes from this mode (``--table N``: the N ops with the most time).
 Used to find what the calibration misses (issue 22), not a validation: ``plan_check.py`` is.
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import operator
 import os
 import statistics
 import sys
@@ -40,7 +47,7 @@ def predicted_by_class(gm: torch.fx.GraphModule, prof: cm.DeviceProfile) -> dict
         if n.op != "call_function" or n.target.__class__.__name__ == "builtin_function_or_method":
             continue
         if cm._is_free(n):
-            out["view"][0] += prof.op_overhead_s
+            out["view"][0] += cm.free_time(n, prof)
             out["view"][1] += 1
             continue
         t, _ = cm.compute_time(n, prof)
@@ -69,12 +76,81 @@ def outer_events(pr: torch.profiler.profile, cls_of: dict[str, str]) -> list:  #
     ]
 
 
+def stamped(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[str]]:
+    """A copy of ``gm`` that also returns a ``perf_counter_ns()`` before its first op and after
+    each op, and the names of those ops in order (node ``i`` ran between stamps ``i`` and ``i+1``)."""
+    import copy
+
+    g = copy.deepcopy(gm.graph)
+    stamps: list[torch.fx.Node] = []
+    names: list[str] = []
+    for n in list(g.nodes):
+        if n.op in ("placeholder", "output"):
+            continue
+        if not stamps:
+            with g.inserting_before(n):
+                stamps.append(g.call_function(time.perf_counter_ns, ()))
+        with g.inserting_after(n):
+            stamps.append(g.call_function(time.perf_counter_ns, ()))
+        names.append(n.name)
+    out = g.output_node()
+    out.args = ((out.args[0], stamps),)
+    return torch.fx.GraphModule(gm, g), names
+
+
+def _key(n: torch.fx.Node) -> str:
+    return "getitem" if n.target is operator.getitem else str(n.target)
+
+
+def stamps_table(
+    step: object, args: tuple, prof: cm.DeviceProfile, runs: int, top: int
+) -> None:  # fmt: skip
+    """Per op: the time of its nodes in place in the step's graph (``stamped``) against the
+    cost model's, printed (all ops, or the ``top`` with the most time)."""
+    exe = step._last.exe  # type: ignore[attr-defined]
+    flat = [
+        spmd.parallel.sharding.local(t) for t in exe.inputs(spmd.frontend.step_inputs.split_args(args, {}))
+    ]
+    gm, names = stamped(exe.gm)
+    nodes = {n.name: n for n in exe.gm.graph.nodes}
+    per: dict[str, list[float]] = collections.defaultdict(list)
+    walls = []
+    for _ in range(runs + 2):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            _, st = gm(*flat)
+        walls.append(time.perf_counter() - t0)
+        for i, name in enumerate(names):
+            per[name].append((st[i + 1] - st[i]) * 1e-9)
+    rows: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for name in names:
+        n = nodes[name]
+        if n.op != "call_function":
+            continue
+        pred = cm.free_time(n, prof) if cm._is_free(n) else cm.compute_time(n, prof)[0]
+        r = rows[_key(n)]
+        r[0] += 1
+        r[1] += statistics.median(per[name][2:])
+        r[2] += pred
+    tot_m = sum(r[1] for r in rows.values())
+    tot_p = sum(r[2] for r in rows.values())
+    print(
+        f"  in place (stamps, median of {runs} runs): graph {statistics.median(walls[2:]) * 1e3:.2f} ms, "
+        f"ops {tot_m * 1e3:.2f} ms measured, {tot_p * 1e3:.2f} ms predicted"
+    )
+    print(f"    {'op':50s} {'n':>5s} {'meas ms':>8s} {'pred ms':>8s} {'us/op meas':>10s} {'us/op pred':>10s}")
+    ordered = sorted(rows.items(), key=lambda kv: -kv[1][1])
+    for k, (c, m, p_) in ordered[: top or None]:
+        print(f"    {k:50s} {c:5.0f} {m * 1e3:8.3f} {p_ * 1e3:8.3f} {m / c * 1e6:10.1f} {p_ / c * 1e6:10.1f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="overhead,gpt")
     p.add_argument("--profile", default="cpu-local")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--table", type=int, default=0, help="also print the N ops with the most measured time")
+    p.add_argument("--stamps", action="store_true", help="time each node in place instead of the profiler")
     args = p.parse_args()
     torch.set_num_threads(1)
     prof = get_profile(args.profile)
@@ -103,6 +179,11 @@ def main() -> None:
             step(model, optim, x, y)
             times.append(time.perf_counter() - t0)
         wall = statistics.median(times)
+        if args.stamps:
+            est = cm.estimate_step_time(gm, prof, {})
+            print(f"\n{name}: step {wall * 1e3:.2f} ms, predicted {est.step_s * 1e3:.2f} ms on {prof.name}")
+            stamps_table(step, (model, optim, x, y), prof, max(args.steps, 10), args.table)
+            continue
         t0 = time.perf_counter()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as pr:
             for _ in range(args.steps):
@@ -142,7 +223,7 @@ def main() -> None:
             predn: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
             for n in gm.graph.nodes:
                 if n.op == "call_function" and hasattr(n.target, "name"):
-                    t = prof.op_overhead_s if cm._is_free(n) else cm.compute_time(n, prof)[0]
+                    t = cm.free_time(n, prof) if cm._is_free(n) else cm.compute_time(n, prof)[0]
                     predn["aten::" + n.target.name().split("::")[1].split(".")[0]][0] += t
                     predn["aten::" + n.target.name().split("::")[1].split(".")[0]][1] += 1
             for k, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[: args.table]:

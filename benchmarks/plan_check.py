@@ -1,16 +1,29 @@
 """Validation of the cost model behind ``spmd.plan``: predicted vs measured, on 2 gloo ranks.
 
-    python benchmarks/plan_check.py              # calibrate, then one torchrun job (~3 min on 2 cores)
-    python benchmarks/plan_check.py --quick      # small models, few steps
+    python benchmarks/plan_check.py                   # calibrate, then one torchrun job (~4 min on 2 cores)
+    python benchmarks/plan_check.py --quick           # small models, few steps
+    python benchmarks/plan_check.py --malloc system   # glibc's default allocator settings
 
 ``make bench`` runs it after the DDP/FSDP2 comparison (``run.py``) and adds its records to
 ``bench.json``. Per configuration (the bench models of ``models.py`` x five spmd data-parallel
-configurations): the step time measured here (median over steps of the slower rank) against
-the one ``passes.cost_model`` predicts from the step's final graph on the ``cpu-local`` profile
-calibrated in the run (``spmd.calibrate``; the compute constants again on both ranks at once
-at the start of the job, as the steps will share the machine), and the peak memory ``MemTracker``
-measures against the report's prediction (``passes.memory``). Printed: a table, Spearman's
-rank correlation and the median absolute error of the step times, the worst peak error.
+configurations, and two of the ``encoder`` model, labelled apart): the step time measured here
+against the one ``passes.cost_model`` predicts from the step's final graph on the ``cpu-local``
+profile calibrated in the run (``spmd.calibrate``; the compute constants again on both ranks at
+once at the start of the job, as the steps will share the machine), and the peak memory
+``MemTracker`` measures against the report's prediction (``passes.memory``).
+
+How the step time is measured, so that it holds still on a shared machine: every configuration
+of a model is built and warmed up first, then timed in interleaved rounds (each round gives
+every configuration, in turn, one untimed step after the switch and its share of the timed
+steps), so load that drifts during the run falls on every row alike; a step's time is the
+slower rank's; a row's time is the median over its steps, printed with the interquartile range
+(IQR, over the median) so a reader sees which orderings are within the noise. The calibration
+and the job run with glibc's allocator kept from returning memory to the system
+(``MALLOC_ENV``: without it every large buffer is mapped anew and page-faults on each step,
+10-17% of a GPT step, and the per-step IQR was 6-16% instead of 3-6%); ``--malloc system``
+runs both with the plain environment instead.
+Printed: a table, Spearman's rank correlation and the median absolute error of the step times
+(over the ten rows of the overhead and GPT models, and over all rows), the worst peak error.
 """
 
 from __future__ import annotations
@@ -42,7 +55,23 @@ CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("fully_shard prefetch 0", {"parallel_style": "fully_shard", **_PREFETCH_0}),
     ("fully_shard prefetch 2", {"parallel_style": "fully_shard", **_PREFETCH_2}),
 ]
-MODELS = ("overhead", "gpt")
+# The configurations of each model: the ten rows of the original check (overhead, gpt), and
+# two rows of the encoder (torch's nn.TransformerEncoder), reported apart from the ten as well.
+MODELS: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    "overhead": CONFIGS,
+    "gpt": CONFIGS,
+    "encoder": CONFIGS[:2],
+}
+ORIGINAL = ("overhead", "gpt")  # the models of the ten rows compared across runs
+# glibc malloc kept from giving memory back: no mmap for large blocks (each would be mapped anew
+# and page-fault on every step), no trimming of the heap's top, 256 MiB extra on each sbrk.
+# Measured here (2026-11-25, benchmarks/run.py under both settings): fresh mmap'd buffers were
+# 10-17% of a GPT step and the IQR of the step times 6-16%; 3-6% with these.
+MALLOC_ENV = {
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30),
+    "MALLOC_TOP_PAD_": str(256 * 2**20),
+}
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -94,16 +123,21 @@ def worker(args: argparse.Namespace) -> None:
         spec = models.get(model_name, quick=args.quick)
         gen = torch.Generator().manual_seed(1000 + rank)
         batches = [spec.batch(gen) for _ in range(4)]
-        for label, opts in CONFIGS:
-            rec = {"model": model_name, "config": label, "options": opts}
-            rec.update(measure_one(spec, batches, opts, prof, steps=args.steps, warmup=args.warmup))
+        rows = [Row(model_name, label, opts, spec, batches) for label, opts in MODELS[model_name]]
+        for row in rows:
+            row.build(warmup=args.warmup)
+        time_rows(rows, steps=args.steps, rounds=args.rounds, min_time_s=args.min_time)
+        for row in rows:
+            rec = row.finish(prof)
             if rank == 0:
                 records.append(rec)
                 print(
-                    f"  plan check {model_name}/{label}: measured {rec['measured_step_ms']:.1f} ms, "
+                    f"  plan check {model_name}/{row.label}: measured {rec['measured_step_ms']:.1f} ms "
+                    f"(IQR {rec['measured_iqr']:.0%}, {rec['timed_steps']} steps), "
                     f"predicted {rec['predicted_step_ms']:.1f} ms",
                     flush=True,
                 )
+        del rows
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)
@@ -111,70 +145,113 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def measure_one(
-    spec: Any, batches: list[Any], opts: dict[str, Any], prof: Any, *, steps: int, warmup: int
-) -> dict[str, Any]:
-    """One configuration on this rank: measured step time (the slower rank's, median over steps)
-    and MemTracker peak, and the cost model's and the report's predictions."""
-    import measure
-    import torch
+class Row:
+    """One configuration of one model on this rank: its compiled step, and the slower rank's
+    time of each timed step."""
+
+    def __init__(self, model: str, label: str, opts: dict[str, Any], spec: Any, batches: list[Any]) -> None:
+        self.model, self.label, self.opts, self.spec, self.batches = model, label, opts, spec, batches
+        self.times: list[float] = []  # this rank's
+        self.it = 0
+        self.warm_s = 0.0  # the last warm-up step's time
+        self.per_round = 0  # timed steps per round
+
+    def build(self, *, warmup: int) -> None:
+        import torch
+
+        import spmd
+
+        spec = self.spec
+        torch.manual_seed(0)
+        self.net = spec.build()
+        self.optim = torch.optim.AdamW(self.net.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+
+        def train_step(model, optim, x, y):  # noqa: ANN001, ANN202
+            loss = spec.loss(model(x), y)
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            return loss
+
+        self.step = spmd.compile(parallel_mode=spmd.DataParallel(**self.opts))(train_step)
+        for _ in range(1 + warmup):
+            t0 = time.perf_counter()
+            self.run()
+        self.warm_s = time.perf_counter() - t0
+
+    def run(self) -> Any:
+        x, y = self.batches[self.it % len(self.batches)]
+        self.it += 1
+        return self.step(self.net, self.optim, x, y)
+
+    def finish(self, prof: Any) -> dict[str, Any]:
+        """The record: measured (the slower rank's step, median and IQR over steps) and MemTracker
+        peak, against the cost model's and the report's predictions."""
+        import measure
+        import torch.distributed as dist
+
+        from passes.cost_model import GroupInfo, estimate_step_time
+
+        world = dist.get_world_size()
+        every: list[list[float]] = [[] for _ in range(world)]
+        dist.all_gather_object(every, self.times)
+        per_step = [max(t[i] for t in every) for i in range(len(self.times))]
+        q1, med, q3 = statistics.quantiles(per_step, n=4) if len(per_step) > 1 else [per_step[0]] * 3
+        dist.barrier()
+        peak = measure.peak_memory(self.run, self.net, self.optim)
+        gm = self.step.graphs["final"]
+        groups = {name: GroupInfo(size=world, spans_nodes=False) for name in _group_names(gm)}
+        cost = estimate_step_time(gm, prof, groups)
+        # The same graph on the profile without what issue 22 added (one matmul and one add
+        # roofline, no curves, no allocation, call or collective host costs): the model before.
+        plain = dataclasses.replace(
+            prof, op_curves={}, fresh_alloc_curve=(), view_overhead_s=None, per_tensor_s=0.0,
+            collective_host_s=0.0, call_costs={}, mixed_call_factor=1.0,
+        )  # fmt: skip
+        before = estimate_step_time(gm, plain, groups)
+        return {
+            "model": self.model,
+            "config": self.label,
+            "options": self.opts,
+            "predicted_step_ms_roofline": before.step_s * 1e3,
+            "measured_step_ms": statistics.median(per_step) * 1e3,
+            "measured_iqr": (q3 - q1) / med,
+            "timed_steps": len(per_step),
+            "predicted_step_ms": cost.step_s * 1e3,
+            "predicted_compute_ms": cost.compute_s * 1e3,
+            "predicted_comm_ms": cost.comm_s * 1e3,
+            "predicted_exposed_comm_ms": cost.exposed_comm_s * 1e3,
+            "measured_peak_bytes": peak,
+            "predicted_peak_bytes": self.step.report().peak_memory_bytes,
+        }
+
+
+def time_rows(rows: list[Row], *, steps: int, rounds: int, min_time_s: float) -> None:
+    """Time every row in ``rounds`` interleaved rounds: per round, each row in turn gets one
+    untimed step (the first after switching from another row) and its share of the timed steps,
+    at least ``steps`` in all and enough for ``min_time_s`` of timed steps (short steps get more:
+    the same share of the run's noise)."""
+    import gc
+    import math
+
     import torch.distributed as dist
 
-    import spmd
-    from passes.cost_model import GroupInfo, estimate_step_time
-
-    world = dist.get_world_size()
-    torch.manual_seed(0)
-    model = spec.build()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
-
-    def train_step(model, optim, x, y):  # noqa: ANN001, ANN202
-        loss = spec.loss(model(x), y)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        return loss
-
-    step = spmd.compile(parallel_mode=spmd.DataParallel(**opts))(train_step)
-    it = [0]
-
-    def run() -> Any:
-        x, y = batches[it[0] % len(batches)]
-        it[0] += 1
-        return step(model, optim, x, y)
-
-    for _ in range(1 + warmup):
-        run()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    every: list[list[float]] = [[] for _ in range(world)]
-    dist.all_gather_object(every, times)
-    per_step = [max(t[i] for t in every) for i in range(len(times))]
-    peak = measure.peak_memory(run, model, optim)
-    gm = step.graphs["final"]
-    groups = {name: GroupInfo(size=world, spans_nodes=False) for name in _group_names(gm)}
-    cost = estimate_step_time(gm, prof, groups)
-    # The same graph on the profile without what issue 22 added (one matmul and one add
-    # roofline, no curves, no allocation or collective host cost): the model before.
-    plain = dataclasses.replace(
-        prof, op_curves={}, fresh_alloc_curve=(), view_overhead_s=None, per_tensor_s=0.0,
-        collective_host_s=0.0,
-    )  # fmt: skip
-    before = estimate_step_time(gm, plain, groups)
-    return {
-        "predicted_step_ms_roofline": before.step_s * 1e3,
-        "measured_step_ms": statistics.median(per_step) * 1e3,
-        "predicted_step_ms": cost.step_s * 1e3,
-        "predicted_compute_ms": cost.compute_s * 1e3,
-        "predicted_comm_ms": cost.comm_s * 1e3,
-        "predicted_exposed_comm_ms": cost.exposed_comm_s * 1e3,
-        "measured_peak_bytes": peak,
-        "predicted_peak_bytes": step.report().peak_memory_bytes,
-    }
+    warm = [r.warm_s for r in rows]
+    every: list[list[float]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, warm)  # the ranks must agree on the number of steps
+    for i, row in enumerate(rows):
+        slowest = max(w[i] for w in every)
+        row.per_round = math.ceil(max(steps, min_time_s / max(slowest, 1e-6)) / rounds)
+    for _ in range(rounds):
+        for row in rows:
+            gc.collect()
+            dist.barrier()
+            row.run()  # untimed: the first step after switching rows
+            for _ in range(row.per_round):
+                dist.barrier()
+                t0 = time.perf_counter()
+                row.run()
+                row.times.append(time.perf_counter() - t0)
 
 
 def _group_names(gm: Any) -> set[str]:
@@ -199,8 +276,16 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     ]
     before = [r.get("predicted_step_ms_roofline") for r in ok]
     before_err = [abs(p - m) / m for p, m in zip(before, meas) if p]
+    # Pairs of rows whose measured order is within the noise: their interquartile ranges overlap.
+    iqr = [r.get("measured_iqr", 0.0) * r["measured_step_ms"] / 2 for r in ok]
+    close = sum(
+        1 for i in range(len(ok)) for j in range(i + 1, len(ok)) if abs(meas[i] - meas[j]) < iqr[i] + iqr[j]
+    )
     return {
         "configurations": len(ok),
+        "pairs_within_noise": close,
+        "pairs": len(ok) * (len(ok) - 1) // 2,
+        "median_iqr": statistics.median([r.get("measured_iqr", 0.0) for r in ok]) if ok else None,
         # The model before issue 22's measured costs, on the same graphs and run.
         "spearman_step_time_roofline": spearman([p or 0.0 for p in before], meas) if len(ok) > 1 else None,
         "median_abs_step_error_roofline": statistics.median(before_err) if before_err else None,
@@ -217,11 +302,38 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def summaries(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`summary` over all rows, with ``"original"``: the same over the ten rows of the
+    overhead and GPT models (the set compared across runs and in the docs)."""
+    out = summary(records)
+    out["original"] = summary([r for r in records if r.get("model") in ORIGINAL])
+    return out
+
+
+def _fmt(x: float | None, pct: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.1%}" if pct else f"{x:.3f}"
+
+
+def _summary_line(summ: dict[str, Any], label: str) -> str:
+    return (
+        f"step time over {summ['configurations']} configurations ({label}): Spearman "
+        f"{_fmt(summ['spearman_step_time'])} (target >= 0.9), median |error| "
+        f"{_fmt(summ['median_abs_step_error'], True)} (target <= 20%), max "
+        f"{_fmt(summ['max_abs_step_error'], True)}; the roofline-only model on the same graphs: Spearman "
+        f"{_fmt(summ.get('spearman_step_time_roofline'))}, median |error| "
+        f"{_fmt(summ.get('median_abs_step_error_roofline'), True)}; measured: median IQR "
+        f"{_fmt(summ.get('median_iqr'), True)}, {summ.get('pairs_within_noise', '-')} of "
+        f"{summ.get('pairs', '-')} row pairs ordered within the noise (IQRs overlap)"
+    )
+
+
 def table(records: list[dict[str, Any]], summ: dict[str, Any]) -> str:
     lines = [
-        "| model | configuration | measured ms | predicted ms | error | roofline-only ms | error "
+        "| model | configuration | measured ms | IQR | predicted ms | error | roofline-only ms | error "
         "| exposed comm ms (pred) | peak MiB (MemTracker) | predicted MiB | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     mib = 2**20
     for r in records:
@@ -229,43 +341,46 @@ def table(records: list[dict[str, Any]], summ: dict[str, Any]) -> str:
         pe = (r["predicted_peak_bytes"] - r["measured_peak_bytes"]) / r["measured_peak_bytes"]
         rl = r.get("predicted_step_ms_roofline") or float("nan")
         re_ = (rl - r["measured_step_ms"]) / r["measured_step_ms"]
+        iqr = r.get("measured_iqr")
         lines.append(
-            f"| {r['model']} | {r['config']} | {r['measured_step_ms']:.1f} | {r['predicted_step_ms']:.1f} "
+            f"| {r['model']} | {r['config']} | {r['measured_step_ms']:.1f} "
+            f"| {'-' if iqr is None else f'{iqr:.0%}'} | {r['predicted_step_ms']:.1f} "
             f"| {e:+.0%} | {rl:.1f} | {re_:+.0%} | {r['predicted_exposed_comm_ms']:.1f} "
             f"| {r['measured_peak_bytes'] / mib:.1f} "
             f"| {r['predicted_peak_bytes'] / mib:.1f} | {pe:+.1%} |"
         )
-
-    def fmt(x: float | None, pct: bool = False) -> str:
-        if x is None:
-            return "-"
-        return f"{x:.1%}" if pct else f"{x:.3f}"
-
     lines.append("")
+    orig = summ.get("original")
+    if orig and orig["configurations"] != summ["configurations"]:
+        lines.append(_summary_line(orig, "the ten overhead and GPT rows"))
+        lines.append(_summary_line(summ, "all rows"))
+    else:
+        lines.append(_summary_line(summ, "all rows"))
     lines.append(
-        f"step time over {summ['configurations']} configurations: Spearman {fmt(summ['spearman_step_time'])} "
-        f"(target >= 0.9), median |error| {fmt(summ['median_abs_step_error'], True)} (target <= 20%), "
-        f"max {fmt(summ['max_abs_step_error'], True)}; peak: median |error| "
-        f"{fmt(summ['median_abs_peak_error'], True)}, max {fmt(summ['max_abs_peak_error'], True)} "
-        "(target <= 3%); the roofline-only model on the same graphs: Spearman "
-        f"{fmt(summ.get('spearman_step_time_roofline'))}, median |error| "
-        f"{fmt(summ.get('median_abs_step_error_roofline'), True)}"
+        f"peak: median |error| {_fmt(summ['median_abs_peak_error'], True)}, max "
+        f"{_fmt(summ['max_abs_peak_error'], True)} (target <= 3%)"
     )
     return "\n".join(lines)
 
 
-def run(*, quick: bool, log_path: str, timeout: int = 1500) -> dict[str, Any]:
-    """Calibrate, run the job, and return ``{"records", "summary", "profile"}`` (or ``{"error"}``)."""
-    from spmd.calibrate import calibrate
+def run(*, quick: bool, log_path: str, timeout: int = 1500, malloc: str = "kept") -> dict[str, Any]:
+    """Calibrate, run the job, and return ``{"records", "summary", "profile"}`` (or ``{"error"}``).
 
+    ``malloc="kept"``: the calibration and the job run with :data:`MALLOC_ENV`; ``"system"``:
+    with the environment as it is."""
     t0 = time.perf_counter()
-    prof = calibrate(threads=1)
+    # A rank that dies of a signal prints its Python stacks into the log (issue 23).
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+    if malloc == "kept":
+        env.update(MALLOC_ENV)
     fd, prof_path = tempfile.mkstemp(suffix=".json", prefix="spmd_cpu_local_")
-    with os.fdopen(fd, "w") as f:
-        json.dump(prof.to_dict(), f)
+    os.close(fd)
+    # In its own process: glibc reads the allocator's environment when a process starts.
+    cal = [sys.executable, "-m", "spmd.calibrate", "--threads=1", f"--out={prof_path}"]
     fd, out = tempfile.mkstemp(suffix=".json", prefix="plan_check_")
     os.close(fd)
     os.unlink(out)
+    steps, rounds = (4, 2) if quick else (20, 4)
     cmd = [
         os.path.join(os.path.dirname(sys.executable), "torchrun"),
         "--standalone",
@@ -274,30 +389,41 @@ def run(*, quick: bool, log_path: str, timeout: int = 1500) -> dict[str, Any]:
         "--worker",
         f"--profile={prof_path}",
         f"--out={out}",
-        f"--steps={4 if quick else 10}",
+        f"--steps={steps}",
+        f"--rounds={rounds}",
         f"--warmup={1 if quick else 2}",
+        f"--min-time={0.5 if quick else 2.0}",
     ]
     if quick:
         cmd.append("--quick")
-    # A rank that dies of a signal prints its Python stacks into the log (issue 23).
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
     with open(log_path, "a") as log:
-        log.write(f"$ {' '.join(cmd)}\n")
-        log.flush()
-        try:
-            subprocess.run(cmd, cwd=ROOT, env=env, stderr=log, timeout=timeout, check=False)
-        except subprocess.TimeoutExpired:
-            log.write(f"\nplan check: timed out after {timeout} s\n")
-    os.unlink(prof_path)
+        for c in (cal, cmd):
+            log.write(f"$ {' '.join(c)}\n")
+            log.flush()
+            try:
+                rc = subprocess.run(
+                    c, cwd=ROOT, env=env, stdout=log, stderr=log, timeout=timeout, check=False
+                )
+            except subprocess.TimeoutExpired:
+                log.write(f"\nplan check: timed out after {timeout} s\n")
+                break
+            if rc.returncode != 0:
+                break
     if not os.path.exists(out):
+        os.unlink(prof_path)
         return {"error": f"the plan-check job wrote no records; see {log_path}"}
+    with open(prof_path) as f:
+        prof = json.load(f)
+    os.unlink(prof_path)
     with open(out) as f:
         records = json.load(f)
     os.unlink(out)
     return {
         "records": records,
-        "summary": summary(records),
-        "profile": prof.to_dict(),
+        "summary": summaries(records),
+        "profile": prof,
+        "malloc": malloc,
         "took_s": time.perf_counter() - t0,
     }
 
@@ -308,18 +434,29 @@ def main() -> None:
     p.add_argument("--profile", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
     p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration, at least")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds the timed steps are split into")
+    p.add_argument(
+        "--min-time", type=float, default=2.0, help="seconds of timed steps per configuration, at least"
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true")
+    p.add_argument(
+        "--malloc",
+        choices=("kept", "system"),
+        default="kept",
+        help="kept: glibc's allocator kept from returning memory (MALLOC_ENV); system: its defaults",
+    )
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
     log_path = os.path.join(tempfile.gettempdir(), f"spmd_plan_check_{os.getpid()}.log")
-    res = run(quick=args.quick, log_path=log_path)
+    res = run(quick=args.quick, log_path=log_path, malloc=args.malloc)
     if "error" in res:
         sys.exit(res["error"])
     print(table(res["records"], res["summary"]))
+    print(f"({res['took_s']:.0f} s, malloc {res['malloc']}; log: {log_path})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -10,22 +10,28 @@ The model, per node in program order:
 
 - **Free**: placeholders, outputs, ``getitem`` and ops whose schema says the result
   aliases an argument without writing it (``view``, ``t``, ``slice``, ``split``, ...): no
-  device time; a view still pays ``op_overhead_s`` (its dispatch), as does every
-  collective and wait (the launch, on the compute stream). The GPU profiles set it to 0.
+  device time; a view still pays its call on the host (:func:`free_time`: its own measured
+  point where the profile has one, else ``view_overhead_s``), and every collective and wait
+  pays ``op_overhead_s`` (the launch, on the compute stream). The GPU profiles set them to 0.
 - **Compute** (every other op): where the profile has a measured curve for the op (or its class,
   :func:`op_class`) and the op computes in fp32, the curve's time at the op's FLOPs (matmul,
   attention) or bytes (the rest); else ``max(FLOPs / (peak FLOP/s of its dtype x efficiency of
   its class), bytes moved / (memory bandwidth x efficiency)) + op overhead`` (the arguments
   it reads, those it writes and the outputs it allocates: an ``out=`` buffer is written, not
-  read, an in-place argument read and written once each), where a causal
-  attention op runs only the unmasked share of its FLOPs (:func:`causal_share`; a measured
-  curve keeps torch's count, which it was measured by). Plus, where the profile
-  measured them, the per-tensor cost of an optimizer op's tensor lists and the first touch of
-  each large fresh output (``fresh_alloc_curve``: page faults of a newly mapped buffer). FLOPs come from
+  read, an in-place argument read and written once each), where a causal attention op runs only
+  the unmasked share of its FLOPs (:func:`causal_share`; a measured curve keeps torch's count,
+  which it was measured by). Plus, where the profile measured them, the first touch of each
+  large fresh output (``fresh_alloc_curve``: page faults of a newly mapped buffer), and for an
+  op that loops over its tensors (the all-gather copy-in/out and the aligned fused optimizer of
+  a fully_shard step, a fused optimizer, a foreach op) its measured call and per-tensor costs
+  (``call_costs``; padded pieces apart, and the copies of the aligned optimizer's padded shards
+  by their bytes) in place of the curve's fixed part; else the per-tensor cost of an optimizer
+  op's tensor lists. FLOPs come from
   ``torch.utils.flop_counter``'s formulas (the ones ``FlopCounterMode`` uses: matmuls,
   convolutions, attention), applied to the node's ``meta["val"]`` shapes; an op with no
   formula (elementwise, reductions, the fused optimizer) is priced by its bytes. Bytes are
-  its tensor inputs plus its outputs, plus once more each argument it writes in place.
+  the tensors it reads and writes: its tensor inputs and outputs, less an ``out=`` buffer
+  (written, not read), plus a tensor written in place that the op does not return.
 - **Collective**: issued when the program reaches it (the host issues in program order;
   on CUDA the communication stream first waits for the compute issued before it) and the
   communication stream is free; it takes ``steps x latency + bytes x factor / bandwidth``,
@@ -70,12 +76,16 @@ __all__ = [
     "DeviceProfile",
     "GroupInfo",
     "collective_time",
+    "call_tensors",
     "estimate_step_time",
+    "free_time",
     "interpolate",
     "causal_share",
     "node_bytes",
     "node_flops",
     "op_class",
+    "ragged_copy_bytes",
+    "ragged_pieces",
     "ring_bus_factor",
 ]
 
@@ -126,6 +136,19 @@ class DeviceProfile:
     # Compute-stream time a collective costs the host beyond the launch: issue, the wait, the
     # wake-up of a blocked thread (measured interleaved with compute; 0 on GPU profiles).
     collective_host_s: float = 0.0
+    # Ops whose time is a loop over their tensors (Python per tensor, or a dispatch per tensor)
+    # rather than their bytes, measured per op: overload packet ("spmd.all_gather_copy_in",
+    # "aten._foreach_add_") -> {"call": s, "per_tensor": s, "ragged_call": s, "per_ragged": s}.
+    # Such an op takes the call, per_tensor x :func:`call_tensors`, and where some of its pieces
+    # are padded (:func:`ragged_pieces`) ragged_call + per_ragged x their number, on top of the
+    # bandwidth part of its bytes (its curve's time above the curve's first point).
+    call_costs: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
+    # The fixed (per-call) part of each op's time in a step over the same op measured on its own:
+    # a step's ops of different kinds run one after another, each with the host's caches and
+    # predictors cold for it (measured: a graph mixing tiny ops against each alone; 1.0 on GPUs,
+    # where the launch is asynchronous). Scales a curve's first point, a view's call, op_overhead_s
+    # of an op priced by the roofline, and the call of ``call_costs``.
+    mixed_call_factor: float = 1.0
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -135,6 +158,7 @@ class DeviceProfile:
         d["op_efficiency"] = dict(self.op_efficiency)
         d["op_curves"] = {k: [list(p) for p in v] for k, v in self.op_curves.items()}
         d["fresh_alloc_curve"] = [list(p) for p in self.fresh_alloc_curve]
+        d["call_costs"] = {k: dict(v) for k, v in self.call_costs.items()}
         d["sources"] = dict(self.sources)
         return d
 
@@ -223,7 +247,8 @@ def _is_free(node: fx.Node) -> bool:
     return False
 
 
-def _written_args(node: fx.Node) -> list[Any]:
+def _written(node: fx.Node) -> list[tuple[Any, Any]]:
+    """(schema argument, value) of each argument the op writes (in place, or an ``out=``)."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return []
@@ -231,8 +256,19 @@ def _written_args(node: fx.Node) -> list[Any]:
     for i, a in enumerate(target._schema.arguments):
         if a.alias_info is not None and a.alias_info.is_write:
             v = node.kwargs.get(a.name) if a.kwarg_only or i >= len(node.args) else node.args[i]
-            out.append(v)
+            out.append((a, v))
     return out
+
+
+def _written_args(node: fx.Node) -> list[Any]:
+    return [v for _, v in _written(node)]
+
+
+def _returned(node: fx.Node, arg: Any) -> bool:
+    """Whether the op returns (an alias of) the written argument ``arg`` (its schema argument)."""
+    sets = set(arg.alias_info.before_set)
+    rets = node.target._schema.returns  # type: ignore[union-attr]
+    return any(r.alias_info is not None and sets & set(r.alias_info.before_set) for r in rets)
 
 
 def _cpu_attention_flops(node: fx.Node, args: Any) -> float | None:
@@ -306,7 +342,10 @@ def causal_share(node: fx.Node, values: Any | None = None) -> float:
 
 
 def node_bytes(node: fx.Node) -> int:
-    """Bytes an op moves: its tensor inputs and outputs, and its in-place writes once more."""
+    """Bytes an op moves: the tensors it reads and the ones it writes. Its tensor inputs and
+    outputs, except that an ``out=`` buffer (a written keyword-only argument) is not read, and a
+    tensor written in place that the op does not return (a fused optimizer's lists) is written
+    once more."""
     return _bytes(node, fx.node.map_aggregate((node.args, node.kwargs), _val))
 
 
@@ -314,8 +353,12 @@ def _bytes(node: fx.Node, values: Any) -> int:
     """:func:`node_bytes` given the node's arguments as values."""
     total = sum(_nbytes(t) for t in _tensors(values))
     total += sum(_nbytes(t) for t in _tensors(node.meta.get("val")))
-    written = fx.node.map_aggregate(tuple(_written_args(node)), _val)
-    total += sum(_nbytes(t) for t in _tensors(written))
+    for arg, v in _written(node):
+        written = sum(_nbytes(t) for t in _tensors(fx.node.map_aggregate(v, _val)))
+        if not _returned(node, arg):
+            total += written  # the write is not among the outputs
+        elif arg.kwarg_only:
+            total -= written  # an out= buffer: written (the output), not read
     return total
 
 
@@ -350,14 +393,15 @@ _ATTENTION = (
     "_efficient_attention",
     "_cudnn_attention",
 )
-_OPTIMIZER = ("_fused_adam", "_fused_adamw", "_fused_sgd", "_foreach_")
+_OPTIMIZER = ("_fused_adam", "_fused_adamw", "_fused_sgd", "_foreach_", "aligned_fused_optimizer_")
 
 
 def op_class(node: fx.Node) -> str:
     """The class of a compute op, the key of a profile's per-class numbers: ``"matmul"`` (a
     FLOP formula that is not attention: mm, addmm, bmm, convolution), ``"attention"`` (the SDPA
     kernels), ``"optimizer"`` (fused and foreach optimizer ops) or ``"memory"`` (the rest:
-    elementwise, reductions, norms, softmax, copies: priced by bytes)."""
+    elementwise, reductions, norms, softmax, copies: priced by bytes). ``spmd::aligned_fused_optimizer_``
+    (a fused optimizer on aligned copies of shards) is an optimizer op."""
     name = getattr(node.target, "__name__", str(node.target))
     if any(a in name for a in _ATTENTION):
         return "attention"
@@ -387,10 +431,72 @@ def interpolate(points: Sequence[Sequence[float]], x: float) -> float:
     return float(tl * x / xl)
 
 
-def _list_tensors(values: Any) -> int:
-    """Tensors inside list arguments (a foreach / fused optimizer op's per-tensor loop)."""
+def call_tensors(values: Any, out: Any) -> int:
+    """Tensors an op loops over: those inside its list arguments (``values``: ``(args, kwargs)``)
+    and in a list result (``out``)."""
     args, kwargs = values
-    return sum(len(_tensors(a)) for a in (*args, *kwargs.values()) if isinstance(a, list | tuple))
+    n = sum(len(_tensors(a)) for a in (*args, *kwargs.values()) if isinstance(a, list | tuple))
+    if isinstance(out, list | tuple):
+        n += len(_tensors(out))
+    return n
+
+
+def ragged_pieces(target: Any, args: Sequence[Any]) -> int:
+    """The padded pieces of a flat-buffer or aligned-optimizer op (its slower path; 0 for any
+    other op), given its positional arguments as values: shards shorter than their chunk
+    (all-gather copy-in), parameters that do not fill their ``W`` chunks (copy-out), shards with
+    padding before or after (the aligned fused optimizer)."""
+    from passes import flat_ops, fused_align
+
+    if target is fused_align.ALIGNED_FUSED:
+        return sum(1 for a, b in zip(args[6], args[7]) if a or b)
+    if target is flat_ops.COPY_IN:
+        return sum(1 for x, c in zip(args[0], args[1]) if x.numel() < c)
+    if target is flat_ops.COPY_OUT:
+        _, world, chunks, shapes, ranks = args[:5]
+        pieces = flat_ops._shapes(shapes, ranks)
+        return sum(1 for c, shape in zip(chunks, pieces) if math.prod(shape) != world * c)
+    return 0
+
+
+def ragged_copy_bytes(target: Any, args: Sequence[Any]) -> int:
+    """Bytes the padded path of the aligned fused optimizer copies beyond its kernel's (0 for
+    any other op), given its positional arguments as values: each padded shard of every list is
+    copied into a zero buffer (read and written) and, but for the gradients (the kernel's
+    scratch), back (read and written again)."""
+    from passes import fused_align
+
+    if target is not fused_align.ALIGNED_FUSED:
+        return 0
+    lists = args[:5]
+    total = 0
+    for k, (a, b) in enumerate(zip(args[6], args[7])):
+        if a or b:
+            for j, lst in enumerate(lists):
+                if lst:
+                    total += (2 if j == 1 else 4) * _nbytes(lst[k])
+    return total
+
+
+def free_time(node: fx.Node, profile: DeviceProfile) -> float:
+    """Host time of a free op (no kernel): its measured call and per-output cost where the profile
+    has them (``call_costs``: a split into many views), else its own measured call (a one-point
+    curve under its overload packet, ``aten.t``), else ``view_overhead_s`` (else
+    ``op_overhead_s``); nothing for a ``getitem``, a placeholder or the output."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return 0.0
+    packet = getattr(node.target, "overloadpacket", None)
+    calls = profile.call_costs.get(str(packet)) if packet is not None else None
+    if calls:  # a view per output (split_with_sizes, unbind): its measured call and per-output cost
+        values = fx.node.map_aggregate((node.args, node.kwargs), _val)
+        return calls.get("call", 0.0) * profile.mixed_call_factor + calls.get(
+            "per_tensor", 0.0
+        ) * call_tensors(values, node.meta.get("val"))
+    curve = profile.op_curves.get(str(packet)) if packet is not None else None
+    if curve:
+        return float(curve[0][1]) * profile.mixed_call_factor
+    view = profile.op_overhead_s if profile.view_overhead_s is None else profile.view_overhead_s
+    return view * profile.mixed_call_factor
 
 
 def _fresh_bytes(node: fx.Node) -> list[int]:
@@ -424,6 +530,7 @@ def compute_time(node: fx.Node, profile: DeviceProfile) -> tuple[float, float]:
     if curve:
         by_flops = cls in ("matmul", "attention")
         t = interpolate(curve, flops if by_flops else nbytes)
+        call = curve[0][1]  # the curve's fixed part: a call on almost no data
     else:
         peak = profile.peak_flops.get(dtype) or profile.peak_flops["fp32"]
         f_eff = profile.op_efficiency.get(cls, profile.compute_efficiency)
@@ -434,9 +541,26 @@ def compute_time(node: fx.Node, profile: DeviceProfile) -> tuple[float, float]:
         run = flops * causal_share(node, values) if cls == "attention" else flops
         moved = _moved_bytes(node, values)
         t = max(run / (peak * f_eff), moved / (profile.memory_bandwidth * m_eff))
-        t += profile.op_overhead_s
-    if profile.per_tensor_s and cls == "optimizer":
-        t += profile.per_tensor_s * _list_tensors(values)
+        call = profile.op_overhead_s
+        t += call
+    calls = profile.call_costs.get(str(packet)) if packet is not None else None
+    mixed = profile.mixed_call_factor
+    if calls:
+        # A loop over tensors: its measured call and per-tensor costs replace the curve's fixed part.
+        t = max(t - call, 0.0) + calls.get("call", 0.0) * mixed
+        t += calls.get("per_tensor", 0.0) * call_tensors(values, node.meta.get("val"))
+        ragged = ragged_pieces(node.target, values[0])
+        if ragged:
+            t += calls.get("ragged_call", 0.0) + calls.get("per_ragged", 0.0) * ragged
+            copied = ragged_copy_bytes(node.target, values[0])
+            if copied:  # at the rate of a copy: the "memory" curve above its fixed part, or the roofline
+                mem = profile.op_curves.get("memory")
+                bw = profile.memory_bandwidth * profile.op_efficiency.get("memory", profile.memory_efficiency)
+                t += interpolate(mem, copied) - mem[0][1] if mem else copied / bw
+    else:
+        t += (mixed - 1.0) * call  # the call's fixed part as a step runs it
+        if profile.per_tensor_s and cls == "optimizer":
+            t += profile.per_tensor_s * call_tensors(values, None)
     if profile.fresh_alloc_curve:
         t += sum(
             interpolate(profile.fresh_alloc_curve, b)
@@ -484,7 +608,6 @@ def estimate_step_time(
     by_kind: dict[str, float] = {}
     costs: list[tuple[float, str]] = []
     launch = profile.op_overhead_s
-    view = launch if profile.view_overhead_s is None else profile.view_overhead_s
     for n in gm.graph.nodes:
         if C.is_collective(n):
             kind = C.kind_of(n).value
@@ -507,9 +630,9 @@ def estimate_step_time(
         elif _is_free(n):
             # No kernel, but an op call still pays the dispatch (a view on the host); getitem,
             # placeholders and the output pay nothing.
-            if n.op == "call_function" and n.target is not operator.getitem:
-                compute_t += view
-                compute_s += view
+            view = free_time(n, profile)
+            compute_t += view
+            compute_s += view
         else:
             t, f = compute_time(n, profile)
             compute_t += t

@@ -3,7 +3,7 @@
     python -m spmd.calibrate                 # writes ~/.cache/spmd/cpu-local.json
     python -m spmd.calibrate --out prof.json --threads 1
 
-What it measures (about 40 s), each as the median of several repeats:
+What it measures (about 50 s idle), each as the median of several repeats:
 
 - matmul FLOP/s per dtype (fp32, bf16) at ``--threads`` threads (the bench runs 1 per rank);
 - memory bandwidth: a large ``add`` (reads two tensors, writes one);
@@ -16,9 +16,21 @@ What it measures (about 40 s), each as the median of several repeats:
   its own curve) and the common non-matmul ops of a step (gelu, silu, layer norm, softmax,
   log-softmax and their backward, sum, clone) from 64 to 2M elements, in cache and out (by
   bytes); CPU flash attention forward and backward (by FLOPs);
+- ``addmm`` (a linear layer's forward with its bias) by FLOPs at the matmul shapes; a fused
+  AdamW step by bytes (the ``"optimizer"`` curve); each view op of a step's graph (``t``,
+  ``view``, ``as_strided``, ``detach``, ...: one point each, its call in a graph);
+- how much more a call costs in a step than alone (``mixed_call_factor``): a graph mixing tiny
+  ops of nine kinds against each kind alone (each run after another kind finds the host's
+  caches cold for it);
 - the first touch of a fresh allocation by size (``fresh_alloc_curve``): above glibc's mmap
   threshold every allocation is mapped anew and page-faults as it is written;
-- the per-tensor cost of a fused optimizer step over many tiny tensors (``per_tensor_s``);
+- the per-tensor cost of a fused optimizer step over many tiny tensors (``per_tensor_s``), and
+  the fixed and per-tensor cost of each op that loops over its tensors (``call_costs``): the
+  all-gather copy-in and copy-out and the aligned fused optimizer of a fully_shard step (Python
+  per shard; padded shards apart), fused AdamW, ``_foreach_add_`` (one dispatch per tensor on
+  CPU), the copies of a list into one buffer (``cat``, ``_chunk_cat``, ``stack``) and the views
+  with an output per piece (``split_with_sizes``, ``unbind``), each from calls on 1 and 32 tiny
+  tensors per list (or outputs);
 - gloo between 2 local processes, through the functional collectives a step's graph calls
   (each with its ``wait_tensor``): latency of a 4-byte all-reduce (two ring steps), and
   the bus bandwidth of a 16 MiB all-reduce, all-gather, reduce-scatter and all-to-all,
@@ -131,8 +143,11 @@ _MATMUL_SHAPES = (
     (1024, 256, 2048),
     (1024, 1024, 1024),
 )
-# Element counts of the elementwise / reduction curves: in L1, L2, the last-level cache, DRAM.
-_NUMELS = (2**6, 2**10, 2**14, 2**18, 2**21)
+# Element counts of the elementwise / reduction curves: in L1, L2, the last-level cache, and two
+# past it (8 MiB and 32 MiB per tensor: a step's logits). Above the last point a curve keeps that
+# point's rate; with 8 MiB the last, a fused AdamW over a 7M-parameter GPT was priced at 0.65
+# ns/element where it runs at 1.0 (DRAM: measured here 2026-11-25, 2M vs 8M elements).
+_NUMELS = (2**6, 2**10, 2**14, 2**18, 2**21, 2**23)
 
 
 def _curve(points: Sequence[tuple[float, float]]) -> list[list[float]]:
@@ -148,10 +163,14 @@ def _curve(points: Sequence[tuple[float, float]]) -> list[list[float]]:
     return out
 
 
-def measure_matmul_curve(repeats: int = 5) -> list[list[float]]:
+def measure_matmul_curves(repeats: int = 5) -> dict[str, list[list[float]]]:
     """[[FLOPs, seconds], ...] of fp32 ``mm`` calls with a fresh output, as a graph's mm runs,
-    at the shapes ``_MATMUL_SHAPES``, each the mean of three operand layouts."""
+    at the shapes ``_MATMUL_SHAPES``, each the mean of three operand layouts (``"matmul"``, the
+    curve of every matmul-class op without its own), and of ``addmm`` (a linear layer's forward
+    with its bias: ``x @ W^T + b``, ``"aten.addmm"``; the bias costs small matmuls up to 2x)."""
+    aten = torch.ops.aten
     pts = []
+    addmm = []
     for m, k, n in _MATMUL_SHAPES:
         # The three layouts a step's matmuls come in: forward (x @ W^T), input gradient
         # (g @ W), weight gradient (g^T @ x); the point is their mean. Timed in a graph.
@@ -160,8 +179,11 @@ def measure_matmul_curve(repeats: int = 5) -> list[list[float]]:
             (torch.randn(m, k), torch.randn(k, n)),
             (torch.randn(k, m).t(), torch.randn(k, n)),
         ):
-            pts.append((2 * m * k * n, _in_graph(torch.ops.aten.mm.default, (a, b), repeats)))
-    return _curve(pts)
+            pts.append((2 * m * k * n, _in_graph(aten.mm.default, (a, b), repeats)))
+        if m * k * n <= 512**3:  # above, the bias is noise (and the curve's last rate holds)
+            x, w = torch.randn(m, k), torch.randn(n, k).t()
+            addmm.append((2 * m * k * n, _in_graph(aten.addmm.default, (torch.randn(n), x, w), repeats)))
+    return {"matmul": _curve(pts), "aten.addmm": _curve(addmm)}
 
 
 def _op_cases(numel: int) -> dict[str, tuple[Any, tuple[Any, ...]]]:
@@ -321,17 +343,209 @@ def measure_per_tensor(repeats: int = 5, n: int = 256) -> float:
     return _best(step, repeats, inner=5) / n
 
 
+# The view ops of a step's graph, each on a tensor of the shape a step gives it: its call (the
+# dispatch, a new tensor header, fx's Python around it) timed in a graph as a step runs it.
+def _view_cases() -> dict[str, tuple[Any, tuple[Any, ...]]]:
+    aten = torch.ops.aten
+    x = torch.randn(64, 256)
+    return {
+        "aten.t": (aten.t.default, (x,)),
+        "aten.view": (aten.view.default, (x, [-1])),
+        "aten._unsafe_view": (aten._unsafe_view.default, (x, [256, 64])),
+        "aten.reshape": (aten.reshape.default, (x, [16, 1024])),
+        "aten.detach": (aten.detach.default, (x,)),
+        "aten.alias": (aten.alias.default, (x,)),
+        "aten.as_strided": (aten.as_strided.default, (x, [32, 256], [256, 1], 0)),
+        "aten.expand": (aten.expand.default, (x, [2, 64, 256])),
+        "aten.slice": (aten.slice.Tensor, (x, 0, 0, 32)),
+        "aten.select": (aten.select.int, (x, 0, 1)),
+        "aten.permute": (aten.permute.default, (x, [1, 0])),
+        "aten.transpose": (aten.transpose.int, (x, 0, 1)),
+        "aten.unsqueeze": (aten.unsqueeze.default, (x, 0)),
+        "aten.squeeze": (aten.squeeze.dim, (x.view(1, 64, 256), 0)),
+        "aten.split_with_sizes": (aten.split_with_sizes.default, (x, [32, 32])),
+        "aten.split": (aten.split.Tensor, (x, 32)),
+    }
+
+
+def measure_view_costs(repeats: int = 5) -> dict[str, list[list[float]]]:
+    """Per view op: ``[[0, seconds]]`` (one point: a view moves no bytes), each call timed in a
+    graph (:func:`_in_graph`). The cost model prices a view by its own point where measured
+    (``passes.cost_model.free_time``), else by ``view_overhead_s`` (``aten.t`` chained)."""
+    return {key: [[0.0, _in_graph(op, args, repeats)]] for key, (op, args) in _view_cases().items()}
+
+
+def measure_optimizer_curve(repeats: int = 5) -> dict[str, list[list[float]]]:
+    """``"optimizer"``: [[bytes, seconds], ...] of a fused AdamW step on one tensor of each of
+    ``_NUMELS`` elements (its bandwidth: the per-tensor part is ``call_costs``). Bytes as the
+    cost model counts them: the tensors read (parameter, gradient, both moments, step, lr) and
+    the four lists written in place (``passes.cost_model.node_bytes``)."""
+    pts = []
+    lr = torch.tensor(1e-3)
+    for numel in _NUMELS:
+        p, g, m, v = (torch.randn(numel) for _ in range(4))
+        m.zero_()
+        v.zero_()
+        step = [torch.zeros(())]
+
+        def call(p=p, g=g, m=m, v=v, step=step) -> None:  # noqa: ANN001 - bound per size
+            torch._fused_adamw_(
+                [p], [g], [m], [v], [], step, lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8,
+                amsgrad=False, maximize=False,
+            )  # fmt: skip
+
+        pts.append(((8 * numel + 2) * 4, _best(call, repeats)))
+    return {"optimizer": _curve(pts)}
+
+
+_CALL_N = 32  # tensors per list in the many-tensor measurement of a call cost
+
+
+def _list_op_cases(n: int, ragged: bool) -> dict[str, tuple[Any, tuple[Any, ...], dict[str, Any]]]:
+    """One call of each op whose cost is a loop over its tensors, with ``n`` tensors per list of
+    a few elements (their bytes negligible), padded (``ragged``) or not: key -> (op, args, kwargs).
+    Shapes as a fully_shard step has them: shards of a few dozen elements, 2 ranks."""
+    from passes import flat_ops, fused_align
+
+    numel = 33 if ragged else 32  # a shard; the aligned optimizer pads it to 48 (pre 3, post 12)
+    lr = torch.tensor(1e-3)
+    p, g, m, v = ([torch.randn(numel) for _ in range(n)] for _ in range(4))
+    for t in m + v:
+        t.zero_()
+    steps = [torch.zeros(()) for _ in range(n)]
+    adamw = dict(lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+    kernel = torch.ops.aten._fused_adamw_.tensor_lr
+    values = dict(self=p, grads=g, exp_avgs=m, exp_avg_sqs=v, max_exp_avg_sqs=[], state_steps=steps, **adamw)
+    pad = (3, 12) if ragged else (0, 0)
+    aligned_args, aligned_kw = fused_align.wrap_args(kernel, values, [pad[0]] * n, [pad[1]] * n, [0] * n)
+    chunk = 40 if ragged else 32  # copy-in: a shard shorter than its chunk is padded
+    full = 2 * chunk - (7 if ragged else 0)  # copy-out: a parameter not filling its 2 chunks
+    cases: dict[str, tuple[Any, tuple[Any, ...], dict[str, Any]]] = {
+        "spmd.aligned_fused_optimizer_": (fused_align.ALIGNED_FUSED, aligned_args, aligned_kw),
+        "spmd.all_gather_copy_in": (flat_ops.COPY_IN, ([t[:32] for t in p], [chunk] * n, torch.float32), {}),
+        "spmd.all_gather_copy_out": (
+            flat_ops.COPY_OUT,
+            (torch.randn(2 * chunk * n), 2, [chunk] * n, [full] * n, [1] * n),
+            {},
+        ),
+    }
+    if not ragged:
+        cases["aten._fused_adamw_"] = (kernel, (p, g, m, v, [], steps), adamw)
+        cases["aten._foreach_add_"] = (torch.ops.aten._foreach_add_.Scalar, (steps, 1), {})
+        # Views, one per output: a flat gradient buffer split back into its parameters, q/k/v.
+        rows = torch.randn(n, 8)
+        cases["aten.split_with_sizes"] = (torch.ops.aten.split_with_sizes.default, (rows, [1] * n), {})
+        cases["aten.unbind"] = (torch.ops.aten.unbind.int, (rows,), {})
+        # Copies of a list into one buffer: a bucket's flat gradients, a unit's reduce-scatter input.
+        cases["aten.cat"] = (torch.ops.aten.cat.default, (g,), {})
+        cases["aten._chunk_cat"] = (torch.ops.aten._chunk_cat.default, (g, 0, 2), {})
+        cases["aten.stack"] = (torch.ops.aten.stack.default, (g,), {})
+    return cases
+
+
+def measure_call_costs(repeats: int = 5) -> dict[str, dict[str, float]]:
+    """``call_costs`` of the profile: per op whose time is a Python or dispatch loop over its
+    tensors (the flat-buffer ops and the aligned fused optimizer of a fully_shard step, a fused
+    optimizer, a foreach op, which on CPU dispatches once per tensor), its fixed ``call`` and
+    ``per_tensor`` seconds (by ``passes.cost_model.call_tensors``), from calls on 1 and
+    ``_CALL_N`` tensors per list; for the ops with a padded path, the ``ragged_call`` and
+    ``per_ragged`` extra of all pieces padded (``passes.cost_model.ragged_pieces``)."""
+    from passes.cost_model import call_tensors, ragged_pieces
+
+    def timed(n: int, ragged: bool) -> dict[str, tuple[float, int, int]]:
+        out = {}
+        for key, (op, args, kw) in _list_op_cases(n, ragged).items():
+            res = op(*args, **kw)
+            t = _best(functools.partial(op, *args, **kw), repeats)
+            out[key] = (t, call_tensors((args, kw), res), ragged_pieces(op, args))
+        return out
+
+    one, many = timed(1, False), timed(_CALL_N, False)
+    one_r, many_r = timed(1, True), timed(_CALL_N, True)
+    costs: dict[str, dict[str, float]] = {}
+    for key, (t1, n1, _) in one.items():
+        tn, nn, _ = many[key]
+        per = max((tn - t1) / max(nn - n1, 1), 0.0)
+        c = {"call": max(t1 - per * n1, 0.0), "per_tensor": per}
+        if key in one_r:
+            (r1, m1, g1), (rn, mn, gn) = one_r[key], many_r[key]
+            # What the padded pieces add beyond the same calls unpadded (the tensor counts can
+            # differ: a padded copy-out is still one output per parameter).
+            per_r = max(((rn - per * mn) - (r1 - per * m1)) / max(gn - g1, 1), 0.0)
+            c["per_ragged"] = per_r
+            c["ragged_call"] = max(r1 - per * m1 - per_r * g1 - c["call"], 0.0)
+        costs[key] = c
+    return costs
+
+
+def _graph_of(calls: Sequence[tuple[Any, tuple[Any, ...]]], k: int) -> tuple[Any, list[torch.Tensor]]:
+    """A GraphModule of ``k`` rounds of ``calls`` (each call on its own copies of its tensors)."""
+    import torch.fx as fx
+
+    g = fx.Graph()
+    flat: list[torch.Tensor] = []
+    for i in range(k):
+        for j, (op, args) in enumerate(calls):
+            call_args = []
+            for a_i, a in enumerate(args):
+                if isinstance(a, torch.Tensor):
+                    call_args.append(g.placeholder(f"a{i}_{j}_{a_i}"))
+                    flat.append(a.clone())
+                else:
+                    call_args.append(a)
+            g.call_function(op, tuple(call_args))
+    g.output(None)
+    return fx.GraphModule(torch.nn.Module(), g), flat
+
+
+def measure_mixed_call_factor(repeats: int = 3, k: int = 40, rounds: int = 5) -> float:
+    """``mixed_call_factor``: a graph of ``k`` rounds of nine tiny ops of different kinds (a step's
+    mix: views, a copy, a reduction, elementwise, a norm, an activation, a matmul), each call on
+    its own inputs, against the sum of the same ops each in a graph of ``k`` of its own kind. The
+    ops are tiny, so their time is their fixed (per-call) part; measured here 1.7x (2026-11-25)."""
+    aten = torch.ops.aten
+    x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
+    calls = [
+        (aten.t.default, (x,)),
+        (aten.clone.default, (x,)),
+        (aten.sum.dim_IntList, (x, [0], True)),
+        (aten.add.Tensor, (x, x)),
+        (aten.native_layer_norm.default, (x, [8], w, b, 1e-5)),
+        (aten.gelu.default, (x,)),
+        (aten.mm.default, (x, x.t())),
+        (aten.detach.default, (x,)),
+        (aten.view.default, (x, [-1])),
+    ]
+    singles = [functools.partial(gm, *flat) for gm, flat in (_graph_of([c], k) for c in calls)]
+    gm, flat = _graph_of(calls, k)
+    mixed = functools.partial(gm, *flat)
+    # Alternated, the median of the ratios: each pair sees the same share of a busy machine.
+    ratios = []
+    for _ in range(rounds):
+        alone = sum(_best(f, repeats) for f in singles)
+        ratios.append(_best(mixed, repeats) / alone)
+    return max(statistics.median(ratios), 1.0)
+
+
 def measure_compute() -> dict[str, Any]:
     """This process's compute constants: the profile fields ``peak_flops``, ``memory_bandwidth``,
-    ``op_overhead_s``, ``view_overhead_s``, ``per_tensor_s``, ``op_curves`` and
-    ``fresh_alloc_curve`` (about 15 s)."""
-    curves = {"matmul": measure_matmul_curve(), **measure_op_curves(), **measure_attention_curves()}
+    ``op_overhead_s``, ``view_overhead_s``, ``per_tensor_s``, ``call_costs``,
+    ``mixed_call_factor``, ``op_curves`` and ``fresh_alloc_curve`` (about 20 s)."""
+    curves = {
+        **measure_matmul_curves(),
+        **measure_op_curves(),
+        **measure_attention_curves(),
+        **measure_optimizer_curve(),
+        **measure_view_costs(),
+    }
     return {
         "peak_flops": {"fp32": measure_matmul(torch.float32), "bf16": measure_matmul(torch.bfloat16, n=256)},
         "memory_bandwidth": measure_memory_bandwidth(),
         "op_overhead_s": measure_op_overhead(),
         "view_overhead_s": measure_view_overhead(),
         "per_tensor_s": measure_per_tensor(),
+        "call_costs": measure_call_costs(),
+        "mixed_call_factor": measure_mixed_call_factor(),
         "op_curves": curves,
         "fresh_alloc_curve": measure_fresh_alloc_curve(),
     }
@@ -463,6 +677,8 @@ def calibrate(threads: int = 1) -> DeviceProfile:
         op_overhead_s=c["op_overhead_s"],
         view_overhead_s=c["view_overhead_s"],
         per_tensor_s=c["per_tensor_s"],
+        call_costs=c["call_costs"],
+        mixed_call_factor=c["mixed_call_factor"],
         op_curves=c["op_curves"],
         fresh_alloc_curve=c["fresh_alloc_curve"],
         comm_compute_overlap=overlap,
@@ -476,6 +692,8 @@ def calibrate(threads: int = 1) -> DeviceProfile:
                 "op_overhead_s",
                 "view_overhead_s",
                 "per_tensor_s",
+                "call_costs",
+                "mixed_call_factor",
                 "op_curves",
                 "fresh_alloc_curve",
                 "gloo",

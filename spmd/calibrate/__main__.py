@@ -40,9 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth_by_kind",
         "comm_compute_overlap",
         "collective_host_s",
+        "mixed_call_factor",
     ):
         print(f"  {k}: {d[k]}")
     print(f"  op_curves: {', '.join(sorted(d['op_curves']))}")
+    for k, v in sorted(d["call_costs"].items()):
+        print(f"  call_costs[{k}]: " + ", ".join(f"{n} {s * 1e6:.1f} us" for n, s in v.items()))
     print(f"  fresh_alloc_curve: {len(d['fresh_alloc_curve'])} points")
     return 0
 

@@ -17,6 +17,7 @@ from passes.cost_model import (
     collective_time,
     compute_time,
     estimate_step_time,
+    free_time,
     interpolate,
     node_bytes,
     node_flops,
@@ -283,3 +284,100 @@ def test_a_memory_bound_op_moves_what_it_reads_and_writes_once() -> None:
     want = 3 * 4 * n / PROFILE.memory_bandwidth
     for node in (fresh, out, inplace):
         assert compute_time(node, PROFILE)[0] == pytest.approx(want)
+
+
+def _call(b, target, *args, **kwargs):  # noqa: ANN001, ANN202
+    """A node of ``target(*args, **kwargs)`` (keyword arguments allowed) with its fake value."""
+    node = b.graph.call_function(target, args, kwargs)
+    vals = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta.get("val"))
+    with b.mode:
+        out = target(*vals[0], **vals[1])
+    if out is not None:
+        node.meta["val"] = out
+    return node
+
+
+def test_bytes_read_and_written_once_in_place_out_and_fused() -> None:
+    """add(x, y), add_(x, y) and add(x, y, out=z) all read two tensors and write one; a fused
+    optimizer that returns nothing reads its lists and writes four of them."""
+    b = Builder()
+    x, y, z = (b.input(n, 64, 64) for n in "xyz")
+    size = 64 * 64 * 4
+    assert node_bytes(_call(b, aten.add.Tensor, x, y)) == 3 * size
+    assert node_bytes(_call(b, aten.add_.Tensor, x, y)) == 3 * size
+    assert node_bytes(_call(b, aten.add.out, x, y, out=z)) == 3 * size
+    p, g, m, v = ([b.input(f"{n}{i}", 64, 64) for i in range(2)] for n in "pgmv")
+    steps = [b.input(f"s{i}") for i in range(2)]
+    lr = b.input("lr")
+    opts = dict(lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+    adamw = _call(b, aten._fused_adamw_.tensor_lr, p, g, m, v, [], steps, **opts)
+    # read p, g, m, v, the steps and lr; write p, g, m, v
+    assert node_bytes(adamw) == 2 * (8 * size + 4) + 4
+
+
+def test_an_op_that_loops_over_its_tensors_pays_its_measured_call_costs() -> None:
+    """copy-in of 3 shards, one shorter than its chunk: call + 3 x per_tensor + the padded path
+    once (ragged_call + per_ragged) on top of its bytes; without call_costs, its bytes only."""
+    from passes import flat_ops
+
+    b = Builder()
+    shards = [b.input("a", 8), b.input("b", 8), b.input("c", 5)]
+    node = _call(b, flat_ops.COPY_IN, shards, [8, 8, 8], torch.float32)
+    costs = {"call": 1e-3, "per_tensor": 1e-4, "ragged_call": 1e-5, "per_ragged": 1e-6}
+    prof = _with(call_costs={"spmd.all_gather_copy_in": costs})
+    base = compute_time(node, PROFILE)[0] - PROFILE.op_overhead_s
+    expect = base + 1e-3 + 3 * 1e-4 + 1e-5 + 1e-6
+    assert compute_time(node, prof)[0] == pytest.approx(expect)
+
+
+def test_a_view_with_its_own_measured_call_pays_it() -> None:
+    b = Builder()
+    x = b.input("x", 8, 8)
+    t = b.op(aten.t.default, x)
+    d = b.op(aten.detach.default, x)
+    gm = b.finish(t, d)
+    prof = _with(op_overhead_s=1e-6, view_overhead_s=2e-6, op_curves={"aten.t": [[0.0, 5e-6]]})
+    assert free_time(t, prof) == 5e-6 and free_time(d, prof) == 2e-6
+    assert estimate_step_time(gm, prof, GROUPS).compute_s == pytest.approx(7e-6)
+
+
+def test_a_split_pays_its_measured_cost_per_output() -> None:
+    """split_with_sizes into 4 views: call + 4 x per_tensor where measured (``call_costs``)."""
+    b = Builder()
+    split = b.op(aten.split_with_sizes.default, b.input("x", 8, 8), [2, 2, 2, 2])
+    prof = _with(call_costs={"aten.split_with_sizes": {"call": 1e-5, "per_tensor": 1e-6}})
+    assert free_time(split, prof) == pytest.approx(1e-5 + 4e-6)
+
+
+def test_padded_shards_of_the_aligned_optimizer_pay_their_copies() -> None:
+    """Two parameters, the second padded: its shard is copied into a zero buffer and back for
+    the parameter and both moments (read and written each way), the gradient only in: 14 x its
+    bytes, at the "memory" rate."""
+    from passes import fused_align
+
+    b = Builder()
+    p, g, m, v = ([b.input(f"{n}{i}", 100 + i) for i in range(2)] for n in "pgmv")
+    steps = [b.input(f"s{i}") for i in range(2)]
+    args = (p, g, m, v, [], steps, [0, 3], [0, 12], [0, 0], "_fused_adamw_.default", "{}")
+    node = _call(b, fused_align.ALIGNED_FUSED, *args)
+    rate = 1e-9  # seconds per byte
+    costs = {"call": 0.0, "per_tensor": 0.0, "ragged_call": 0.0, "per_ragged": 0.0}
+    memory = [[1e-3, 1e-3 * rate]]
+    prof = _with(call_costs={"spmd.aligned_fused_optimizer_": costs}, op_curves={"memory": memory})
+    unpadded = _call(b, fused_align.ALIGNED_FUSED, *args[:6], [0, 0], [0, 0], *args[8:])
+    extra = compute_time(node, prof)[0] - compute_time(unpadded, prof)[0]
+    assert extra == pytest.approx(14 * 101 * 4 * rate)
+
+
+def test_a_step_pays_each_call_s_fixed_part_times_the_mixed_call_factor() -> None:
+    """The curve's first point (a call on almost no data) and a view's call, x 1.5; the part of an
+    op's time above its fixed part is unchanged."""
+    b = Builder()
+    x = b.input("x", 64, 64)
+    relu = b.op(aten.relu.default, x)
+    t = b.op(aten.t.default, x)
+    b.finish(relu, t)
+    curves = {"memory": [[1e2, 3e-6], [1e8, 3e-2]], "aten.t": [[0.0, 2e-6]]}
+    plain, mixed = _with(op_curves=curves), _with(op_curves=curves, mixed_call_factor=1.5)
+    assert compute_time(relu, mixed)[0] == pytest.approx(compute_time(relu, plain)[0] + 0.5 * 3e-6)
+    assert free_time(t, mixed) == pytest.approx(1.5 * free_time(t, plain))
