@@ -155,9 +155,9 @@ def fake_two_ranks(monkeypatch):
     are graph transforms; which backend runs the graph does not change what they do)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import spmd.api
+    import spmd.pipeline
 
-    monkeypatch.setattr(spmd.api, "all_gloo", lambda gm: True)
+    monkeypatch.setattr(spmd.pipeline, "all_gloo", lambda gm: True)
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     yield
     dist.destroy_process_group()
