@@ -49,17 +49,21 @@ from __future__ import annotations
 
 import datetime
 import functools
-import math
 import os
 import socket
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from passes.cost_model import DeviceProfile, ring_bus_factor
+from spmd.calibrate.calls import (
+    measure_call_costs,
+    measure_mixed_call_factor,
+    measure_optimizer_curve,
+    measure_view_costs,
+)
+from spmd.calibrate.timing import _NUMELS, _best, _curve, _in_graph
 from spmd.profiles import CPU_LOCAL
 
 _COMM_BYTES = 16 * 2**20
@@ -69,34 +73,6 @@ _COMM_BYTES = 16 * 2**20
 _UNIT_BYTES = 64 * 2**10
 _HIDE_S = 2e-3
 _N_INTERLEAVED = 20
-
-
-# Each timed repeat of a compute measurement lasts at least this long (more calls per repeat
-# for a short one): about a step of the bench models, so that on a machine shared with other
-# work a measurement is preempted as often as the step it prices (a 5 us op timed in a burst
-# shorter than the scheduler's slice would see an idle core).
-_WINDOW_S = 0.02
-
-
-def _best(fn: Callable[[], Any], repeats: int, inner: int = 1, *, window: bool = True) -> float:
-    """The median time of ``fn`` (seconds) over ``repeats`` runs of ``inner`` calls (more calls
-    where ``window`` and ``inner`` of them take less than ``_WINDOW_S``).
-
-    The median, not the best: a step is timed by its median too, so on a machine shared
-    with other work both see the same share of the cores. ``window=False`` where the calls
-    are collectives (every rank must make the same number).
-    """
-    t0 = time.perf_counter()
-    fn()  # warm up
-    if window:
-        inner = max(inner, math.ceil(_WINDOW_S / max(time.perf_counter() - t0, 1e-7)))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        ts.append((time.perf_counter() - t0) / inner)
-    return statistics.median(ts)
 
 
 def measure_matmul(dtype: torch.dtype, n: int = 512, repeats: int = 5) -> float:
@@ -143,26 +119,12 @@ _MATMUL_SHAPES = (
     (1024, 256, 2048),
     (1024, 1024, 1024),
 )
+
+
 # Element counts of the elementwise / reduction curves: in L1, L2, the last-level cache, and two
 # past it (8 MiB and 32 MiB per tensor: a step's logits). Above the last point a curve keeps that
 # point's rate; with 8 MiB the last, a fused AdamW over a 7M-parameter GPT was priced at 0.65
 # ns/element where it runs at 1.0 (DRAM: measured here 2026-11-25, 2M vs 8M elements).
-_NUMELS = (2**6, 2**10, 2**14, 2**18, 2**21, 2**23)
-
-
-def _curve(points: Sequence[tuple[float, float]]) -> list[list[float]]:
-    """Ascending by size; points of equal size merged (their mean time); a point slower than a
-    larger one takes the larger one's time (a call on more data is not faster: the difference is
-    noise, e.g. the first calls of a kernel)."""
-    by: dict[float, list[float]] = {}
-    for x, t in points:
-        by.setdefault(float(x), []).append(t)
-    out = [[x, statistics.fmean(ts)] for x, ts in sorted(by.items())]
-    for i in range(len(out) - 2, -1, -1):
-        out[i][1] = min(out[i][1], out[i + 1][1])
-    return out
-
-
 def measure_matmul_curves(repeats: int = 5) -> dict[str, list[list[float]]]:
     """[[FLOPs, seconds], ...] of fp32 ``mm`` calls with a fresh output, as a graph's mm runs,
     at the shapes ``_MATMUL_SHAPES``, each the mean of three operand layouts (``"matmul"``, the
@@ -215,36 +177,6 @@ def _op_cases(numel: int) -> dict[str, tuple[Any, tuple[Any, ...]]]:
         "aten._softmax": (aten._softmax.default, (x, 1, False)),
         "aten._softmax_backward_data": (aten._softmax_backward_data.default, (g, sm, 1, x.dtype)),
     }
-
-
-# The working set of an in-graph measurement: each call reads its own copy of the inputs, so a
-# small op's inputs come from memory or the last-level cache, as a step's do (a step's ops each
-# read another layer's weights and activations), not from L1 as in a loop over one input.
-_GRAPH_WORKING_SET = 32 * 2**20
-
-
-def _in_graph(target: Any, args: tuple[Any, ...], repeats: int) -> float:
-    """Seconds per call of ``target(*args)`` run as a step's graph runs its ops: a GraphModule
-    of ``k`` calls, each on its own copy of the tensor arguments (fx's generated Python, the
-    dispatcher, a fresh output freed when unused), timed whole and divided by ``k``."""
-    import torch.fx as fx
-
-    per_call = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
-    k = max(2, min(64, _GRAPH_WORKING_SET // max(per_call, 1)))
-    g = fx.Graph()
-    flat: list[torch.Tensor] = []
-    for i in range(k):
-        call_args = []
-        for j, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
-                call_args.append(g.placeholder(f"a{i}_{j}"))
-                flat.append(a.clone())
-            else:
-                call_args.append(a)
-        g.call_function(target, tuple(call_args))
-    g.output(None)
-    gm = fx.GraphModule(torch.nn.Module(), g)
-    return _best(functools.partial(gm, *flat), repeats) / k
 
 
 def measure_op_curves(repeats: int = 5) -> dict[str, list[list[float]]]:
@@ -345,188 +277,6 @@ def measure_per_tensor(repeats: int = 5, n: int = 256) -> float:
 
 # The view ops of a step's graph, each on a tensor of the shape a step gives it: its call (the
 # dispatch, a new tensor header, fx's Python around it) timed in a graph as a step runs it.
-def _view_cases() -> dict[str, tuple[Any, tuple[Any, ...]]]:
-    aten = torch.ops.aten
-    x = torch.randn(64, 256)
-    return {
-        "aten.t": (aten.t.default, (x,)),
-        "aten.view": (aten.view.default, (x, [-1])),
-        "aten._unsafe_view": (aten._unsafe_view.default, (x, [256, 64])),
-        "aten.reshape": (aten.reshape.default, (x, [16, 1024])),
-        "aten.detach": (aten.detach.default, (x,)),
-        "aten.alias": (aten.alias.default, (x,)),
-        "aten.as_strided": (aten.as_strided.default, (x, [32, 256], [256, 1], 0)),
-        "aten.expand": (aten.expand.default, (x, [2, 64, 256])),
-        "aten.slice": (aten.slice.Tensor, (x, 0, 0, 32)),
-        "aten.select": (aten.select.int, (x, 0, 1)),
-        "aten.permute": (aten.permute.default, (x, [1, 0])),
-        "aten.transpose": (aten.transpose.int, (x, 0, 1)),
-        "aten.unsqueeze": (aten.unsqueeze.default, (x, 0)),
-        "aten.squeeze": (aten.squeeze.dim, (x.view(1, 64, 256), 0)),
-        "aten.split_with_sizes": (aten.split_with_sizes.default, (x, [32, 32])),
-        "aten.split": (aten.split.Tensor, (x, 32)),
-    }
-
-
-def measure_view_costs(repeats: int = 5) -> dict[str, list[list[float]]]:
-    """Per view op: ``[[0, seconds]]`` (one point: a view moves no bytes), each call timed in a
-    graph (:func:`_in_graph`). The cost model prices a view by its own point where measured
-    (``passes.cost_model.free_time``), else by ``view_overhead_s`` (``aten.t`` chained)."""
-    return {key: [[0.0, _in_graph(op, args, repeats)]] for key, (op, args) in _view_cases().items()}
-
-
-def measure_optimizer_curve(repeats: int = 5) -> dict[str, list[list[float]]]:
-    """``"optimizer"``: [[bytes, seconds], ...] of a fused AdamW step on one tensor of each of
-    ``_NUMELS`` elements (its bandwidth: the per-tensor part is ``call_costs``). Bytes as the
-    cost model counts them: the tensors read (parameter, gradient, both moments, step, lr) and
-    the four lists written in place (``passes.cost_model.node_bytes``)."""
-    pts = []
-    lr = torch.tensor(1e-3)
-    for numel in _NUMELS:
-        p, g, m, v = (torch.randn(numel) for _ in range(4))
-        m.zero_()
-        v.zero_()
-        step = [torch.zeros(())]
-
-        def call(p=p, g=g, m=m, v=v, step=step) -> None:  # noqa: ANN001 - bound per size
-            torch._fused_adamw_(
-                [p], [g], [m], [v], [], step, lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8,
-                amsgrad=False, maximize=False,
-            )  # fmt: skip
-
-        pts.append(((8 * numel + 2) * 4, _best(call, repeats)))
-    return {"optimizer": _curve(pts)}
-
-
-_CALL_N = 32  # tensors per list in the many-tensor measurement of a call cost
-
-
-def _list_op_cases(n: int, ragged: bool) -> dict[str, tuple[Any, tuple[Any, ...], dict[str, Any]]]:
-    """One call of each op whose cost is a loop over its tensors, with ``n`` tensors per list of
-    a few elements (their bytes negligible), padded (``ragged``) or not: key -> (op, args, kwargs).
-    Shapes as a fully_shard step has them: shards of a few dozen elements, 2 ranks."""
-    from passes import flat_ops, fused_align
-
-    numel = 33 if ragged else 32  # a shard; the aligned optimizer pads it to 48 (pre 3, post 12)
-    lr = torch.tensor(1e-3)
-    p, g, m, v = ([torch.randn(numel) for _ in range(n)] for _ in range(4))
-    for t in m + v:
-        t.zero_()
-    steps = [torch.zeros(()) for _ in range(n)]
-    adamw = dict(lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
-    kernel = torch.ops.aten._fused_adamw_.tensor_lr
-    values = dict(self=p, grads=g, exp_avgs=m, exp_avg_sqs=v, max_exp_avg_sqs=[], state_steps=steps, **adamw)
-    pad = (3, 12) if ragged else (0, 0)
-    aligned_args, aligned_kw = fused_align.wrap_args(kernel, values, [pad[0]] * n, [pad[1]] * n, [0] * n)
-    chunk = 40 if ragged else 32  # copy-in: a shard shorter than its chunk is padded
-    full = 2 * chunk - (7 if ragged else 0)  # copy-out: a parameter not filling its 2 chunks
-    cases: dict[str, tuple[Any, tuple[Any, ...], dict[str, Any]]] = {
-        "spmd.aligned_fused_optimizer_": (fused_align.ALIGNED_FUSED, aligned_args, aligned_kw),
-        "spmd.all_gather_copy_in": (flat_ops.COPY_IN, ([t[:32] for t in p], [chunk] * n, torch.float32), {}),
-        "spmd.all_gather_copy_out": (
-            flat_ops.COPY_OUT,
-            (torch.randn(2 * chunk * n), 2, [chunk] * n, [full] * n, [1] * n),
-            {},
-        ),
-    }
-    if not ragged:
-        cases["aten._fused_adamw_"] = (kernel, (p, g, m, v, [], steps), adamw)
-        cases["aten._foreach_add_"] = (torch.ops.aten._foreach_add_.Scalar, (steps, 1), {})
-        # Views, one per output: a flat gradient buffer split back into its parameters, q/k/v.
-        rows = torch.randn(n, 8)
-        cases["aten.split_with_sizes"] = (torch.ops.aten.split_with_sizes.default, (rows, [1] * n), {})
-        cases["aten.unbind"] = (torch.ops.aten.unbind.int, (rows,), {})
-        # Copies of a list into one buffer: a bucket's flat gradients, a unit's reduce-scatter input.
-        cases["aten.cat"] = (torch.ops.aten.cat.default, (g,), {})
-        cases["aten._chunk_cat"] = (torch.ops.aten._chunk_cat.default, (g, 0, 2), {})
-        cases["aten.stack"] = (torch.ops.aten.stack.default, (g,), {})
-    return cases
-
-
-def measure_call_costs(repeats: int = 5) -> dict[str, dict[str, float]]:
-    """``call_costs`` of the profile: per op whose time is a Python or dispatch loop over its
-    tensors (the flat-buffer ops and the aligned fused optimizer of a fully_shard step, a fused
-    optimizer, a foreach op, which on CPU dispatches once per tensor), its fixed ``call`` and
-    ``per_tensor`` seconds (by ``passes.cost_model.call_tensors``), from calls on 1 and
-    ``_CALL_N`` tensors per list; for the ops with a padded path, the ``ragged_call`` and
-    ``per_ragged`` extra of all pieces padded (``passes.cost_model.ragged_pieces``)."""
-    from passes.cost_model import call_tensors, ragged_pieces
-
-    def timed(n: int, ragged: bool) -> dict[str, tuple[float, int, int]]:
-        out = {}
-        for key, (op, args, kw) in _list_op_cases(n, ragged).items():
-            res = op(*args, **kw)
-            t = _best(functools.partial(op, *args, **kw), repeats)
-            out[key] = (t, call_tensors((args, kw), res), ragged_pieces(op, args))
-        return out
-
-    one, many = timed(1, False), timed(_CALL_N, False)
-    one_r, many_r = timed(1, True), timed(_CALL_N, True)
-    costs: dict[str, dict[str, float]] = {}
-    for key, (t1, n1, _) in one.items():
-        tn, nn, _ = many[key]
-        per = max((tn - t1) / max(nn - n1, 1), 0.0)
-        c = {"call": max(t1 - per * n1, 0.0), "per_tensor": per}
-        if key in one_r:
-            (r1, m1, g1), (rn, mn, gn) = one_r[key], many_r[key]
-            # What the padded pieces add beyond the same calls unpadded (the tensor counts can
-            # differ: a padded copy-out is still one output per parameter).
-            per_r = max(((rn - per * mn) - (r1 - per * m1)) / max(gn - g1, 1), 0.0)
-            c["per_ragged"] = per_r
-            c["ragged_call"] = max(r1 - per * m1 - per_r * g1 - c["call"], 0.0)
-        costs[key] = c
-    return costs
-
-
-def _graph_of(calls: Sequence[tuple[Any, tuple[Any, ...]]], k: int) -> tuple[Any, list[torch.Tensor]]:
-    """A GraphModule of ``k`` rounds of ``calls`` (each call on its own copies of its tensors)."""
-    import torch.fx as fx
-
-    g = fx.Graph()
-    flat: list[torch.Tensor] = []
-    for i in range(k):
-        for j, (op, args) in enumerate(calls):
-            call_args = []
-            for a_i, a in enumerate(args):
-                if isinstance(a, torch.Tensor):
-                    call_args.append(g.placeholder(f"a{i}_{j}_{a_i}"))
-                    flat.append(a.clone())
-                else:
-                    call_args.append(a)
-            g.call_function(op, tuple(call_args))
-    g.output(None)
-    return fx.GraphModule(torch.nn.Module(), g), flat
-
-
-def measure_mixed_call_factor(repeats: int = 3, k: int = 40, rounds: int = 5) -> float:
-    """``mixed_call_factor``: a graph of ``k`` rounds of nine tiny ops of different kinds (a step's
-    mix: views, a copy, a reduction, elementwise, a norm, an activation, a matmul), each call on
-    its own inputs, against the sum of the same ops each in a graph of ``k`` of its own kind. The
-    ops are tiny, so their time is their fixed (per-call) part; measured here 1.7x (2026-11-25)."""
-    aten = torch.ops.aten
-    x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
-    calls = [
-        (aten.t.default, (x,)),
-        (aten.clone.default, (x,)),
-        (aten.sum.dim_IntList, (x, [0], True)),
-        (aten.add.Tensor, (x, x)),
-        (aten.native_layer_norm.default, (x, [8], w, b, 1e-5)),
-        (aten.gelu.default, (x,)),
-        (aten.mm.default, (x, x.t())),
-        (aten.detach.default, (x,)),
-        (aten.view.default, (x, [-1])),
-    ]
-    singles = [functools.partial(gm, *flat) for gm, flat in (_graph_of([c], k) for c in calls)]
-    gm, flat = _graph_of(calls, k)
-    mixed = functools.partial(gm, *flat)
-    # Alternated, the median of the ratios: each pair sees the same share of a busy machine.
-    ratios = []
-    for _ in range(rounds):
-        alone = sum(_best(f, repeats) for f in singles)
-        ratios.append(_best(mixed, repeats) / alone)
-    return max(statistics.median(ratios), 1.0)
-
-
 def measure_compute() -> dict[str, Any]:
     """This process's compute constants: the profile fields ``peak_flops``, ``memory_bandwidth``,
     ``op_overhead_s``, ``view_overhead_s``, ``per_tensor_s``, ``call_costs``,

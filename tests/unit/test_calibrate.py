@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from passes.cost_model import call_tensors, ragged_pieces
-from spmd.calibrate import _list_op_cases, measure_call_costs
+from spmd.calibrate.calls import _list_op_cases, measure_call_costs
 
 
 @pytest.mark.parametrize("ragged", [False, True])
