@@ -363,15 +363,15 @@ def table(records: list[dict[str, Any]], summ: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(*, quick: bool, log_path: str, timeout: int = 1500, malloc: str = "kept") -> dict[str, Any]:
+def run(*, quick: bool, log_path: str, timeout: int = 1500, malloc: str = "keep") -> dict[str, Any]:
     """Calibrate, run the job, and return ``{"records", "summary", "profile"}`` (or ``{"error"}``).
 
-    ``malloc="kept"``: the calibration and the job run with :data:`MALLOC_ENV`; ``"system"``:
+    ``malloc="keep"``: the calibration and the job run with :data:`MALLOC_ENV`; ``"system"``:
     with the environment as it is."""
     t0 = time.perf_counter()
     # A rank that dies of a signal prints its Python stacks into the log (issue 23).
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
-    if malloc == "kept":
+    if malloc == "keep":
         env.update(MALLOC_ENV)
     fd, prof_path = tempfile.mkstemp(suffix=".json", prefix="spmd_cpu_local_")
     os.close(fd)
@@ -443,9 +443,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument(
         "--malloc",
-        choices=("kept", "system"),
-        default="kept",
-        help="kept: glibc's allocator kept from returning memory (MALLOC_ENV); system: its defaults",
+        choices=("keep", "system"),
+        default="keep",
+        help="keep (as run.py --malloc): glibc keeps freed memory (MALLOC_ENV); system: its defaults",
     )
     args = p.parse_args()
     if args.worker:

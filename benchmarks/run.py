@@ -474,7 +474,7 @@ def main() -> None:
         import plan_check
 
         print("== plan check: the cost model of spmd.plan, predicted vs measured", flush=True)
-        check = plan_check.run(quick=args.quick, log_path=log_path, timeout=timeout)
+        check = plan_check.run(quick=args.quick, log_path=log_path, timeout=timeout, malloc=args.malloc)
         rec = {"model": "plan_check", "variant": "predicted_vs_measured", **check, "run": run_info}
         all_records.append(rec)
     with open(args.out, "w") as f:
