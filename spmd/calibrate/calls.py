@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import functools
 import statistics
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from spmd.calibrate.timing import _NUMELS, _best, _curve, _in_graph
+from spmd.calibrate.timing import _NUMELS, _best, _curve, _graph_of, _in_graph
 
 
 def _view_cases() -> dict[str, tuple[Any, tuple[Any, ...]]]:
@@ -147,26 +146,6 @@ def measure_call_costs(repeats: int = 5) -> dict[str, dict[str, float]]:
             c["ragged_call"] = max(r1 - per * m1 - per_r * g1 - c["call"], 0.0)
         costs[key] = c
     return costs
-
-
-def _graph_of(calls: Sequence[tuple[Any, tuple[Any, ...]]], k: int) -> tuple[Any, list[torch.Tensor]]:
-    """A GraphModule of ``k`` rounds of ``calls`` (each call on its own copies of its tensors)."""
-    import torch.fx as fx
-
-    g = fx.Graph()
-    flat: list[torch.Tensor] = []
-    for i in range(k):
-        for j, (op, args) in enumerate(calls):
-            call_args = []
-            for a_i, a in enumerate(args):
-                if isinstance(a, torch.Tensor):
-                    call_args.append(g.placeholder(f"a{i}_{j}_{a_i}"))
-                    flat.append(a.clone())
-                else:
-                    call_args.append(a)
-            g.call_function(op, tuple(call_args))
-    g.output(None)
-    return fx.GraphModule(torch.nn.Module(), g), flat
 
 
 def measure_mixed_call_factor(repeats: int = 3, k: int = 40, rounds: int = 5) -> float:

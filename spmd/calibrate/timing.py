@@ -67,21 +67,27 @@ def _in_graph(target: Any, args: tuple[Any, ...], repeats: int) -> float:
     """Seconds per call of ``target(*args)`` run as a step's graph runs its ops: a GraphModule
     of ``k`` calls, each on its own copy of the tensor arguments (fx's generated Python, the
     dispatcher, a fresh output freed when unused), timed whole and divided by ``k``."""
-    import torch.fx as fx
-
     per_call = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
     k = max(2, min(64, _GRAPH_WORKING_SET // max(per_call, 1)))
+    gm, flat = _graph_of([(target, args)], k)
+    return _best(functools.partial(gm, *flat), repeats) / k
+
+
+def _graph_of(calls: Sequence[tuple[Any, tuple[Any, ...]]], k: int) -> tuple[Any, list[torch.Tensor]]:
+    """A GraphModule of ``k`` rounds of ``calls`` (each call on its own copies of its tensors)."""
+    import torch.fx as fx
+
     g = fx.Graph()
     flat: list[torch.Tensor] = []
     for i in range(k):
-        call_args = []
-        for j, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
-                call_args.append(g.placeholder(f"a{i}_{j}"))
-                flat.append(a.clone())
-            else:
-                call_args.append(a)
-        g.call_function(target, tuple(call_args))
+        for j, (op, args) in enumerate(calls):
+            call_args = []
+            for a_i, a in enumerate(args):
+                if isinstance(a, torch.Tensor):
+                    call_args.append(g.placeholder(f"a{i}_{j}_{a_i}"))
+                    flat.append(a.clone())
+                else:
+                    call_args.append(a)
+            g.call_function(op, tuple(call_args))
     g.output(None)
-    gm = fx.GraphModule(torch.nn.Module(), g)
-    return _best(functools.partial(gm, *flat), repeats) / k
+    return fx.GraphModule(torch.nn.Module(), g), flat
