@@ -13,6 +13,7 @@ unstripped tag costs a copy.
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 
@@ -61,6 +62,41 @@ GET_RNG_STATE = torch.ops.spmd.get_rng_state.default
 SET_RNG_STATE = torch.ops.spmd.set_rng_state.default
 # No output, all effect: keep it through dead-code elimination.
 torch.fx.node.has_side_effect(SET_RNG_STATE)
+
+
+# The same for an accelerator's generator (``torch.cuda.get_rng_state``/``set_rng_state``: the
+# seed and Philox offset that CUDA's dropout draws from), which checkpointing saves and restores
+# per device of the checkpointed inputs (``torch.utils.checkpoint.get_device_states``).
+
+
+def _device_module(device: torch.device) -> Any:
+    return torch.get_device_module(device.type)
+
+
+@torch.library.custom_op("spmd::get_device_rng_state", mutates_args=())
+def get_device_rng_state(device: torch.device) -> torch.Tensor:
+    return _device_module(device).get_rng_state(device)
+
+
+@get_device_rng_state.register_fake
+def _(device: torch.device) -> torch.Tensor:
+    return torch.empty(_device_module(device).get_rng_state(device).numel(), dtype=torch.uint8)
+
+
+@torch.library.custom_op("spmd::set_device_rng_state", mutates_args=())
+def set_device_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    _device_module(device).set_rng_state(state, device)
+
+
+@set_device_rng_state.register_fake
+def _(state: torch.Tensor, device: torch.device) -> None:
+    return None
+
+
+GET_DEVICE_RNG_STATE = torch.ops.spmd.get_device_rng_state.default
+SET_DEVICE_RNG_STATE = torch.ops.spmd.set_device_rng_state.default
+torch.fx.node.has_side_effect(SET_DEVICE_RNG_STATE)
+RNG_STATE_OPS = (GET_RNG_STATE, SET_RNG_STATE, GET_DEVICE_RNG_STATE, SET_DEVICE_RNG_STATE)
 
 
 # CPU LSTM/GRU layers trace to `aten.mkldnn_rnn_layer`, whose kernel returns the workspace its

@@ -348,10 +348,10 @@ def _refuse_restored_rng(gm: fx.GraphModule) -> None:
     (their generator is global state) and schedules them freely: measured, the recomputation's
     ``bernoulli_`` ran before the restore, so backward used another mask than forward -- wrong
     gradients, silently. Until the ops carry an ordering token, such a step stays eager."""
-    from passes.ops import GET_RNG_STATE, SET_RNG_STATE
+    from passes.ops import RNG_STATE_OPS
 
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    restores = [n for n in nodes if n.target in (SET_RNG_STATE, GET_RNG_STATE)]
+    restores = [n for n in nodes if n.target in RNG_STATE_OPS]
     draws = [
         n
         for n in nodes

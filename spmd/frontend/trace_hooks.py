@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from passes.meta import INPUT_CAST, Phase
-from passes.ops import get_rng_state, set_rng_state, tag_grad
+from passes.ops import get_device_rng_state, get_rng_state, set_device_rng_state, set_rng_state, tag_grad
 from passes.prefetch import unit_path
 from spmd.frontend import optim as optim_utils
 
@@ -69,9 +69,25 @@ def traced_rng_state() -> Iterator[None]:
     saves the CPU generator's state in forward and restores it to recompute in backward, so
     recomputed dropout draws the forward's mask; ``fork_rng`` then puts the stream back. Those
     calls bypass the dispatcher: traced as they are, the graph would recompute with fresh
-    random numbers and train differently from eager (passes.ops.get_rng_state).
+    random numbers and train differently from eager (passes.ops.get_rng_state). The CUDA
+    generator's state, which checkpointing saves per device of its inputs, likewise
+    (passes.ops.get_device_rng_state).
     """
     orig_get, orig_set = torch.get_rng_state, torch.set_rng_state
+    cuda_get, cuda_set = torch.cuda.get_rng_state, torch.cuda.set_rng_state
+
+    def _cuda(device: Any) -> torch.device:
+        d = torch.device(device)
+        return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+    def cuda_get_(device: Any = "cuda") -> torch.Tensor:
+        return get_device_rng_state(_cuda(device)) if get_proxy_mode() is not None else cuda_get(device)
+
+    def cuda_set_(new_state: torch.Tensor, device: Any = "cuda") -> None:
+        if get_proxy_mode() is not None:
+            set_device_rng_state(new_state, _cuda(device))
+        else:
+            cuda_set(new_state, device)
 
     def get() -> torch.Tensor:
         return get_rng_state() if get_proxy_mode() is not None else orig_get()
@@ -83,10 +99,12 @@ def traced_rng_state() -> Iterator[None]:
             orig_set(new_state)
 
     torch.get_rng_state, torch.set_rng_state = get, set_  # type: ignore[assignment]
+    torch.cuda.get_rng_state, torch.cuda.set_rng_state = cuda_get_, cuda_set_  # type: ignore[assignment]
     try:
         yield
     finally:
         torch.get_rng_state, torch.set_rng_state = orig_get, orig_set  # type: ignore[assignment]
+        torch.cuda.get_rng_state, torch.cuda.set_rng_state = cuda_get, cuda_set  # type: ignore[assignment]
 
 
 def annotate(**kv: Any) -> dict[str, Any]:
@@ -338,7 +356,7 @@ def backward_phases(state: BackwardState | None = None) -> Iterator[list[int]]:
                 fx_traceback.current_meta[CUSTOM_KEY] = old
             else:
                 if graph is not None:
-                    ends.append(next(reversed(graph.nodes)))
+                    ends.append(next(iter(reversed(graph.nodes))))
                 # Until another backward shows that a micro-batch follows, the optimizer runs.
                 annotate(**{PHASE_KEY: Phase.OPTIMIZER, MODULE_KEY: "", MICROBATCH_KEY: len(calls)})
 
