@@ -20,8 +20,18 @@ being traced are functional, non-random ops with no placeholder among them), the
 runs on that concrete value, as eager's does, and a row of one sequence gives eager's
 ``None``. Position ids that come from the step's inputs (packed sequences passed by the
 user), and a 2-D ``attention_mask`` passed to the step (padded or not: its values are
-data), keep Hugging Face's mask path, so padding is always masked. Nothing else in
-``transformers`` is changed; without ``transformers`` imported this is a no-op.
+data), keep Hugging Face's mask path, so padding is always masked.
+
+The second decision, ``masking_utils._ignore_causal_mask_sdpa`` (may SDPA take ``is_causal=True``
+instead of a mask), reads no values when there is no padding mask, but releases of
+``transformers`` before 5.2x (5.17 was measured) first return "keep the mask" whenever
+``is_tracing(padding_mask)`` is true, and with no padding mask that asks only
+``torch.compiler.is_compiling()`` -- which spmd's trace sets for the whole step
+(:func:`spmd.frontend.optim.traceable_optimizers`). Later releases skip that check when the
+padding mask is ``None``. :func:`hf_static_masks` runs the check with ``is_compiling()`` false
+when there is no padding mask and no traced offset, so every release decides from the shapes
+alone, as eager does. Nothing else in ``transformers`` is changed; without ``transformers``
+imported this is a no-op.
 """
 
 from __future__ import annotations
@@ -108,20 +118,41 @@ def _static_packed_check(original: Callable[[torch.Tensor], Any]) -> Callable[[t
     return find_packed_sequence_indices
 
 
+def _shape_only_sdpa_skip(original: Callable[..., bool]) -> Callable[..., bool]:
+    @functools.wraps(original)
+    def _ignore_causal_mask_sdpa(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
+        if padding_mask is None and not any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
+            # Only shapes and Python ints are read: decide as eager does.
+            with not_compiling():
+                return original(padding_mask, *args, **kwargs)
+        return original(padding_mask, *args, **kwargs)
+
+    _ignore_causal_mask_sdpa.__spmd_shim__ = True  # type: ignore[attr-defined]
+    return _ignore_causal_mask_sdpa
+
+
+_SHIMS = {
+    "find_packed_sequence_indices": _static_packed_check,
+    "_ignore_causal_mask_sdpa": _shape_only_sdpa_skip,
+}
+
+
 @contextlib.contextmanager
 def hf_static_masks() -> Iterator[None]:
     """For the duration of a trace, let ``transformers`` decide from position ids whose values
-    are known at trace time as eager does (see the module docstring)."""
+    are known at trace time, and from shapes, as eager does (see the module docstring)."""
     masking = sys.modules.get("transformers.masking_utils")
-    original = getattr(masking, "find_packed_sequence_indices", None)
-    if original is None or getattr(original, "__spmd_shim__", False):
-        yield
-        return
-    masking.find_packed_sequence_indices = _static_packed_check(original)  # type: ignore[union-attr]
+    originals = {}
+    for name, wrap in _SHIMS.items():
+        original = getattr(masking, name, None)
+        if original is not None and not getattr(original, "__spmd_shim__", False):
+            originals[name] = original
+            setattr(masking, name, wrap(original))
     try:
         yield
     finally:
-        masking.find_packed_sequence_indices = original  # type: ignore[union-attr]
+        for name, original in originals.items():
+            setattr(masking, name, original)
 
 
 __all__ = ["constant_value", "hf_static_masks"]
