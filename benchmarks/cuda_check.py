@@ -410,7 +410,8 @@ def main() -> None:
     args = p.parse_args()
     if args.remat in ("none", "None"):
         args.remat = None
-    args.chunked_loss = {"on": True, "off": False}.get(args.chunked_loss, args.chunked_loss)
+    cl = args.chunked_loss
+    args.chunked_loss = int(cl) if cl.isdigit() else {"on": True, "off": False}.get(cl, cl)
     {"parity": parity, "llama": llama}[args.mode](args)
 
 

@@ -6,6 +6,8 @@ take comparable times; the tests assert orderings and relations, not times.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -247,7 +249,36 @@ def test_the_chunked_loss_head_counts_its_three_matmuls() -> None:
     mm.finish(mm_node)
     assert node_flops(head) == 6 * n * d * v == 3 * node_flops(mm_node)
     assert op_class(head) == "matmul"
-    assert compute_time(head, PROFILE)[0] == pytest.approx(6 * n * d * v / PROFILE.peak_flops["fp32"])
+    # Its matmuls by FLOPs (they dominate their bytes here) and the chunks' elementwise passes
+    # over the [rows, V] logits by bytes (passes.cost_model.chunked_head_time).
+    elementwise = 8 * n * v * 4 / PROFILE.memory_bandwidth
+    assert compute_time(head, PROFILE)[0] == pytest.approx(
+        6 * n * d * v / PROFILE.peak_flops["fp32"] + elementwise
+    )
+
+
+def _head(n: int, d: int, v: int, chunk: int):  # noqa: ANN202
+    from passes.linear_cross_entropy import LINEAR_CROSS_ENTROPY, REDUCTION_MEAN
+
+    b = Builder()
+    x, w = b.input("x", n, d), b.input("w", v, d)
+    target = b.input("target", n, dtype=torch.int64, role=Role.INPUT)
+    grad_loss = b.input("grad_loss", dtype=torch.float32, role=Role.INPUT)
+    node = b.op(LINEAR_CROSS_ENTROPY, x, w, target, grad_loss, chunk, REDUCTION_MEAN, -100, None)
+    b.finish(node)
+    return node
+
+
+def test_small_chunks_of_the_loss_head_pay_for_rereading_the_head() -> None:
+    """Per chunk, the logits and grad_x matmuls read the whole head W and the grad_W
+    accumulation reads and writes it: with few rows per chunk those matmuls are bound by bytes,
+    so many small chunks take longer than one (measured on an H100: 256-row chunks of the 8B's
+    head cost 25 ms a step more than one chunk); the FLOPs stay 6NDV whatever the chunking."""
+    fast = dataclasses.replace(PROFILE, peak_flops={"fp32": 1e13})
+    n, d, v = 256, 64, 4096
+    one, many = _head(n, d, v, n), _head(n, d, v, 8)
+    assert node_flops(one) == node_flops(many)
+    assert compute_time(many, fast)[0] > 2 * compute_time(one, fast)[0]
 
 
 def test_causal_attention_runs_the_unmasked_share_of_its_flops() -> None:
