@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import sys
@@ -310,7 +311,8 @@ def llama(args: argparse.Namespace) -> None:
         rec: dict[str, Any] = {"mode": "llama", "system": system, "layers": args.layers, "seq": args.seq,
                                "batch": args.batch, "world": world, "remat": args.remat}  # fmt: skip
         torch.manual_seed(0)
-        model = optim = step = None
+        model = optim = step = run = gm = r = None
+        gc.collect()  # nothing of the previous system left: each peak is its own
         _peak_reset()
         try:
             with torch.device(dev):
@@ -358,7 +360,6 @@ def llama(args: argparse.Namespace) -> None:
         except Exception as e:  # noqa: BLE001
             rec.update(error=f"{type(e).__name__}: {str(e)[:800]}", tb=traceback.format_exc()[-2000:])
         _emit(rec, args.out, rank)
-        model = optim = step = None  # free this system's memory before the next
     dist.destroy_process_group()
 
 

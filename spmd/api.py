@@ -579,7 +579,9 @@ class CompiledStep:
         dump_report(where, _report(entry, "final"))
 
 
-def _weak_hook(step: CompiledStep, entry: _Entry, fn: Callable[[Any, Any, Any], None]) -> Callable[[Any], None]:
+def _weak_hook(
+    step: CompiledStep, entry: _Entry, fn: Callable[[Any, Any, Any], None]
+) -> Callable[[Any], None]:
     """``fn(step, entry, arg)`` as a hook that keeps neither alive (a no-op once either is gone)."""
     step_ref, entry_ref = weakref.ref(step), weakref.ref(entry)
 
