@@ -33,6 +33,7 @@ from spmd.backend.runtime import (
     build_eager_alternative,
     check_final_graph,
     make_executable,
+    weak_hook,
 )
 from spmd.backend.step_aside import check_fallback, report_fields
 from spmd.errors import CacheLimitError, ConfigError
@@ -426,13 +427,11 @@ class CompiledStep:
             inductor_fallback=self.inductor_fallback if lowered else None,
             attr_guards=read,
         )
-        # Weak references: the entry holds the Executable, so a hook holding the step or the
-        # entry would make a cycle, and the model's parameters and optimizer state (the
-        # Executable's flat state) would outlive `del step, model, optim` until the cyclic
-        # garbage collector runs (measured on a GPU: the memory stayed allocated).
-        exe.on_layout_fix = _weak_hook(self, entry, lambda s, e, gm: s._record_layout_fix(e, gm))
+        # Weak: the entry holds the Executable, and a cycle would keep the model's state
+        # allocated after `del step, model, optim` until Python's cycle collector runs.
+        exe.on_layout_fix = weak_hook(self, entry, lambda s, e, gm: s._record_layout_fix(e, gm))
         if exe.alt is not None:  # the dump shows the eager candidate's fix-ups and the decision
-            dump = _weak_hook(self, entry, lambda s, e, _: s._dump(e, stages=False))
+            dump = weak_hook(self, entry, lambda s, e, _: s._dump(e, stages=False))
             exe.alt.on_layout_fix = dump
             exe.on_decide = dump
         self._dump(entry)
@@ -577,20 +576,6 @@ class CompiledStep:
         if entry.exe.alt is not None:
             dump_graph(where, n + 1, ALT_STAGE, entry.exe.alt.gm, self.__name__)
         dump_report(where, _report(entry, "final"))
-
-
-def _weak_hook(
-    step: CompiledStep, entry: _Entry, fn: Callable[[Any, Any, Any], None]
-) -> Callable[[Any], None]:
-    """``fn(step, entry, arg)`` as a hook that keeps neither alive (a no-op once either is gone)."""
-    step_ref, entry_ref = weakref.ref(step), weakref.ref(entry)
-
-    def hook(arg: Any) -> None:
-        s, e = step_ref(), entry_ref()
-        if s is not None and e is not None:
-            fn(s, e, arg)
-
-    return hook
 
 
 def _report(entry: _Entry, stage: str) -> StepReport:

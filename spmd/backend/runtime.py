@@ -17,6 +17,7 @@ import logging
 import re
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -445,3 +446,16 @@ def make_executable(
         grad_outs=list(traced.grad_outs),
         grad_cleared=list(traced.grad_cleared),
     )
+
+
+def weak_hook(owner: Any, entry: Any, fn: Callable[[Any, Any, Any], None]) -> Callable[[Any], None]:
+    """``fn(owner, entry, arg)`` as an Executable's hook that keeps neither alive (a no-op once
+    either is gone): the hooks' owners hold the Executable, so strong ones would make a cycle."""
+    owner_ref, entry_ref = weakref.ref(owner), weakref.ref(entry)
+
+    def hook(arg: Any) -> None:
+        o, e = owner_ref(), entry_ref()
+        if o is not None and e is not None:
+            fn(o, e, arg)
+
+    return hook
