@@ -219,7 +219,10 @@ def parity(args: argparse.Namespace) -> None:
         for style in args.styles.split(","):
             for backend in args.backends.split(","):
                 opt = CHEAP_OPT if (zlib.crc32(name.encode()) + len(style)) % 2 else "adamw_fused"
-                _emit(parity_case(name, style, backend, opt, dev, args.pg, args.steps), args.out, rank)
+                with torch.backends.cudnn.flags(enabled=not args.no_cudnn):  # both sides alike
+                    rec = parity_case(name, style, backend, opt, dev, args.pg, args.steps)
+                rec["cudnn"] = not args.no_cudnn
+                _emit(rec, args.out, rank)
     if "offload" in args.extra:
         offload = spmd.CPUOffloadPolicy(pin_memory=True)
         for name in ("fsdp_mlp_stack", "hf_qwen2", "convnet_channels_last"):
@@ -397,6 +400,7 @@ def main() -> None:
     p.add_argument("--models", default="", help="parity: comma-separated tests/sweep_models.py names (all)")
     p.add_argument("--styles", default="replicate,fully_shard")
     p.add_argument("--backends", default="eager")
+    p.add_argument("--no-cudnn", action="store_true", help="parity: run both sides without cuDNN")
     p.add_argument("--extra", default="offload,mp", help="parity: also offload and/or mp")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq", type=int, default=8192)

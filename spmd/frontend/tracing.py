@@ -176,6 +176,17 @@ def _module_at_frame(exc: BaseException, names: dict[int, str]) -> str | None:
     return found
 
 
+def _cudnn_rnn(exc: BaseException) -> bool:
+    """Whether the failure is inside an RNN module (LSTM/GRU/RNN) running on CUDA with cuDNN."""
+    tb = exc.__traceback__
+    while tb is not None:
+        self_ = tb.tb_frame.f_locals.get("self")
+        if isinstance(self_, nn.RNNBase) and torch.backends.cudnn.enabled:
+            return any(p.is_cuda for p in self_.parameters())
+        tb = tb.tb_next
+    return False
+
+
 def _raise_trace_error(exc: BaseException, module: nn.Module) -> None:
     data_dependent, untraceable = _trace_error_types()
     frame = _user_frame(exc)
@@ -193,10 +204,18 @@ def _raise_trace_error(exc: BaseException, module: nn.Module) -> None:
             "out of the step, or wrap the submodule with an spmd.Override that supplies a traceable stand-in."
         ) from exc
     if isinstance(exc, untraceable):
+        rnn = _cudnn_rnn(exc)
+        hint = (
+            " cuDNN's fused RNN takes its weights as one flat storage, which cannot be traced: run the "
+            "step under `with torch.backends.cudnn.flags(enabled=False):` (the RNN then runs PyTorch's own "
+            "kernels; eager under the same flags matches bit for bit), or"
+            if rnn
+            else " It has no fake/meta implementation or its output shape depends on data."
+        )
         raise UntraceableOpError(
-            f"spmd.compile: an operation cannot be traced{in_mod}{where}{op_txt}: {exc}. It has no fake/meta "
-            "implementation or its output shape depends on data. Wrap this submodule with an spmd.Override "
-            "(module_override=[...]) whose replacement is traceable, or register a fake kernel for the op."
+            f"spmd.compile: an operation cannot be traced{in_mod}{where}{op_txt}: {exc}.{hint} Wrap this "
+            "submodule with an spmd.Override (module_override=[...]) whose replacement is traceable, or "
+            "register a fake kernel for the op."
         ) from exc
     raise TraceError(f"spmd.compile: tracing the train step failed{in_mod}{where}: {exc!r}") from exc
 
