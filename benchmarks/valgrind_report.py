@@ -173,9 +173,9 @@ def suppressions(logs: list[Log], frames: int) -> str:
                 first = next((c.split(":", 1)[1] for c in callers if c.startswith("fun:")), "obj")
                 seen[key] = f"startup-noise-{tool.split(':')[1]}-{first}-{len(seen)}"
     out = [
-        "# valgrind memcheck suppressions: start-up noise of CPython, the loader and libtorch, as",
-        "# `benchmarks/valgrind_hunt.sh noise` recorded it (import torch, torch.distributed and spmd,",
-        "# one matmul; no process group), cut to the innermost frames by benchmarks/valgrind_report.py --supp.",
+        "# valgrind memcheck suppressions: the start-up noise that `benchmarks/valgrind_hunt.sh noise`",
+        "# recorded (import torch, torch.distributed and spmd, one matmul; no process group), cut to",
+        "# the innermost frames by `benchmarks/valgrind_report.py --supp`.",
         "# See docs/crashes.md, 'valgrind', for how each family was judged a false positive.",
     ]
     for key, name in seen.items():
