@@ -123,10 +123,18 @@ def parse(path: str) -> Log:
     return log
 
 
+# Frames that only pass a call on (valgrind's allocator, glibc's system-call wrappers): an
+# error is placed at the first frame after them.
+_PASS_ON = re.compile(
+    r"vgpreload|^(malloc|free|operator delete|memcpy|memmove|__libc_\w+|send|recv|write|read|sendmsg|recvmsg)"
+    r" \(\w+\.c:\d+\)|^(malloc|free|operator delete|memcpy|memmove)\b"
+)
+
+
 def place(frames: list[str]) -> str:
-    """The library an error was raised in: the innermost frame outside valgrind's preload."""
+    """The library an error was raised in: the innermost frame that does more than pass a call on."""
     for fr in frames:
-        if "vgpreload" in fr or fr.startswith(("malloc ", "free ", "operator delete", "memcpy", "memmove")):
+        if _PASS_ON.search(fr):
             continue
         for name, pat in _PLACES:
             if pat.search(fr):
