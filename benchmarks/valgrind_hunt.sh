@@ -8,11 +8,14 @@
 #   benchmarks/valgrind_hunt.sh steps   # benchmarks/crash_hunt_steps.py under torchrun: STEPS steps of
 #                                       # CONFIGS (indices into its CONFIGS; fully_shard all-to-all
 #                                       # reduce-scatters, replicate in-place all-reduce, reuse_dead_buffers)
-#   benchmarks/valgrind_hunt.sh demo    # torchrun examples/train_gpt.py --smoke (covers the process exit)
+#   benchmarks/valgrind_hunt.sh demo    # torchrun examples/train_gpt.py --smoke $DEMO_ARGS (covers the
+#                                       # process exit)
+#   benchmarks/valgrind_hunt.sh control # benchmarks/valgrind_control.py: an in-flight all_reduce's buffer
+#                                       # freed on purpose; rank 0's log must show gloo's invalid access
 #   benchmarks/valgrind_hunt.sh noise   # one process: import torch + spmd, a matmul; writes the
 #                                       # suppressions of that start-up noise to $OUT_DIR/noise.supp
 #                                       # (benchmarks/valgrind.supp is made from it, see valgrind_report.py)
-# Environment: OUT_DIR (default /tmp/valgrind_hunt), STEPS (3), CONFIGS (0,2), COPIES (1),
+# Environment: OUT_DIR (default /tmp/valgrind_hunt), STEPS (3), CONFIGS (0,2), COPIES (1), DEMO_ARGS,
 # TIMEOUT seconds per run (2400), CPU (the one CPU both ranks share, 1; the machine is shared).
 # Output: $OUT_DIR/<mode>-<time>/: run.log (torchrun and the workers' output), rank<R>.<pid>.log
 # (valgrind's log per process), summary.txt (benchmarks/valgrind_report.py's reading of the logs).
@@ -37,7 +40,7 @@ if [ "${1:-}" = --rank ]; then
   exec valgrind "${VG_OPTS[@]}" --suppressions="$SUPP" --log-file="$VG_DIR/rank%q{RANK}.%p.log" "$PY" "$@"
 fi
 
-MODE=${1:?usage: benchmarks/valgrind_hunt.sh steps|demo|noise}
+MODE=${1:?usage: benchmarks/valgrind_hunt.sh steps|demo|control|noise}
 STEPS=${STEPS:-3}
 CONFIGS=${CONFIGS:-0,2}
 COPIES=${COPIES:-1}
@@ -68,10 +71,14 @@ case "$MODE" in
     ;;
   demo)
     tmp=$(mktemp -d)  # the demo writes its checkpoint and graph dumps to the working directory
-    (cd "$tmp" && "${RUN[@]}" "${TORCHRUN[@]}" "$ROOT/examples/train_gpt.py" --smoke) >"$VG_DIR/run.log" 2>&1
+    # shellcheck disable=SC2086 # DEMO_ARGS: words
+    (cd "$tmp" && "${RUN[@]}" "${TORCHRUN[@]}" "$ROOT/examples/train_gpt.py" --smoke ${DEMO_ARGS:-}) >"$VG_DIR/run.log" 2>&1
     rc=$?
     rm -rf "$tmp"
     (exit $rc)
+    ;;
+  control)
+    "${RUN[@]}" "${TORCHRUN[@]}" benchmarks/valgrind_control.py >"$VG_DIR/run.log" 2>&1
     ;;
   noise)
     "${RUN[@]}" valgrind "${VG_OPTS[@]}" --gen-suppressions=all --log-file="$VG_DIR/rank0.%p.log" \
@@ -79,14 +86,15 @@ case "$MODE" in
       >"$VG_DIR/run.log" 2>&1
     ;;
   *)
-    echo "unknown mode $MODE (steps, demo or noise)" >&2
+    echo "unknown mode $MODE (steps, demo, control or noise)" >&2
     exit 2
     ;;
 esac
 rc=$?
 wall=$(($(date +%s) - start))
 {
-  echo "mode=$MODE rc=$rc wall_s=$wall steps=$STEPS configs=$CONFIGS copies=$COPIES $(valgrind --version)"
+  echo "mode=$MODE rc=$rc wall_s=$wall steps=$STEPS configs=$CONFIGS copies=$COPIES demo_args=${DEMO_ARGS:-}" \
+    "$(valgrind --version)"
   "$PY" "$ROOT/benchmarks/valgrind_report.py" "$VG_DIR"/rank*.log
 } | tee "$VG_DIR/summary.txt"
 if [ "$MODE" = noise ]; then
