@@ -48,6 +48,10 @@ _PLACES = [
 ]
 
 
+# The kinds a write to freed or out-of-bounds heap memory shows as.
+_HEAP_KINDS = ("Invalid read", "Invalid write", "Invalid free", "Mismatched free", "Overlapping memcpy")
+
+
 def kind_of(line: str) -> str | None:
     for name, pat in _KINDS:
         if pat.search(line):
@@ -158,6 +162,8 @@ def summarize(logs: list[Log], depth: int) -> str:
         for e in log.errors:
             contexts[(e.kind, tuple(e.frames[:depth]))].append(e)
     out.append("TOTAL " + (", ".join(f"{k}: {n}" for k, n in sorted(total.items())) or "no errors"))
+    heap = sum(n for k, n in total.items() if k in _HEAP_KINDS)
+    out.append(f"heap errors ({', '.join(_HEAP_KINDS)}): {heap}")
     out.append(f"\n{len(contexts)} distinct errors (kind + innermost {depth} frames):")
     for (kind, frames), errs in sorted(contexts.items(), key=lambda kv: (kv[0][0], -len(kv[1]))):
         out.append(f"\n[{kind}] x{len(errs)} in {place(list(frames))}: {errs[0].head}")
