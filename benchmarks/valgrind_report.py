@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/valgrind_report.py LOG...          # summary of the logs
     .venv/bin/python benchmarks/valgrind_report.py --supp LOG...   # their suppressions, deduplicated
 
-The summary counts each log's errors by kind ("Invalid read", "Invalid write", "Invalid free",
-"uninitialised", ...), then lists every distinct error (kind and its innermost frames) with the
+The summary counts each log's error contexts by kind ("Invalid read", "Invalid write", "Invalid
+free", "uninitialised", ...; memcheck prints an error once per context, and its ERROR SUMMARY line,
+quoted, counts every occurrence), then lists every distinct error (kind and its innermost frames) with the
 library it was raised in (gloo, c10d, libtorch, CPython, the loader, OpenMP, ...), how often, and
 for an invalid access the block it hit (freed where, allocated where). ``--supp`` turns the
 ``--gen-suppressions=all`` blocks of a log into a suppressions file: each cut to its innermost
@@ -158,12 +159,12 @@ def summarize(logs: list[Log], depth: int) -> str:
             f"{log.path}: pid {log.pid} `{log.command[:100]}` | {log.summary or 'no ERROR SUMMARY (killed?)'}"
             + (f" | {log.terminated}" if log.terminated else "")
         )
-        out.append("  " + (", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())) or "no errors"))
+        out.append("  contexts: " + (", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())) or "no errors"))
         for e in log.errors:
             contexts[(e.kind, tuple(e.frames[:depth]))].append(e)
-    out.append("TOTAL " + (", ".join(f"{k}: {n}" for k, n in sorted(total.items())) or "no errors"))
+    out.append("TOTAL contexts: " + (", ".join(f"{k}: {n}" for k, n in sorted(total.items())) or "no errors"))
     heap = sum(n for k, n in total.items() if k in _HEAP_KINDS)
-    out.append(f"heap errors ({', '.join(_HEAP_KINDS)}): {heap}")
+    out.append(f"heap error contexts ({', '.join(_HEAP_KINDS)}): {heap}")
     out.append(f"\n{len(contexts)} distinct errors (kind + innermost {depth} frames):")
     for (kind, frames), errs in sorted(contexts.items(), key=lambda kv: (kv[0][0], -len(kv[1]))):
         out.append(f"\n[{kind}] x{len(errs)} in {place(list(frames))}: {errs[0].head}")
