@@ -50,7 +50,14 @@ _PLACES = [
 
 
 # The kinds a write to freed or out-of-bounds heap memory shows as.
-_HEAP_KINDS = ("Invalid read", "Invalid write", "Invalid free", "Mismatched free", "Overlapping memcpy")
+_HEAP_KINDS = (
+    "Invalid read",
+    "Invalid write",
+    "Invalid free",
+    "Mismatched free",
+    "Overlapping memcpy",
+    "Syscall unaddressable",
+)
 
 
 def kind_of(line: str) -> str | None:
@@ -131,8 +138,8 @@ def parse(path: str) -> Log:
 # Frames that only pass a call on (valgrind's allocator, glibc's system-call wrappers): an
 # error is placed at the first frame after them.
 _PASS_ON = re.compile(
-    r"vgpreload|^(malloc|free|operator delete|memcpy|memmove|__libc_\w+|send|recv|write|read|sendmsg|recvmsg)"
-    r" \(\w+\.c:\d+\)|^(malloc|free|operator delete|memcpy|memmove)\b"
+    r"vgpreload|^(malloc|free|operator delete|memcpy|memmove)\b"
+    r"|^(__\w+|send|recv|write|read|writev|readv|sendmsg|recvmsg) \(\w+\.c:\d+\)"
 )
 
 
