@@ -16,6 +16,7 @@
 #                                       # suppressions of that start-up noise to $OUT_DIR/noise.supp
 #                                       # (benchmarks/valgrind.supp is made from it, see valgrind_report.py)
 # Environment: OUT_DIR (default /tmp/valgrind_hunt), STEPS (3), CONFIGS (0,2), COPIES (1), DEMO_ARGS,
+# VG_EXTRA (more valgrind options: --track-origins=yes says where an uninitialised value was made),
 # TIMEOUT seconds per run (2400), CPU (the one CPU both ranks share, 1; the machine is shared).
 # Output: $OUT_DIR/<mode>-<time>/: run.log (torchrun and the workers' output), rank<R>.<pid>.log
 # (valgrind's log per process), summary.txt (benchmarks/valgrind_report.py's reading of the logs).
@@ -31,8 +32,9 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
 OUT_DIR=${OUT_DIR:-/tmp/valgrind_hunt}
 SUPP=${SUPP:-$ROOT/benchmarks/valgrind.supp}
+# shellcheck disable=SC2206 # VG_EXTRA: more valgrind options, as words (e.g. --track-origins=yes)
 VG_OPTS=(--tool=memcheck --error-limit=no --num-callers=40 --track-origins=no --leak-check=no
-         --smc-check=all-non-file --fair-sched=yes)
+         --smc-check=all-non-file --fair-sched=yes ${VG_EXTRA:-})
 
 if [ "${1:-}" = --rank ]; then
   # What torchrun runs for each rank (torchrun --no-python): this rank's interpreter under valgrind.
