@@ -11,11 +11,16 @@ difference (or, with ``MALLOC_PERTURB_``, garbage), a corrupted heap aborts. Use
 the time goes to running steps, unlike the test suite.
 
     PYTHONPATH=. .venv/bin/python benchmarks/crash_hunt_steps.py --steps 100
+
+Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) each worker is one rank and runs the body
+itself, so a tool can wrap each rank's interpreter (``benchmarks/valgrind_hunt.sh`` runs
+every rank under valgrind this way); ``--configs``/``--copies`` cut the work for such a run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -38,11 +43,11 @@ CONFIGS = [
 ]
 
 
-def body(rank: int, world: int, steps: int) -> list[str]:
+def body(rank: int, world: int, steps: int, configs: list[int] | None = None, n_copies: int = 2) -> list[str]:
     problems: list[str] = []
-    for name, style, optim, fn in CONFIGS:
+    for name, style, optim, fn in [CONFIGS[c] for c in configs] if configs is not None else CONFIGS:
         copies = []
-        for _ in range(2):
+        for _ in range(n_copies):
             torch.manual_seed(0)
             model = pm.build(name)
             opt = shared.make_optimizer(optim, model)
@@ -50,25 +55,47 @@ def body(rank: int, world: int, steps: int) -> list[str]:
             copies.append((model, opt, step))
         for i in range(steps):
             batch = pm.batch(name, i % 7, rank)
-            la, lb = (step(model, opt, *batch) for model, opt, step in copies)
-            if not torch.equal(la, lb):
-                problems.append(f"{name}/{style} step {i}: loss {la.item()!r} != {lb.item()!r}")
+            la, *rest = (step(model, opt, *batch) for model, opt, step in copies)
+            if any(not torch.equal(la, lb) for lb in rest):
+                problems.append(f"{name}/{style} step {i}: losses {[x.item() for x in (la, *rest)]!r} differ")
                 break
-        for (n, a), b in zip(copies[0][0].named_parameters(), copies[1][0].parameters(), strict=True):
-            if not torch.equal(_full(a), _full(b)):
-                problems.append(f"{name}/{style}: parameter {n} differs after {steps} steps")
+        for other in copies[1:]:
+            for (n, a), b in zip(copies[0][0].named_parameters(), other[0].parameters(), strict=True):
+                if not torch.equal(_full(a), _full(b)):
+                    problems.append(f"{name}/{style}: parameter {n} differs after {steps} steps")
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument(
+        "--configs",
+        type=lambda s: [int(c) for c in s.split(",")],
+        default=None,
+        help="comma-separated indices into CONFIGS (default: all)",
+    )
+    ap.add_argument("--copies", type=int, default=2, help="copies trained side by side and compared")
     args = ap.parse_args(argv)
-    results: Any = run_ranks(body, 2, args.steps, timeout=3600)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a torchrun worker: this process is one rank
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        try:
+            results: Any = [
+                body(dist.get_rank(), dist.get_world_size(), args.steps, args.configs, args.copies)
+            ]
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+    else:
+        results = run_ranks(body, 2, args.steps, args.configs, args.copies, timeout=3600)
     problems = [p for r in results for p in r]
     for p in problems:
         print("MISMATCH", p)
-    print(f"{len(CONFIGS)} configs x {args.steps} steps x 2 copies: {'ok' if not problems else 'MISMATCH'}")
+    n = len(args.configs) if args.configs is not None else len(CONFIGS)
+    print(f"{n} configs x {args.steps} steps x {args.copies} copies: {'ok' if not problems else 'MISMATCH'}")
     return 1 if problems else 0
 
 
