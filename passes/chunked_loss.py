@@ -352,7 +352,9 @@ def chunk_loss_heads(
         if logits_bytes < min_logits_bytes:
             log.debug("spmd: loss head %s: logits %d bytes, under the threshold", head.nll.name, logits_bytes)
             continue
-        chunk = chunk_tokens or default_chunk(head.tokens, head.vocab, head.d_model)
+        device = getattr(head.weight.meta.get("val"), "device", None)
+        accelerator = device is not None and device.type not in ("cpu", "meta")
+        chunk = chunk_tokens or default_chunk(head.tokens, head.vocab, head.d_model, accelerator=accelerator)
         _rewrite(gm.graph, head, chunk)
         changed = True
     if not changed:
