@@ -139,6 +139,10 @@ def worker(args: argparse.Namespace) -> None:
                 )
         del rows
     if rank == 0:
+        # The profile the predictions used (the calibration's, with the compute constants this
+        # job measured on both ranks): ``cost_breakdown.py --profile`` takes it.
+        with open(args.out + ".profile.json", "w") as f:
+            json.dump(prof.to_dict(), f)
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)
     dist.barrier()
@@ -495,10 +499,16 @@ def run(*, quick: bool, log_path: str, timeout: int = 1500, malloc: str = "keep"
     with open(out) as f:
         records = json.load(f)
     os.unlink(out)
+    job_prof = None
+    if os.path.exists(out + ".profile.json"):
+        with open(out + ".profile.json") as f:
+            job_prof = json.load(f)
+        os.unlink(out + ".profile.json")
     return {
         "records": records,
         "summary": summaries(records),
         "profile": prof,
+        "job_profile": job_prof,  # what the predictions used: compute constants of both ranks at once
         "malloc": malloc,
         "took_s": time.perf_counter() - t0,
     }
@@ -536,6 +546,9 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
+        if res.get("job_profile"):
+            with open(args.out + ".profile.json", "w") as f:
+                json.dump(res["job_profile"], f)
 
 
 if __name__ == "__main__":
