@@ -118,6 +118,7 @@ def worker(args: argparse.Namespace) -> None:
     # between configurations, more than the configurations differ.
     dist.barrier()
     prof = dataclasses.replace(get_profile(args.profile), **measure_compute())
+    reference = _probe()  # the machine's speed now, to compare with during the timed rounds
     records = []
     for model_name in args.models.split(","):
         spec = models.get(model_name, quick=args.quick)
@@ -126,7 +127,7 @@ def worker(args: argparse.Namespace) -> None:
         rows = [Row(model_name, label, opts, spec, batches) for label, opts in MODELS[model_name]]
         for row in rows:
             row.build(warmup=args.warmup)
-        time_rows(rows, steps=args.steps, rounds=args.rounds, min_time_s=args.min_time)
+        time_rows(rows, steps=args.steps, rounds=args.rounds, min_time_s=args.min_time, reference=reference)
         for row in rows:
             rec = row.finish(prof)
             if rank == 0:
@@ -240,11 +241,31 @@ class Row:
         }
 
 
-def time_rows(rows: list[Row], *, steps: int, rounds: int, min_time_s: float) -> None:
+def _probe() -> tuple[float, float]:
+    """(fp32 matmul FLOP/s, add bandwidth): ``spmd.calibrate``'s two roofline measurements, about
+    0.3 s; run on every rank at once (after a barrier), as the job's calibration was."""
+    import torch
+    import torch.distributed as dist
+
+    from spmd.calibrate import measure_matmul, measure_memory_bandwidth
+
+    dist.barrier()
+    return measure_matmul(torch.float32), measure_memory_bandwidth()
+
+
+def time_rows(
+    rows: list[Row],
+    *,
+    steps: int,
+    rounds: int,
+    min_time_s: float,
+    reference: tuple[float, float] | None = None,
+) -> None:
     """Time every row in ``rounds`` interleaved rounds: per round, each row in turn gets one
     untimed step (the first after switching from another row) and its share of the timed steps,
     at least ``steps`` in all and enough for ``min_time_s`` of timed steps (short steps get more:
-    the same share of the run's noise)."""
+    the same share of the run's noise). With ``reference`` (a :func:`_probe` at the job's
+    calibration), each round starts with a probe: how the machine's speed moved since."""
     import gc
     import math
 
@@ -257,7 +278,10 @@ def time_rows(rows: list[Row], *, steps: int, rounds: int, min_time_s: float) ->
         slowest = max(w[i] for w in every)
         row.per_round = math.ceil(max(steps, min_time_s / max(slowest, 1e-6)) / rounds)
     before = _machine_counters()
+    probes = []
     for _ in range(rounds):
+        if reference is not None:
+            probes.append(_probe())
         for row in rows:
             gc.collect()
             dist.barrier()
@@ -270,6 +294,16 @@ def time_rows(rows: list[Row], *, steps: int, rounds: int, min_time_s: float) ->
                 row.times.append(time.perf_counter() - t0)
                 row.cpu.append(time.thread_time() - c0)
     machine = _machine_share(before, _machine_counters())
+    if reference is not None and probes:
+        # This rank's probes against its own at the calibration; the slower rank's ratio.
+        ratio = (
+            statistics.median(p[0] for p in probes) / reference[0],
+            statistics.median(p[1] for p in probes) / reference[1],
+        )
+        every_ratio: list[tuple[float, float]] = [(0.0, 0.0)] * dist.get_world_size()
+        dist.all_gather_object(every_ratio, ratio)
+        machine["matmul_vs_calibration"] = min(r[0] for r in every_ratio)
+        machine["bandwidth_vs_calibration"] = min(r[1] for r in every_ratio)
     for row in rows:
         row.machine = machine
 
@@ -436,6 +470,17 @@ def table(records: list[dict[str, Any]], summ: dict[str, Any]) -> str:
             "of the cores: "
             + ", ".join(f"{m} {v['others_cpu_share']:.0%} / {v['steal_share']:.0%}" for m, v in seen.items())
         )
+        probed = {m: v for m, v in seen.items() if "matmul_vs_calibration" in v}
+        if probed:
+            lines.append(
+                "the calibration's matmul rate / add bandwidth during the timed rounds, over the job's "
+                "calibration (slower rank; 1.00: the machine as fast as when the predictions' "
+                "constants were measured): "
+                + ", ".join(
+                    f"{m} {v['matmul_vs_calibration']:.2f} / {v['bandwidth_vs_calibration']:.2f}"
+                    for m, v in probed.items()
+                )
+            )
     lines.append(
         f"peak: median |error| {_fmt(summ['median_abs_peak_error'], True)}, max "
         f"{_fmt(summ['max_abs_peak_error'], True)} (target <= 3%)"
