@@ -216,7 +216,7 @@ class Row:
         # roofline, no curves, no allocation, call or collective host costs): the model before.
         plain = dataclasses.replace(
             prof, op_curves={}, fresh_alloc_curve=(), view_overhead_s=None, per_tensor_s=0.0,
-            collective_host_s=0.0, call_costs={}, mixed_call_factor=1.0,
+            collective_host_s=0.0, call_costs={}, mixed_call_factor=1.0, mixed_call_curve=(),
         )  # fmt: skip
         before = estimate_step_time(gm, plain, groups)
         return {
