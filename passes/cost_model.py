@@ -26,7 +26,8 @@ The model, per node in program order:
   a fully_shard step, a fused optimizer, a foreach op) its measured call and per-tensor costs
   (``call_costs``; padded pieces apart, and the copies of the aligned optimizer's padded shards
   by their bytes) in place of the curve's fixed part; else the per-tensor cost of an optimizer
-  op's tensor lists. FLOPs come from
+  op's tensor lists, and what a call of its length pays in a step after ops of other kinds
+  (``mixed_call_curve``; where not measured, its fixed part x ``mixed_call_factor``). FLOPs come from
   ``torch.utils.flop_counter``'s formulas (the ones ``FlopCounterMode`` uses: matmuls,
   convolutions, attention), applied to the node's ``meta["val"]`` shapes; an op with no
   formula (elementwise, reductions, the fused optimizer) is priced by its bytes. Bytes are
