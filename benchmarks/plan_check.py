@@ -22,8 +22,21 @@ and the job run with glibc's allocator kept from returning memory to the system
 (``MALLOC_ENV``: without it every large buffer is mapped anew and page-faults on each step,
 10-17% of a GPT step, and the per-step IQR was 6-16% instead of 3-6%); ``--malloc system``
 runs both with the plain environment instead.
+
+A row measures what a run of that configuration alone would, on the machine as it was during the
+rounds: interleaving was measured not to change a step (2026-11-25, world size 1 on one core: the
+GPT replicate step alone 510 ms, among the other four configurations 508 ms; 606 / 602 ms in a
+busier run), nor was the barrier before each timed step (the bench has none). What does change a
+step is the machine (the same GPT step took 490-600 ms on one core within 15 minutes), so the
+check prints what shows it: per row the 25th percentile and the slower rank's main-thread CPU
+time beside the median; per model the share of the cores other processes used during its rounds
+and the hypervisor's steal (``/proc/stat``), and ``spmd.calibrate``'s matmul and add probe run
+at the start of each round over the same probe at the job's calibration (1.00: as fast as when
+the predictions' constants were measured).
+
 Printed: a table, Spearman's rank correlation and the median absolute error of the step times
-(over the ten rows of the overhead and GPT models, and over all rows), the worst peak error.
+(over the ten rows of the overhead and GPT models, and over all rows; on the median and on the
+25th percentile), the machine lines, the worst peak error.
 """
 
 from __future__ import annotations
