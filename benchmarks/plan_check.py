@@ -22,8 +22,21 @@ and the job run with glibc's allocator kept from returning memory to the system
 (``MALLOC_ENV``: without it every large buffer is mapped anew and page-faults on each step,
 10-17% of a GPT step, and the per-step IQR was 6-16% instead of 3-6%); ``--malloc system``
 runs both with the plain environment instead.
+
+A row measures what a run of that configuration alone would, on the machine as it was during the
+rounds: interleaving was measured not to change a step (2026-11-25, world size 1 on one core: the
+GPT replicate step alone 510 ms, among the other four configurations 508 ms; 606 / 602 ms in a
+busier run), nor was the barrier before each timed step (the bench has none). What does change a
+step is the machine (the same GPT step took 490-600 ms on one core within 15 minutes), so the
+check prints what shows it: per row the 25th percentile and the slower rank's main-thread CPU
+time beside the median; per model the share of the cores other processes used during its rounds
+and the hypervisor's steal (``/proc/stat``), and ``spmd.calibrate``'s matmul and add probe run
+at the start of each round over the same probe at the job's calibration (1.00: as fast as when
+the predictions' constants were measured).
+
 Printed: a table, Spearman's rank correlation and the median absolute error of the step times
-(over the ten rows of the overhead and GPT models, and over all rows), the worst peak error.
+(over the ten rows of the overhead and GPT models, and over all rows; on the median and on the
+25th percentile), the machine lines, the worst peak error.
 """
 
 from __future__ import annotations
@@ -118,6 +131,7 @@ def worker(args: argparse.Namespace) -> None:
     # between configurations, more than the configurations differ.
     dist.barrier()
     prof = dataclasses.replace(get_profile(args.profile), **measure_compute())
+    reference = _probe()  # the machine's speed now, to compare with during the timed rounds
     records = []
     for model_name in args.models.split(","):
         spec = models.get(model_name, quick=args.quick)
@@ -126,7 +140,7 @@ def worker(args: argparse.Namespace) -> None:
         rows = [Row(model_name, label, opts, spec, batches) for label, opts in MODELS[model_name]]
         for row in rows:
             row.build(warmup=args.warmup)
-        time_rows(rows, steps=args.steps, rounds=args.rounds, min_time_s=args.min_time)
+        time_rows(rows, steps=args.steps, rounds=args.rounds, min_time_s=args.min_time, reference=reference)
         for row in rows:
             rec = row.finish(prof)
             if rank == 0:
@@ -139,6 +153,10 @@ def worker(args: argparse.Namespace) -> None:
                 )
         del rows
     if rank == 0:
+        # The profile the predictions used (the calibration's, with the compute constants this
+        # job measured on both ranks): ``cost_breakdown.py --profile`` takes it.
+        with open(args.out + ".profile.json", "w") as f:
+            json.dump(prof.to_dict(), f)
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)
     dist.barrier()
@@ -152,6 +170,8 @@ class Row:
     def __init__(self, model: str, label: str, opts: dict[str, Any], spec: Any, batches: list[Any]) -> None:
         self.model, self.label, self.opts, self.spec, self.batches = model, label, opts, spec, batches
         self.times: list[float] = []  # this rank's
+        self.cpu: list[float] = []  # this rank's main-thread CPU time of each timed step
+        self.machine: dict[str, float] = {}  # what else ran during this model's timed rounds
         self.it = 0
         self.warm_s = 0.0  # the last warm-up step's time
         self.per_round = 0  # timed steps per round
@@ -197,6 +217,9 @@ class Row:
         dist.all_gather_object(every, self.times)
         per_step = [max(t[i] for t in every) for i in range(len(self.times))]
         q1, med, q3 = statistics.quantiles(per_step, n=4) if len(per_step) > 1 else [per_step[0]] * 3
+        cpus: list[list[float]] = [[] for _ in range(world)]
+        dist.all_gather_object(cpus, self.cpu)
+        cpu_step = [max(c[i] for c in cpus) for i in range(len(self.cpu))]
         dist.barrier()
         peak = measure.peak_memory(self.run, self.net, self.optim)
         gm = self.step.graphs["final"]
@@ -206,7 +229,7 @@ class Row:
         # roofline, no curves, no allocation, call or collective host costs): the model before.
         plain = dataclasses.replace(
             prof, op_curves={}, fresh_alloc_curve=(), view_overhead_s=None, per_tensor_s=0.0,
-            collective_host_s=0.0, call_costs={}, mixed_call_factor=1.0,
+            collective_host_s=0.0, call_costs={}, mixed_call_factor=1.0, mixed_call_curve=(),
         )  # fmt: skip
         before = estimate_step_time(gm, plain, groups)
         return {
@@ -216,6 +239,11 @@ class Row:
             "predicted_step_ms_roofline": before.step_s * 1e3,
             "measured_step_ms": statistics.median(per_step) * 1e3,
             "measured_iqr": (q3 - q1) / med,
+            "measured_step_ms_p25": q1 * 1e3,
+            # The slower rank's main-thread CPU time per step (median): below the wall time by
+            # what the rank waited (collectives, gloo's threads) or was preempted.
+            "measured_cpu_ms": statistics.median(cpu_step) * 1e3,
+            "machine": self.machine,
             "timed_steps": len(per_step),
             "predicted_step_ms": cost.step_s * 1e3,
             "predicted_compute_ms": cost.compute_s * 1e3,
@@ -226,11 +254,31 @@ class Row:
         }
 
 
-def time_rows(rows: list[Row], *, steps: int, rounds: int, min_time_s: float) -> None:
+def _probe() -> tuple[float, float]:
+    """(fp32 matmul FLOP/s, add bandwidth): ``spmd.calibrate``'s two roofline measurements, about
+    0.3 s; run on every rank at once (after a barrier), as the job's calibration was."""
+    import torch
+    import torch.distributed as dist
+
+    from spmd.calibrate import measure_matmul, measure_memory_bandwidth
+
+    dist.barrier()
+    return measure_matmul(torch.float32), measure_memory_bandwidth()
+
+
+def time_rows(
+    rows: list[Row],
+    *,
+    steps: int,
+    rounds: int,
+    min_time_s: float,
+    reference: tuple[float, float] | None = None,
+) -> None:
     """Time every row in ``rounds`` interleaved rounds: per round, each row in turn gets one
     untimed step (the first after switching from another row) and its share of the timed steps,
     at least ``steps`` in all and enough for ``min_time_s`` of timed steps (short steps get more:
-    the same share of the run's noise)."""
+    the same share of the run's noise). With ``reference`` (a :func:`_probe` at the job's
+    calibration), each round starts with a probe: how the machine's speed moved since."""
     import gc
     import math
 
@@ -242,16 +290,70 @@ def time_rows(rows: list[Row], *, steps: int, rounds: int, min_time_s: float) ->
     for i, row in enumerate(rows):
         slowest = max(w[i] for w in every)
         row.per_round = math.ceil(max(steps, min_time_s / max(slowest, 1e-6)) / rounds)
+    before = _machine_counters()
+    probes = []
     for _ in range(rounds):
+        if reference is not None:
+            probes.append(_probe())
         for row in rows:
             gc.collect()
             dist.barrier()
             row.run()  # untimed: the first step after switching rows
             for _ in range(row.per_round):
                 dist.barrier()
+                c0 = time.thread_time()
                 t0 = time.perf_counter()
                 row.run()
                 row.times.append(time.perf_counter() - t0)
+                row.cpu.append(time.thread_time() - c0)
+    machine = _machine_share(before, _machine_counters())
+    if reference is not None and probes:
+        # This rank's probes against its own at the calibration; the slower rank's ratio.
+        ratio = (
+            statistics.median(p[0] for p in probes) / reference[0],
+            statistics.median(p[1] for p in probes) / reference[1],
+        )
+        every_ratio: list[tuple[float, float]] = [(0.0, 0.0)] * dist.get_world_size()
+        dist.all_gather_object(every_ratio, ratio)
+        machine["matmul_vs_calibration"] = min(r[0] for r in every_ratio)
+        machine["bandwidth_vs_calibration"] = min(r[1] for r in every_ratio)
+    for row in rows:
+        row.machine = machine
+
+
+def _machine_counters() -> tuple[float, float, list[int] | None]:
+    """(wall clock, this process's CPU seconds, ``/proc/stat``'s CPU line in clock ticks or None)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks: list[int] | None = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        ticks = None
+    return time.perf_counter(), time.process_time(), ticks
+
+
+def _machine_share(
+    before: tuple[float, float, list[int] | None], after: tuple[float, float, list[int] | None]
+) -> dict[str, float]:
+    """What else the machine did between two :func:`_machine_counters` of every rank (a
+    collective: every rank calls it): the share of all cores' time that other processes used
+    (busy CPU time less the ranks' own) and that the hypervisor gave to other machines (steal),
+    from ``/proc/stat`` (Linux; empty elsewhere). The ranks' step times are only as steady as
+    this is small."""
+    import torch.distributed as dist
+
+    own = [0.0] * dist.get_world_size()
+    dist.all_gather_object(own, after[1] - before[1])
+    if before[2] is None or after[2] is None:
+        return {}
+    d = [a - b for a, b in zip(after[2], before[2])]
+    tick = os.sysconf("SC_CLK_TCK")
+    # user nice system idle iowait irq softirq steal
+    busy = (d[0] + d[1] + d[2] + d[5] + d[6]) / tick
+    total = (after[0] - before[0]) * (os.cpu_count() or 1)
+    return {
+        "others_cpu_share": max(busy - sum(own), 0.0) / total,
+        "steal_share": d[7] / tick / total,
+    }
 
 
 def _group_names(gm: Any) -> set[str]:
@@ -263,10 +365,11 @@ def _group_names(gm: Any) -> set[str]:
 # ----------------------------------------------------------------------------- driver
 
 
-def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Spearman's rho and errors over the records (each with measured and predicted numbers)."""
-    ok = [r for r in records if r.get("measured_step_ms") and r.get("predicted_step_ms")]
-    meas = [r["measured_step_ms"] for r in ok]
+def summary(records: list[dict[str, Any]], measured: str = "measured_step_ms") -> dict[str, Any]:
+    """Spearman's rho and errors over the records (each with measured and predicted numbers);
+    ``measured``: the record's statistic of the step time (the median, or the 25th percentile)."""
+    ok = [r for r in records if r.get(measured) and r.get("predicted_step_ms")]
+    meas = [r[measured] for r in ok]
     pred = [r["predicted_step_ms"] for r in ok]
     step_err = [abs(p - m) / m for p, m in zip(pred, meas)]
     peak_err = [
@@ -307,6 +410,12 @@ def summaries(records: list[dict[str, Any]]) -> dict[str, Any]:
     overhead and GPT models (the set compared across runs and in the docs)."""
     out = summary(records)
     out["original"] = summary([r for r in records if r.get("model") in ORIGINAL])
+    # The same against each row's 25th percentile (see the module docstring), where recorded.
+    if all(r.get("measured_step_ms_p25") for r in records):
+        out["p25"] = summary(records, "measured_step_ms_p25")
+        out["original_p25"] = summary(
+            [r for r in records if r.get("model") in ORIGINAL], "measured_step_ms_p25"
+        )
     return out
 
 
@@ -316,9 +425,9 @@ def _fmt(x: float | None, pct: bool = False) -> str:
     return f"{x:.1%}" if pct else f"{x:.3f}"
 
 
-def _summary_line(summ: dict[str, Any], label: str) -> str:
+def _summary_line(summ: dict[str, Any], label: str, stat: str = "") -> str:
     return (
-        f"step time over {summ['configurations']} configurations ({label}): Spearman "
+        f"step time{stat} over {summ['configurations']} configurations ({label}): Spearman "
         f"{_fmt(summ['spearman_step_time'])} (target >= 0.9), median |error| "
         f"{_fmt(summ['median_abs_step_error'], True)} (target <= 20%), max "
         f"{_fmt(summ['max_abs_step_error'], True)}; the roofline-only model on the same graphs: Spearman "
@@ -331,9 +440,10 @@ def _summary_line(summ: dict[str, Any], label: str) -> str:
 
 def table(records: list[dict[str, Any]], summ: dict[str, Any]) -> str:
     lines = [
-        "| model | configuration | measured ms | IQR | predicted ms | error | roofline-only ms | error "
-        "| exposed comm ms (pred) | peak MiB (MemTracker) | predicted MiB | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | configuration | measured ms | IQR | p25 ms | CPU ms | predicted ms | error "
+        "| roofline-only ms | error | exposed comm ms (pred) | peak MiB (MemTracker) | predicted MiB "
+        "| error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     mib = 2**20
     for r in records:
@@ -342,9 +452,11 @@ def table(records: list[dict[str, Any]], summ: dict[str, Any]) -> str:
         rl = r.get("predicted_step_ms_roofline") or float("nan")
         re_ = (rl - r["measured_step_ms"]) / r["measured_step_ms"]
         iqr = r.get("measured_iqr")
+        p25, cpu = r.get("measured_step_ms_p25"), r.get("measured_cpu_ms")
         lines.append(
             f"| {r['model']} | {r['config']} | {r['measured_step_ms']:.1f} "
-            f"| {'-' if iqr is None else f'{iqr:.0%}'} | {r['predicted_step_ms']:.1f} "
+            f"| {'-' if iqr is None else f'{iqr:.0%}'} | {'-' if p25 is None else f'{p25:.1f}'} "
+            f"| {'-' if cpu is None else f'{cpu:.1f}'} | {r['predicted_step_ms']:.1f} "
             f"| {e:+.0%} | {rl:.1f} | {re_:+.0%} | {r['predicted_exposed_comm_ms']:.1f} "
             f"| {r['measured_peak_bytes'] / mib:.1f} "
             f"| {r['predicted_peak_bytes'] / mib:.1f} | {pe:+.1%} |"
@@ -356,6 +468,32 @@ def table(records: list[dict[str, Any]], summ: dict[str, Any]) -> str:
         lines.append(_summary_line(summ, "all rows"))
     else:
         lines.append(_summary_line(summ, "all rows"))
+    if "p25" in summ:
+        p25o = summ["original_p25"]
+        if p25o["configurations"] != summ["p25"]["configurations"]:
+            lines.append(_summary_line(p25o, "the ten overhead and GPT rows", " (25th percentile)"))
+        lines.append(_summary_line(summ["p25"], "all rows", " (25th percentile)"))
+    seen: dict[str, dict[str, float]] = {}
+    for r in records:
+        if r.get("machine"):
+            seen.setdefault(r["model"], r["machine"])
+    if seen:
+        lines.append(
+            "during the timed rounds, other processes used / the hypervisor took (steal) this share "
+            "of the cores: "
+            + ", ".join(f"{m} {v['others_cpu_share']:.0%} / {v['steal_share']:.0%}" for m, v in seen.items())
+        )
+        probed = {m: v for m, v in seen.items() if "matmul_vs_calibration" in v}
+        if probed:
+            lines.append(
+                "the calibration's matmul rate / add bandwidth during the timed rounds, over the job's "
+                "calibration (slower rank; 1.00: the machine as fast as when the predictions' "
+                "constants were measured): "
+                + ", ".join(
+                    f"{m} {v['matmul_vs_calibration']:.2f} / {v['bandwidth_vs_calibration']:.2f}"
+                    for m, v in probed.items()
+                )
+            )
     lines.append(
         f"peak: median |error| {_fmt(summ['median_abs_peak_error'], True)}, max "
         f"{_fmt(summ['max_abs_peak_error'], True)} (target <= 3%)"
@@ -419,10 +557,16 @@ def run(*, quick: bool, log_path: str, timeout: int = 1500, malloc: str = "keep"
     with open(out) as f:
         records = json.load(f)
     os.unlink(out)
+    job_prof = None
+    if os.path.exists(out + ".profile.json"):
+        with open(out + ".profile.json") as f:
+            job_prof = json.load(f)
+        os.unlink(out + ".profile.json")
     return {
         "records": records,
         "summary": summaries(records),
         "profile": prof,
+        "job_profile": job_prof,  # what the predictions used: compute constants of both ranks at once
         "malloc": malloc,
         "took_s": time.perf_counter() - t0,
     }
@@ -460,6 +604,9 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
+        if res.get("job_profile"):
+            with open(args.out + ".profile.json", "w") as f:
+                json.dump(res["job_profile"], f)
 
 
 if __name__ == "__main__":

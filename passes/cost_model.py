@@ -26,7 +26,8 @@ The model, per node in program order:
   a fully_shard step, a fused optimizer, a foreach op) its measured call and per-tensor costs
   (``call_costs``; padded pieces apart, and the copies of the aligned optimizer's padded shards
   by their bytes) in place of the curve's fixed part; else the per-tensor cost of an optimizer
-  op's tensor lists. FLOPs come from
+  op's tensor lists, and what a call of its length pays in a step after ops of other kinds
+  (``mixed_call_curve``; where not measured, its fixed part x ``mixed_call_factor``). FLOPs come from
   ``torch.utils.flop_counter``'s formulas (the ones ``FlopCounterMode`` uses: matmuls,
   convolutions, attention), applied to the node's ``meta["val"]`` shapes; an op with no
   formula (elementwise, reductions, the fused optimizer) is priced by its bytes. Bytes are
@@ -177,6 +178,13 @@ class DeviceProfile:
     # where the launch is asynchronous). Scales a curve's first point, a view's call, op_overhead_s
     # of an op priced by the roofline, and the call of ``call_costs``.
     mixed_call_factor: float = 1.0
+    # The same for a whole call, by its length: [[seconds a call takes alone, seconds more it
+    # takes in a step], ...] ascending (measured: graphs mixing ops of nine kinds at several operand
+    # sizes against each kind alone). Where given, a compute op priced by a curve or the roofline
+    # takes the extra at its time (log-log between points, the first point's extra below it, the
+    # last point's above it) in place of its fixed part x ``mixed_call_factor``; views and
+    # ``call_costs`` keep the factor. Empty: the factor alone (and on GPUs).
+    mixed_call_curve: Sequence[Sequence[float]] = ()
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -186,6 +194,7 @@ class DeviceProfile:
         d["op_efficiency"] = dict(self.op_efficiency)
         d["op_curves"] = {k: [list(p) for p in v] for k, v in self.op_curves.items()}
         d["fresh_alloc_curve"] = [list(p) for p in self.fresh_alloc_curve]
+        d["mixed_call_curve"] = [list(p) for p in self.mixed_call_curve]
         d["call_costs"] = {k: dict(v) for k, v in self.call_costs.items()}
         d["sources"] = dict(self.sources)
         return d
@@ -290,6 +299,12 @@ def compute_time(node: fx.Node, profile: DeviceProfile) -> tuple[float, float]:
                 mem = profile.op_curves.get("memory")
                 bw = profile.memory_bandwidth * profile.op_efficiency.get("memory", profile.memory_efficiency)
                 t += interpolate(mem, copied) - mem[0][1] if mem else copied / bw
+    elif profile.mixed_call_curve:
+        # The whole call as a step runs it, after ops of other kinds: the extra at its length.
+        last = profile.mixed_call_curve[-1][0]
+        t += interpolate(profile.mixed_call_curve, min(t, last))
+        if profile.per_tensor_s and cls == "optimizer":
+            t += profile.per_tensor_s * call_tensors(values, None)
     else:
         t += (mixed - 1.0) * call  # the call's fixed part as a step runs it
         if profile.per_tensor_s and cls == "optimizer":

@@ -21,7 +21,9 @@ What it measures (about 50 s idle), each as the median of several repeats:
   ``view``, ``as_strided``, ``detach``, ...: one point each, its call in a graph);
 - how much more a call costs in a step than alone (``mixed_call_factor``): a graph mixing tiny
   ops of nine kinds against each kind alone (each run after another kind finds the host's
-  caches cold for it);
+  caches cold for it), and the same for whole calls by their length (``mixed_call_curve``: the
+  nine ops at five operand sizes, calls of 5 us to 0.5 ms: a step's first call of an op after
+  other kinds took 1.8-5x the same call repeated, matmuls of 20 us included);
 - the first touch of a fresh allocation by size (``fresh_alloc_curve``): above glibc's mmap
   threshold every allocation is mapped anew and page-faults as it is written;
 - the per-tensor cost of a fused optimizer step over many tiny tensors (``per_tensor_s``), and
@@ -59,6 +61,7 @@ import torch
 from passes.cost_model import DeviceProfile, ring_bus_factor
 from spmd.calibrate.calls import (
     measure_call_costs,
+    measure_mixed_call_curve,
     measure_mixed_call_factor,
     measure_optimizer_curve,
     measure_view_costs,
@@ -280,7 +283,8 @@ def measure_per_tensor(repeats: int = 5, n: int = 256) -> float:
 def measure_compute() -> dict[str, Any]:
     """This process's compute constants: the profile fields ``peak_flops``, ``memory_bandwidth``,
     ``op_overhead_s``, ``view_overhead_s``, ``per_tensor_s``, ``call_costs``,
-    ``mixed_call_factor``, ``op_curves`` and ``fresh_alloc_curve`` (about 20 s)."""
+    ``mixed_call_factor``, ``mixed_call_curve``, ``op_curves`` and ``fresh_alloc_curve`` (about
+    30 s)."""
     curves = {
         **measure_matmul_curves(),
         **measure_op_curves(),
@@ -296,6 +300,7 @@ def measure_compute() -> dict[str, Any]:
         "per_tensor_s": measure_per_tensor(),
         "call_costs": measure_call_costs(),
         "mixed_call_factor": measure_mixed_call_factor(),
+        "mixed_call_curve": measure_mixed_call_curve(),
         "op_curves": curves,
         "fresh_alloc_curve": measure_fresh_alloc_curve(),
     }
@@ -429,6 +434,7 @@ def calibrate(threads: int = 1) -> DeviceProfile:
         per_tensor_s=c["per_tensor_s"],
         call_costs=c["call_costs"],
         mixed_call_factor=c["mixed_call_factor"],
+        mixed_call_curve=c["mixed_call_curve"],
         op_curves=c["op_curves"],
         fresh_alloc_curve=c["fresh_alloc_curve"],
         comm_compute_overlap=overlap,
@@ -444,6 +450,7 @@ def calibrate(threads: int = 1) -> DeviceProfile:
                 "per_tensor_s",
                 "call_costs",
                 "mixed_call_factor",
+                "mixed_call_curve",
                 "op_curves",
                 "fresh_alloc_curve",
                 "gloo",

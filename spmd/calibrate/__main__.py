@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         "comm_compute_overlap",
         "collective_host_s",
         "mixed_call_factor",
+        "mixed_call_curve",
     ):
         print(f"  {k}: {d[k]}")
     print(f"  op_curves: {', '.join(sorted(d['op_curves']))}")

@@ -148,30 +148,73 @@ def measure_call_costs(repeats: int = 5) -> dict[str, dict[str, float]]:
     return costs
 
 
-def measure_mixed_call_factor(repeats: int = 3, k: int = 40, rounds: int = 5) -> float:
-    """``mixed_call_factor``: a graph of ``k`` rounds of nine tiny ops of different kinds (a step's
-    mix: views, a copy, a reduction, elementwise, a norm, an activation, a matmul), each call on
-    its own inputs, against the sum of the same ops each in a graph of ``k`` of its own kind. The
-    ops are tiny, so their time is their fixed (per-call) part; measured here 1.7x (2026-11-25)."""
+def _mixed_calls(rows: int, cols: int) -> list[tuple[Any, tuple[Any, ...]]]:
+    """Nine ops of different kinds (a step's mix: views, a copy, a reduction, elementwise, a norm,
+    an activation, a matmul) on ``rows x cols`` operands."""
     aten = torch.ops.aten
-    x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
-    calls = [
+    x, w, b = torch.randn(rows, cols), torch.randn(cols), torch.randn(cols)
+    return [
         (aten.t.default, (x,)),
         (aten.clone.default, (x,)),
         (aten.sum.dim_IntList, (x, [0], True)),
         (aten.add.Tensor, (x, x)),
-        (aten.native_layer_norm.default, (x, [8], w, b, 1e-5)),
+        (aten.native_layer_norm.default, (x, [cols], w, b, 1e-5)),
         (aten.gelu.default, (x,)),
         (aten.mm.default, (x, x.t())),
         (aten.detach.default, (x,)),
         (aten.view.default, (x, [-1])),
     ]
+
+
+def _mixed_and_alone(
+    calls: list[tuple[Any, tuple[Any, ...]]], k: int, repeats: int, rounds: int
+) -> tuple[float, float, float]:
+    """(median ratio, mixed seconds, alone seconds) per round of ``calls``: a graph of ``k`` rounds
+    of the calls in turn (each call on its own inputs) against the sum of each call in a graph of
+    ``k`` of its own kind; alternated, medians over ``rounds`` (each pair sees the same share of a
+    busy machine)."""
     singles = [functools.partial(gm, *flat) for gm, flat in (_graph_of([c], k) for c in calls)]
     gm, flat = _graph_of(calls, k)
     mixed = functools.partial(gm, *flat)
-    # Alternated, the median of the ratios: each pair sees the same share of a busy machine.
-    ratios = []
+    ratios, mixes, alones = [], [], []
     for _ in range(rounds):
-        alone = sum(_best(f, repeats) for f in singles)
-        ratios.append(_best(mixed, repeats) / alone)
-    return max(statistics.median(ratios), 1.0)
+        alone = sum(_best(f, repeats) for f in singles) / k
+        m = _best(mixed, repeats) / k
+        ratios.append(m / alone)
+        mixes.append(m)
+        alones.append(alone)
+    return statistics.median(ratios), statistics.median(mixes), statistics.median(alones)
+
+
+def measure_mixed_call_factor(repeats: int = 3, k: int = 40, rounds: int = 5) -> float:
+    """``mixed_call_factor``: a graph of ``k`` rounds of nine tiny ops of different kinds
+    (:func:`_mixed_calls` on 4 x 8 operands), each call on its own inputs, against the sum of the
+    same ops each in a graph of ``k`` of its own kind. The ops are tiny, so their time is their
+    fixed (per-call) part; measured here 1.7x (2026-11-25)."""
+    ratio, _, _ = _mixed_and_alone(_mixed_calls(4, 8), k, repeats, rounds)
+    return max(ratio, 1.0)
+
+
+# Operand shapes of the mixed-call curve: calls of a few microseconds (their fixed part) to about
+# half a millisecond on average (a 512^3 matmul among the nine).
+_MIXED_SHAPES = ((4, 8), (32, 64), (64, 256), (256, 256), (512, 512))
+
+
+def measure_mixed_call_curve(repeats: int = 3, rounds: int = 3) -> list[list[float]]:
+    """``mixed_call_curve``: [[seconds a call takes alone, seconds more it takes in a mix], ...],
+    from the nine ops of :func:`_mixed_calls` at each of ``_MIXED_SHAPES`` (the mean call of the
+    nine): what a whole call pays for running after ops of other kinds, as a step runs it (its
+    code and the host's predictors cold for it), where ``mixed_call_factor`` scales only a
+    call's fixed part. Measured here (2026-11-25, one core, the other busy): 4-5 us more for calls
+    of 5 us, 9 us for 17 us, 13 us for 90 us, about 50 us for 0.5 ms. Made non-decreasing (a
+    longer call does not refill less); the model holds the last point's extra above it."""
+    pts = []
+    for rows, cols in _MIXED_SHAPES:
+        calls = _mixed_calls(rows, cols)
+        k = 40 if rows * cols <= 2**14 else 8
+        _, mixed, alone = _mixed_and_alone(calls, k, repeats, rounds)
+        pts.append([alone / len(calls), max(mixed - alone, 0.0) / len(calls)])
+    pts.sort()
+    for i in range(1, len(pts)):
+        pts[i][1] = max(pts[i][1], pts[i - 1][1])
+    return pts

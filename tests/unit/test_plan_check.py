@@ -38,3 +38,27 @@ def test_rows_within_each_others_noise_are_counted_and_the_original_rows_summari
     assert summ["max_abs_step_error"] == 1.0  # the encoder row: 100 predicted for 50 measured
     text = plan_check.table(rows, summ)
     assert "the ten overhead and GPT rows" in text and "all rows" in text and "| 10% |" in text
+
+
+def test_the_25th_percentile_and_the_machine_load_are_printed_beside_the_median() -> None:
+    """Each row's 25th percentile gets its own summary (here it matches the predictions exactly,
+    where the median is 10% above them); per model, the share of the cores other processes took
+    during the timed rounds and the probes' speed against the calibration's are printed."""
+    rows = []
+    for model, ms in (("gpt", 100.0), ("gpt", 200.0), ("overhead", 300.0)):
+        r = _row(model, ms * 1.1, 0.1, ms)
+        r.update(measured_step_ms_p25=ms, measured_cpu_ms=ms / 2)
+        r["machine"] = {
+            "others_cpu_share": 0.25,
+            "steal_share": 0.0,
+            "matmul_vs_calibration": 0.9,
+            "bandwidth_vs_calibration": 0.75,
+        }
+        rows.append(r)
+    summ = plan_check.summaries(rows)
+    assert summ["median_abs_step_error"] == pytest.approx(0.1 / 1.1)
+    assert summ["p25"]["median_abs_step_error"] == 0.0
+    text = plan_check.table(rows, summ)
+    assert "step time (25th percentile) over 3 configurations" in text
+    assert "gpt 25% / 0%" in text and "| 50.0 |" in text  # the machine line, the CPU column
+    assert "gpt 0.90 / 0.75" in text

@@ -412,3 +412,26 @@ def test_a_step_pays_each_call_s_fixed_part_times_the_mixed_call_factor() -> Non
     plain, mixed = _with(op_curves=curves), _with(op_curves=curves, mixed_call_factor=1.5)
     assert compute_time(relu, mixed)[0] == pytest.approx(compute_time(relu, plain)[0] + 0.5 * 3e-6)
     assert free_time(t, mixed) == pytest.approx(1.5 * free_time(t, plain))
+
+
+def test_with_a_mixed_call_curve_a_step_pays_the_extra_at_each_call_s_length() -> None:
+    """A call of the first point's length pays its extra in place of fixed part x factor; one
+    between the points the log-log value; one far above the last point the last point's extra
+    (a bounded refill, not a share of its time); a view keeps the factor."""
+    b = Builder()
+    x = b.input("x", 64, 64)
+    relu = b.op(aten.relu.default, x)
+    big = b.input("big", 4096, 4096)
+    relu_big = b.op(aten.relu.default, big)
+    t = b.op(aten.t.default, x)
+    b.finish(relu, relu_big, t)
+    curves = {"memory": [[1e2, 1e-5], [1e9, 1e-1]], "aten.t": [[0.0, 2e-6]]}
+    extra = [[1e-5, 5e-6], [1e-3, 5e-5]]
+    plain = _with(op_curves=curves)
+    mixed = _with(op_curves=curves, mixed_call_factor=1.5, mixed_call_curve=extra)
+    base = compute_time(relu, plain)[0]
+    at = interpolate(extra, base)
+    assert 5e-6 <= at < 5e-5
+    assert compute_time(relu, mixed)[0] == pytest.approx(base + at)
+    assert compute_time(relu_big, mixed)[0] == pytest.approx(compute_time(relu_big, plain)[0] + 5e-5)
+    assert free_time(t, mixed) == pytest.approx(1.5 * free_time(t, plain))
