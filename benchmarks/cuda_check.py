@@ -38,6 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import spmd  # noqa: E402
+from tests.dist.workers_sweep import _full, _step_of  # noqa: E402 (the CPU sweep's own helpers)
 
 CHEAP_OPT = "sgd_momentum_foreach"
 
@@ -66,10 +67,6 @@ def _emit(rec: dict[str, Any], out: str | None, rank: int) -> None:
             f.write(line + "\n")
 
 
-def _full(p: torch.Tensor) -> torch.Tensor:
-    return p.full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p
-
-
 def _maxdiff(a: Any, b: Any) -> float:
     la = [t for t in torch.utils._pytree.tree_leaves(a) if isinstance(t, torch.Tensor)]
     lb = [t for t in torch.utils._pytree.tree_leaves(b) if isinstance(t, torch.Tensor)]
@@ -84,18 +81,6 @@ def _param_diff(model: torch.nn.Module, ref: torch.nn.Module) -> float:
         a, b = _full(p).detach(), _full(q).detach().to(_full(p).device)
         worst = max(worst, (a.double() - b.double()).abs().max().item() if a.numel() else 0.0)
     return worst
-
-
-def _step_of(loss_of: Any) -> Any:
-    def train_step(model, optim, *batch):  # noqa: ANN001, ANN202
-        out = loss_of(model, *batch)
-        loss = out[0] if isinstance(out, tuple) else out
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        return out
-
-    return train_step
 
 
 def _cuda(b: tuple[Any, ...], dev: torch.device) -> tuple[Any, ...]:
