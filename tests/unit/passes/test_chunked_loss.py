@@ -291,3 +291,24 @@ def test_chunks_on_an_accelerator_are_large_enough_to_hide_rereading_the_head() 
     assert default_chunk(8192, 128256, 4096) == 256
     assert default_chunk(8192, 128256, 4096, accelerator=True) == ACCELERATOR_MIN_ROWS
     assert default_chunk(262144, 128256, 4096, accelerator=True) == 8192
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_head_weight_s_device_picks_the_rule(device: str) -> None:
+    """The pass takes the accelerator's floor when the head's weight is on one (here a fake CUDA
+    tensor standing in for it: the traced graph is the same on any device)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from passes.chunked_loss import chunk_loss_heads, find_loss_heads
+    from passes.linear_cross_entropy import ACCELERATOR_MIN_ROWS
+
+    _, _, off = _run(next(iter(MODELS)), chunked_loss=False)
+    gm = off.graphs["traced"]  # what the pass rewrites
+    (head,), _ = find_loss_heads(gm)
+    w = head.weight.meta["val"]
+    head.weight.meta["val"] = FakeTensor(
+        w.fake_mode, torch.empty(w.shape, device="meta"), torch.device(device)
+    )
+    gm = chunk_loss_heads(gm, min_logits_bytes=0)
+    (node,) = [n for n in gm.graph.nodes if n.target is LINEAR_CROSS_ENTROPY]
+    assert node.args[4] == (ACCELERATOR_MIN_ROWS if device == "cuda" else 128)
