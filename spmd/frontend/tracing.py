@@ -50,6 +50,7 @@ from spmd.errors import (
     TraceError,
     UntraceableOpError,
 )
+from spmd.frontend import kernel_layouts
 from spmd.frontend import optim as optim_utils
 from spmd.frontend.hf_compat import hf_static_masks
 from spmd.frontend.step_inputs import (
@@ -145,7 +146,7 @@ def _trace_error_types() -> tuple[tuple[type[BaseException], ...], tuple[type[Ba
 
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     """The innermost frame of the traceback that is the user's code (not torch, not spmd)."""
-    root = os.path.dirname(os.path.dirname(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo
     skip = (
         os.path.dirname(torch.__file__),
         root + os.sep + "spmd",
@@ -359,7 +360,7 @@ def trace_step(
     # or an op whose output shape depends on data (`nonzero`) raises at the user's line. make_fx's
     # own fake mode has a ShapeEnv that turns both into unbacked symbols and traces on, into a
     # graph whose shapes no partitioner can reason about (tests/unit/test_errors.py).
-    fake_mode = FakeTensorMode()
+    fake_mode = kernel_layouts.KernelLayoutFakeMode()
     inputs = [_trace_input(t, fake_mode) for t in state.tensors(optimizer) + step_args.tensors]
     t0 = time.perf_counter()
     try:

@@ -16,7 +16,6 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
@@ -38,6 +37,7 @@ from passes.meta import (
 )
 from passes.ops import TAG_GRAD
 from spmd.errors import ShardingPropagationError
+from spmd.frontend.kernel_layouts import KernelLayoutFakeMode
 from spmd.parallel import expand_rules
 
 if TYPE_CHECKING:
@@ -370,7 +370,7 @@ def expand_graph(
             outs = expander.run(*ins)
         return [o._local_tensor if isinstance(o, DTensor) else o for o in pytree.tree_leaves(outs)]
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = KernelLayoutFakeMode(allow_non_fake_inputs=True)
     with mode:
         fakes = [
             torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_(False)

@@ -20,6 +20,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from passes.meta import CAST_OF, PLACEMENT, STATE_NAME, Role, copy_meta
 from spmd.errors import TraceError
+from spmd.frontend.kernel_layouts import KernelLayoutFakeMode
 from spmd.parallel import layout, plan, sharding
 
 if TYPE_CHECKING:
@@ -105,11 +106,9 @@ class PartitionState:
 
 def refresh_vals(ps: PartitionState) -> None:
     """Recompute ``meta['val']`` for the local shapes (keeps the val invariant true)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     # detach: an ignored parameter is a plain leaf that requires grad; the graph updates it in place.
     real = [sharding.local(t).detach() for t in ps.state.tensors(ps.args.optimizer)] + ps.args.tensors
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = KernelLayoutFakeMode(allow_non_fake_inputs=True)
     fakes = [mode.from_tensor(t) for t in real]
     try:
         FakeTensorProp(ps.gm, mode).propagate_dont_convert_inputs(*fakes)

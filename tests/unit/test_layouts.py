@@ -8,23 +8,28 @@ tests/unit/passes/test_layouts.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import spmd
 from passes.invariants import check_invariants
 from passes.meta import LAYOUT_FIX
+from spmd.frontend.kernel_layouts import torch_fake_layouts
 from tests import layout_models as L
 from tests import models
 
-# Without fix-ups these crash ("view size is not compatible ...") on this CPU build:
+# Traced with torch's own fake layouts (``torch_fake_layouts``), these need the first run's
+# fix-ups, without which they crash ("view size is not compatible ...") on this CPU build:
 # native_batch_norm(_backward) on a transposed 3-D input returns a contiguous tensor where
-# the meta function kept the input's layout.
+# torch's fake kernel kept the input's layout. spmd's trace knows that kernel's rule
+# (spmd/frontend/kernel_layouts.py), so with it no model of the family needs a fix-up; these
+# models then stand for a kernel whose rule the trace does not know (a GPU's, a custom op's).
 MISMATCHING = {"transpose_batchnorm1d", "unfold", "as_strided", "transpose_batchnorm1d_dropout"}
 
 
@@ -61,20 +66,23 @@ def _train(model: torch.nn.Module, name: str, steps: int = 3, optim: str = "sgd_
 def test_layout_family_matches_eager_bitwise(name: str) -> None:
     step = _train(L.build(name), name)
     assert step.num_graphs == 1
-    assert bool(_fixes(step)) == (name in MISMATCHING), _fixes(step)
-    assert ("fix_layouts" in step.graphs) == (name in MISMATCHING)
-    check_invariants(step.graphs["final"])  # fix-ups carry val, role and phase
+    # The trace saw the layouts the kernels return: nothing to fix at the first run.
+    assert not _fixes(step) and "fix_layouts" not in step.graphs, _fixes(step)
 
 
 @pytest.mark.parametrize("optim", ["adamw_fused", "sgd_momentum_fused"])
 @pytest.mark.parametrize("name", sorted(MISMATCHING))
-def test_fixed_models_with_fused_optimizers(name: str, optim: str) -> None:
-    step = _train(L.build(name), name, optim=optim)
-    assert _fixes(step)
+def test_unknown_kernel_layouts_are_fixed_at_the_first_run(name: str, optim: str) -> None:
+    with torch_fake_layouts():
+        step = _train(L.build(name), name, optim=optim)
+    assert _fixes(step) and "fix_layouts" in step.graphs
+    check_invariants(step.graphs["final"])  # fix-ups carry val, role and phase
 
 
 def test_fixed_graph_is_a_stage_and_marked_in_the_dump(tmp_path) -> None:
-    step = _train(L.build("transpose_batchnorm1d"), "transpose_batchnorm1d", steps=2, dump_dir=str(tmp_path))
+    with torch_fake_layouts():
+        name = "transpose_batchnorm1d"
+        step = _train(L.build(name), name, steps=2, dump_dir=str(tmp_path))
     stages = list(step.graphs)
     assert stages[-2:] == ["fix_layouts", "final"]
     where = tmp_path / "train_step" / "rank0"
@@ -118,6 +126,9 @@ def test_simulate_a_layout_model() -> None:
     ops=st.lists(st.sampled_from(L.RandomLayoutModel.BLOCKS), min_size=1, max_size=4),
     seed=st.integers(0, 2**16),
 )
+# Found by this test (once in a while): BatchNorm1d on a transposed input, then a Linear, whose
+# trace took addmm where eager took matmul + add (the bias gradient's last bit differed).
+@example(ops=["bn", "lin", "conv"], seed=24367)
 def test_random_layout_models_match_eager_bitwise(ops: list[str], seed: int) -> None:
     torch.manual_seed(seed)
     step = _train(L.RandomLayoutModel(ops, seed=seed), "random", steps=2)
@@ -136,10 +147,17 @@ def _accumulating_step(model, optim, x, y):
     optim.zero_grad()
 
 
+@pytest.mark.parametrize("layouts", ["spmd", "torch"])
 @pytest.mark.parametrize("name", sorted(MISMATCHING))
-def test_eval_and_accumulating_steps(name: str) -> None:
-    """The fix-ups hold in an eval step (BatchNorm on running stats) and with two backward
-    passes per step (the second one's layouts are checked as well)."""
+def test_eval_and_accumulating_steps(name: str, layouts: str) -> None:
+    """An eval step (BatchNorm on running stats) and two backward passes per step equal eager:
+    traced on the kernels' layouts, with no fix-up; traced on torch's fake layouts, with the
+    fix-ups (the second backward's layouts are checked as well)."""
+    with torch_fake_layouts() if layouts == "torch" else contextlib.nullcontext():
+        _eval_and_accumulating_steps(name, fixed=layouts == "torch")
+
+
+def _eval_and_accumulating_steps(name: str, fixed: bool) -> None:
     model = L.build(name)
     eager = copy.deepcopy(model)
     co, eo = (
@@ -154,11 +172,11 @@ def test_eval_and_accumulating_steps(name: str) -> None:
         step(model, co, x, y)
         torch.manual_seed(i)
         _accumulating_step(eager, eo, x, y)
-    assert len(_fixes(step)) > 0
+    assert bool(_fixes(step)) == fixed
     for p, q in zip(model.parameters(), eager.parameters()):
         assert torch.equal(p, q)
     model.eval(), eager.eval()
     evaluate = spmd.compile()(_eval_step)
     x, _ = L.batch(name, g)
     assert torch.equal(evaluate(model, x), _eval_step(eager, x))
-    assert _fixes(evaluate)
+    assert bool(_fixes(evaluate)) == fixed
