@@ -207,6 +207,11 @@ class CompiledStep:
         # Record each node's user stack while tracing (error messages, dumps); spmd.plan, which
         # shows neither, turns it off: a Python stack summary per traced op.
         self._stack_traces = True
+        # Whether the step is lowered for an accelerator, where that is not the device it traces
+        # on: spmd.plan and spmd.simulate trace on the CPU for a device profile and set it from
+        # the profile (passes that choose by device, the chunked loss head's chunks, then choose
+        # as they would there). None: each pass reads the traced graph's devices.
+        self._target_accelerator: bool | None = None
 
     # ------------------------------------------------------------------ inspection
 
@@ -361,7 +366,10 @@ class CompiledStep:
         else:
             if record is not None:
                 record("traced", traced.gm)
-            if chunk_loss(traced.gm, self.chunked_loss, self.parallel_mode) and record is not None:
+            chunked = chunk_loss(
+                traced.gm, self.chunked_loss, self.parallel_mode, accelerator=self._target_accelerator
+            )
+            if chunked and record is not None:
                 record("chunk_loss_heads", traced.gm)
             # Passes over the traced graph (single-device semantics), before partitioning.
             gm = traced_passes.run(
@@ -448,7 +456,8 @@ class CompiledStep:
         mode_key = self.parallel_mode.partition_key()
         if mode_key is None:
             return None
-        return ("partition", trace_key, mode_key, repr(self.chunked_loss), repr(self.remat))
+        options = (repr(self.chunked_loss), self._target_accelerator, repr(self.remat))
+        return ("partition", trace_key, mode_key, *options)
 
     def _cached_partition(self, step_args: step_inputs.StepArgs) -> fx.GraphModule | None:
         """A copy of the cached partition for this configuration, if ``_trace_cache`` holds one."""

@@ -83,6 +83,7 @@ _H100_ROOFLINE = DeviceProfile(
     intra_node_latency_s=3.4e-6,
     inter_node_latency_s=14e-6,
     gpus_per_node=8,
+    device_type="cuda",
     sources={
         "peak_flops": _H100_DATASHEET + " (dense = half the sparse figure)",
         "memory_bandwidth": _H100_DATASHEET,
@@ -147,6 +148,7 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_node_latency_s=3.4e-6,
         inter_node_latency_s=14e-6,
         gpus_per_node=8,
+        device_type="cuda",
         sources={
             "peak_flops": _A100_DATASHEET,
             "memory_bandwidth": _A100_DATASHEET,

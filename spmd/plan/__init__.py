@@ -98,6 +98,9 @@ class PlanRow:
     extrapolated: dict[str, float] | None = None
     # where the predicted peak is: (phase, module path) of the node running at it
     peak_site: tuple[str, str] = ("", "")
+    # the loss heads passes.chunked_loss rewrote, in words (StepReport.loss_heads): their chunks
+    # are the profile's device's (an accelerator's floor on a GPU profile)
+    loss_heads: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -168,6 +171,8 @@ class Plan:
         widths = [max(len(c), *(len(row[j]) for row in table)) for j, c in enumerate(cols)]
         lines = [head, "  " + "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
         lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in table]
+        heads = dict.fromkeys(h for r in self.rows for h in r.loss_heads)
+        lines += [f"chunked {h} (on {self.device})" for h in heads]
         lines.append(f"best: {self.best.expression}")
         return "\n".join(lines)
 
@@ -541,6 +546,7 @@ def _one(
     if "remat" in opts:
         _set_remat(sim, opts["remat"])
     sim._trace_cache = trace_cache
+    sim._target_accelerator = prof.accelerator  # lowered as for the profile's device
     sim._keep_stages = False
     sim._stack_traces = False
     # Configurations that partition alike (they differ only in pass options) place the state
@@ -578,4 +584,5 @@ def _one(
         comm_bytes=sum(C.bytes_of(n) for n in C.collectives(gm.graph)),
         lower_s=lower_s,
         peak_site=fold.peak_site(gm, report.peak_node),
+        loss_heads=report.loss_heads,
     )

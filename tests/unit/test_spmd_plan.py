@@ -319,3 +319,18 @@ def test_a_peak_that_moves_between_the_copies_is_lowered_exactly() -> None:
     asked.clear()
     rows = _folded_search([{"parallel_style": "fully_shard"}], fold.Layers(path, 80), (3, 6), lower, 1)
     assert asked == [3, 6] and not rows[0].exact and rows[0].peak_bytes == 800
+
+
+def test_a_gpu_plan_prices_the_loss_head_chunked_as_on_the_gpu() -> None:
+    """spmd.plan traces on the CPU but lowers for its profile: on a GPU profile the chunked loss
+    head has the accelerator's chunks (here 4 of ACCELERATOR_MIN_ROWS rows, where the CPU's rule
+    gives 32 of 256), in the row and in the table."""
+    from passes.linear_cross_entropy import ACCELERATOR_MIN_ROWS
+    from tests.unit.test_simulate import _wide_vocab_lm
+
+    tokens = 4 * ACCELERATOR_MIN_ROWS
+    step = spmd.compile(chunked_loss=True)(models.train_step)
+    p = plan(step, *_wide_vocab_lm(tokens), world_size=W, device="h100-80gb", styles=("replicate",))
+    want = f"loss head: {tokens} tokens x vocab 1024, 4 chunk(s) of {ACCELERATOR_MIN_ROWS}"
+    assert p.best.loss_heads == [want]
+    assert f"chunked {want} (on h100-80gb)" in str(p)
