@@ -12,6 +12,10 @@ torchtitan's Table 1 GPU (HBM2e at 2.4 TB/s, 500 W). ``h100-80gb-roofline`` and
 (``efficiency=1.0``: the roofline of any profile).
 ``cpu-local`` is measured on this machine and cached in ``~/.cache/spmd/cpu-local.json``
 (``SPMD_PROFILE_DIR`` or ``--out`` to move it).
+
+The GPU profiles say ``device_type="cuda"``: ``spmd.plan`` and ``spmd.simulate(device=...)``
+lower a step for them as it is lowered on a GPU (the chunked loss head's chunks), though they
+trace on the CPU; a profile json without the field is a CPU's.
 """
 
 from __future__ import annotations
