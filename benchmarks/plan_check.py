@@ -31,8 +31,8 @@ step is the machine (the same GPT step took 490-600 ms on one core within 15 min
 check prints what shows it: per row the 25th percentile and the slower rank's main-thread CPU
 time beside the median; per model the share of the cores other processes used during its rounds
 and the hypervisor's steal (``/proc/stat``), and ``spmd.calibrate``'s matmul and add probe run
-at the start of each round over the same probe at the job's calibration (1.00: as fast as when
-the predictions' constants were measured).
+at the start of each round over the same two measurements in the job's calibration (1.00: as fast
+as when the predictions' constants were measured; with rank 0's absolute readings).
 
 Printed: a table, Spearman's rank correlation and the median absolute error of the step times
 (over the ten rows of the overhead and GPT models, and over all rows; on the median and on the
@@ -107,8 +107,15 @@ def worker(args: argparse.Namespace) -> None:
     # before each configuration: on a loaded machine that re-measurement moved by up to 1.7x
     # between configurations, more than the configurations differ.
     dist.barrier()
-    prof = dataclasses.replace(get_profile(args.profile), **measure_compute())
-    reference = _probe()  # the machine's speed now, to compare with during the timed rounds
+    compute = measure_compute()
+    prof = dataclasses.replace(get_profile(args.profile), **compute)
+    # What the rounds' probes are compared with: this rank's own constants, measured just now by
+    # the probe's two functions (measure_compute's fp32 matmul rate and add bandwidth). Not a
+    # separate probe taken after measure_compute: on the idle machine (2026-11-25, two runs) the
+    # rounds' probes read 1.7-2.2x that one's matmul rate, while measure_compute's own rate on the
+    # same rank was 87-89 GFLOP/s -- 1.7-2.2x of it would exceed one core's fp32 peak, so that
+    # probe was the slow reading (cause not found; docs/plan.md, "Validation on this machine").
+    reference = (compute["peak_flops"]["fp32"], compute["memory_bandwidth"])
     records = []
     for model_name in args.models.split(","):
         spec = models.get(model_name, quick=args.quick)
@@ -254,8 +261,9 @@ def time_rows(
     """Time every row in ``rounds`` interleaved rounds: per round, each row in turn gets one
     untimed step (the first after switching from another row) and its share of the timed steps,
     at least ``steps`` in all and enough for ``min_time_s`` of timed steps (short steps get more:
-    the same share of the run's noise). With ``reference`` (a :func:`_probe` at the job's
-    calibration), each round starts with a probe: how the machine's speed moved since."""
+    the same share of the run's noise). With ``reference`` (the job's calibration: this rank's
+    fp32 matmul rate and add bandwidth as ``measure_compute`` measured them), each round starts
+    with a probe: how the machine's speed moved since."""
     import gc
     import math
 
@@ -294,6 +302,11 @@ def time_rows(
         dist.all_gather_object(every_ratio, ratio)
         machine["matmul_vs_calibration"] = min(r[0] for r in every_ratio)
         machine["bandwidth_vs_calibration"] = min(r[1] for r in every_ratio)
+        # This rank's absolute readings, so that a ratio away from 1 shows which side moved.
+        machine["matmul_flops_calibration"] = reference[0]
+        machine["matmul_flops_rounds"] = statistics.median(p[0] for p in probes)
+        machine["bandwidth_calibration"] = reference[1]
+        machine["bandwidth_rounds"] = statistics.median(p[1] for p in probes)
     for row in rows:
         row.machine = machine
 

@@ -159,6 +159,7 @@ def table(records: list[dict[str, Any]], summ: dict[str, Any]) -> str:
                 "constants were measured): "
                 + ", ".join(
                     f"{m} {v['matmul_vs_calibration']:.2f} / {v['bandwidth_vs_calibration']:.2f}"
+                    + _probe_values(v)
                     for m, v in probed.items()
                 )
             )
@@ -167,3 +168,13 @@ def table(records: list[dict[str, Any]], summ: dict[str, Any]) -> str:
         f"{_fmt(summ['max_abs_peak_error'], True)} (target <= 3%)"
     )
     return "\n".join(lines)
+
+
+def _probe_values(machine: dict[str, float]) -> str:
+    """`` (GFLOP/s and GB/s at the calibration -> in the rounds)`` where the record has them
+    (rank 0's; records before they were kept have only the ratios)."""
+    keys = ("matmul_flops_calibration", "matmul_flops_rounds", "bandwidth_calibration", "bandwidth_rounds")
+    if not all(k in machine for k in keys):
+        return ""
+    mc, mr, bc, br = (machine[k] for k in keys)
+    return f" ({mc / 1e9:.1f} -> {mr / 1e9:.1f} GFLOP/s, {bc / 1e9:.1f} -> {br / 1e9:.1f} GB/s)"

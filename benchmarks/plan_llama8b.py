@@ -123,8 +123,13 @@ def main() -> None:
         optim = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, foreach=True)
     chunked = "auto" if args.step == "spmd" else False
     step = spmd.compile(parallel_mode=dp, remat=remat, chunked_loss=chunked)(fn)
+    names = args.profiles.split(",")
+    accelerator = {get_profile(n.partition("@")[0]).accelerator for n in names}
+    if len(accelerator) != 1:
+        p.error("--profiles: one lowering serves every profile; give all GPU or all CPU profiles")
     t0 = time.perf_counter()
     sim = fresh_copy(step)
+    sim._target_accelerator = accelerator.pop()  # the chunked head's chunks as on the profiles' device
     fargs, fkw = fake_copy((model, optim, idx, targets), {})
     tokens = idx.numel()
     with fake_world(args.world_size):
@@ -132,7 +137,7 @@ def main() -> None:
         rep = sim.report()
         gm = sim.graphs["final"]
         lower_s = time.perf_counter() - t0
-        for name in args.profiles.split(","):
+        for name in names:
             base, _, peak = name.partition("@")
             prof = get_profile(base)
             if peak == "sxm":
@@ -171,6 +176,7 @@ def main() -> None:
                         "tflops_by_class": {k: round(v / 1e12, 1) for k, v in sorted(flops_by_class.items())},
                         "tflops_run": round(run / 1e12, 1),
                         "peak_GiB": round(rep.peak_memory_bytes / 2**30, 2),
+                        "loss_heads": rep.loss_heads,
                         "torchtitan_sac_recompute_s": round(sac_s, 4),
                         "torchtitan_sac_recompute_tflops": round(sac_flops / 1e12, 1),
                         "tokens_per_s_with_torchtitan_sac": round(tps_sac),

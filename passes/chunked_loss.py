@@ -337,11 +337,17 @@ def chunk_loss_heads(
     *,
     chunk_tokens: int | None = None,
     min_logits_bytes: int = MIN_LOGITS_BYTES,
+    accelerator: bool | None = None,
 ) -> fx.GraphModule:
     """Replace each recognised loss head whose logits buffer (tokens x vocab in the
     log-softmax's dtype) is at least ``min_logits_bytes`` by a chunked ``linear_cross_entropy``
     of ``chunk_tokens`` tokens per chunk (None: :func:`default_chunk`). Returns ``gm``
-    unchanged when there is nothing to rewrite."""
+    unchanged when there is nothing to rewrite.
+
+    ``accelerator``: whether the step will run on an accelerator, which takes larger chunks
+    (:func:`default_chunk`). None: where the head's weight is (its ``meta["val"]`` device), right
+    for a step traced where it runs; a step traced on the CPU for another device (``spmd.plan``,
+    ``spmd.simulate`` on a GPU profile) says so."""
     heads, why = find_loss_heads(gm)
     for w in why:
         log.info("spmd: loss head not chunked: %s", w)
@@ -352,9 +358,13 @@ def chunk_loss_heads(
         if logits_bytes < min_logits_bytes:
             log.debug("spmd: loss head %s: logits %d bytes, under the threshold", head.nll.name, logits_bytes)
             continue
-        device = getattr(head.weight.meta.get("val"), "device", None)
-        accelerator = device is not None and device.type not in ("cpu", "meta")
-        chunk = chunk_tokens or default_chunk(head.tokens, head.vocab, head.d_model, accelerator=accelerator)
+        on_accelerator = accelerator
+        if on_accelerator is None:
+            device = getattr(head.weight.meta.get("val"), "device", None)
+            on_accelerator = device is not None and device.type not in ("cpu", "meta")
+        chunk = chunk_tokens or default_chunk(
+            head.tokens, head.vocab, head.d_model, accelerator=on_accelerator
+        )
         _rewrite(gm.graph, head, chunk)
         changed = True
     if not changed:

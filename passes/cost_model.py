@@ -133,6 +133,11 @@ class DeviceProfile:
     intra_node_latency_s: float  # seconds per ring step within a node
     inter_node_latency_s: float  # seconds per ring step across nodes
     gpus_per_node: int  # ranks per node
+    # torch's device type the profile describes ("cuda" for the GPU profiles, "cpu" for a
+    # calibrated CPU): a step planned or simulated for it is lowered with that device's rules (the
+    # chunked loss head's chunk floor, passes.linear_cross_entropy.default_chunk), though the
+    # lowering itself traces on the CPU. A profile json without it is a CPU's.
+    device_type: str = "cpu"
     # Fraction of peak FLOP/s reached by the compute ops (MFU-like; 1.0 = the roofline).
     compute_efficiency: float = 1.0
     memory_efficiency: float = 1.0  # fraction of memory_bandwidth reached by memory-bound ops
@@ -186,6 +191,11 @@ class DeviceProfile:
     # ``call_costs`` keep the factor. Empty: the factor alone (and on GPUs).
     mixed_call_curve: Sequence[Sequence[float]] = ()
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def accelerator(self) -> bool:
+        """Whether the profile is an accelerator's (any device type but the CPU's)."""
+        return self.device_type not in ("cpu", "meta")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

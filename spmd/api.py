@@ -35,7 +35,7 @@ from spmd.backend.runtime import (
     make_executable,
     weak_hook,
 )
-from spmd.backend.step_aside import check_fallback, report_fields
+from spmd.backend.step_aside import EAGER, check_fallback, report_fields
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.frontend import guards, step_inputs, tracing
 from spmd.frontend import optim as optim_utils
@@ -47,7 +47,7 @@ from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.parallel.sharding import local
 from spmd.pipeline import backend_pipeline, build_trace_pipeline, check_remat, chunk_loss
 from spmd.reporting.dump import dump_code, dump_graph, dump_report, dump_stages, dump_where
-from spmd.reporting.report import StepReport, build_report, describe_mode
+from spmd.reporting.report import StepReport, build_report, describe_mode, peak_source
 
 log = logging.getLogger("spmd")
 
@@ -207,6 +207,11 @@ class CompiledStep:
         # Record each node's user stack while tracing (error messages, dumps); spmd.plan, which
         # shows neither, turns it off: a Python stack summary per traced op.
         self._stack_traces = True
+        # Whether the step is lowered for an accelerator, where that is not the device it traces
+        # on: spmd.plan and spmd.simulate trace on the CPU for a device profile and set it from
+        # the profile (passes that choose by device, the chunked loss head's chunks, then choose
+        # as they would there). None: each pass reads the traced graph's devices.
+        self._target_accelerator: bool | None = None
 
     # ------------------------------------------------------------------ inspection
 
@@ -361,7 +366,10 @@ class CompiledStep:
         else:
             if record is not None:
                 record("traced", traced.gm)
-            if chunk_loss(traced.gm, self.chunked_loss, self.parallel_mode) and record is not None:
+            chunked = chunk_loss(
+                traced.gm, self.chunked_loss, self.parallel_mode, accelerator=self._target_accelerator
+            )
+            if chunked and record is not None:
                 record("chunk_loss_heads", traced.gm)
             # Passes over the traced graph (single-device semantics), before partitioning.
             gm = traced_passes.run(
@@ -448,7 +456,8 @@ class CompiledStep:
         mode_key = self.parallel_mode.partition_key()
         if mode_key is None:
             return None
-        return ("partition", trace_key, mode_key, repr(self.chunked_loss), repr(self.remat))
+        options = (repr(self.chunked_loss), self._target_accelerator, repr(self.remat))
+        return ("partition", trace_key, mode_key, *options)
 
     def _cached_partition(self, step_args: step_inputs.StepArgs) -> fx.GraphModule | None:
         """A copy of the cached partition for this configuration, if ``_trace_cache`` holds one."""
@@ -579,14 +588,22 @@ class CompiledStep:
 
 
 def _report(entry: _Entry, stage: str) -> StepReport:
+    """The report of ``stage``; of ``final``: of the graph that runs the step, which for an
+    inductor step whose measurement kept the eager backend's graph is that graph (its pipeline
+    reuses buffers and reduces in place: another peak than the inductor pipeline's graph)."""
     traced_stage = "rematerialize" if "rematerialize" in entry.graphs else "traced"
+    gm, peak_from = entry.graphs[stage], None
+    exe = entry.exe
+    if stage == "final" and exe.alt is not None and exe.aside is not None and exe.aside.kept == EAGER:
+        gm, stage, peak_from = exe.alt.gm, ALT_STAGE, peak_source(entry.backend, stage, eager_kept=True)
     return build_report(
-        entry.graphs[stage],
+        gm,
         traced=entry.graphs[traced_stage],
         remat=entry.remat,
         world_size=entry.world_size,
         parallel_style=entry.parallel_style,
         stage=stage,
+        peak_from=peak_from,
         trace_s=entry.trace_s,
         compile_s=entry.compile_s,
         backend=entry.backend,

@@ -226,9 +226,17 @@ def backend_pipeline(
     )
 
 
-def chunk_loss(gm: fx.GraphModule, option: bool | int | str, parallel_mode: ParallelMode) -> bool:
+def chunk_loss(
+    gm: fx.GraphModule,
+    option: bool | int | str,
+    parallel_mode: ParallelMode,
+    *,
+    accelerator: bool | None = None,
+) -> bool:
     """``passes.chunked_loss.chunk_loss_heads`` on the traced graph, per the ``chunked_loss``
-    option of ``spmd.compile`` (in place); whether a head was rewritten.
+    option of ``spmd.compile`` (in place); whether a head was rewritten. ``accelerator``: the
+    device the step is lowered for, when it is not where it was traced (None: the head weight's
+    device decides; ``spmd.plan``/``spmd.simulate`` pass their profile's).
 
     Not in :func:`build_pipeline`'s list, which runs on the partitioned graph: it runs before the
     partitioner, so the partitioner sees the head's weight read by a backward node (fully_shard
@@ -243,7 +251,7 @@ def chunk_loss(gm: fx.GraphModule, option: bool | int | str, parallel_mode: Para
     if option != "auto":
         kwargs["min_logits_bytes"] = 0  # forced on: whatever the size
     before = len(gm.graph.nodes)
-    chunk_loss_heads(gm, **kwargs)
+    chunk_loss_heads(gm, **kwargs, accelerator=accelerator)
     return len(gm.graph.nodes) != before
 
 

@@ -12,6 +12,10 @@ torchtitan's Table 1 GPU (HBM2e at 2.4 TB/s, 500 W). ``h100-80gb-roofline`` and
 (``efficiency=1.0``: the roofline of any profile).
 ``cpu-local`` is measured on this machine and cached in ``~/.cache/spmd/cpu-local.json``
 (``SPMD_PROFILE_DIR`` or ``--out`` to move it).
+
+The GPU profiles say ``device_type="cuda"``: ``spmd.plan`` and ``spmd.simulate(device=...)``
+lower a step for them as it is lowered on a GPU (the chunked loss head's chunks), though they
+trace on the CPU; a profile json without the field is a CPU's.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ _H100_ROOFLINE = DeviceProfile(
     intra_node_latency_s=3.4e-6,
     inter_node_latency_s=14e-6,
     gpus_per_node=8,
+    device_type="cuda",
     sources={
         "peak_flops": _H100_DATASHEET + " (dense = half the sparse figure)",
         "memory_bandwidth": _H100_DATASHEET,
@@ -147,6 +152,7 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_node_latency_s=3.4e-6,
         inter_node_latency_s=14e-6,
         gpus_per_node=8,
+        device_type="cuda",
         sources={
             "peak_flops": _A100_DATASHEET,
             "memory_bandwidth": _A100_DATASHEET,

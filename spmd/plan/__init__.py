@@ -59,7 +59,7 @@ from spmd.frontend import step_inputs
 from spmd.parallel import DataParallel, MixedPrecision
 from spmd.plan import fold
 from spmd.profiles import get_profile
-from spmd.reporting.report import build_report
+from spmd.reporting.report import PEAK_FROM_EAGER, build_report
 from spmd.simulate import check_call, fake_copy, fake_world, fresh_copy
 
 log = logging.getLogger("spmd")
@@ -98,6 +98,12 @@ class PlanRow:
     extrapolated: dict[str, float] | None = None
     # where the predicted peak is: (phase, module path) of the node running at it
     peak_site: tuple[str, str] = ("", "")
+    # the loss heads passes.chunked_loss rewrote, in words (StepReport.loss_heads): their chunks
+    # are the profile's device's (an accelerator's floor on a GPU profile)
+    loss_heads: list[str] = dataclasses.field(default_factory=list)
+    # which graph the peak (and the step time) is predicted from (StepReport.peak_from): with
+    # backend="inductor", spmd's graph before inductor, which plans its own buffers
+    peak_from: str = ""
 
 
 @dataclasses.dataclass
@@ -168,6 +174,10 @@ class Plan:
         widths = [max(len(c), *(len(row[j]) for row in table)) for j, c in enumerate(cols)]
         lines = [head, "  " + "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
         lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in table]
+        heads = dict.fromkeys(h for r in self.rows for h in r.loss_heads)
+        lines += [f"chunked {h} (on {self.device})" for h in heads]
+        sources = dict.fromkeys(r.peak_from for r in self.rows if r.peak_from != PEAK_FROM_EAGER)
+        lines += [f"peaks and step times predicted from {what}" for what in sources]
         lines.append(f"best: {self.best.expression}")
         return "\n".join(lines)
 
@@ -541,6 +551,7 @@ def _one(
     if "remat" in opts:
         _set_remat(sim, opts["remat"])
     sim._trace_cache = trace_cache
+    sim._target_accelerator = prof.accelerator  # lowered as for the profile's device
     sim._keep_stages = False
     sim._stack_traces = False
     # Configurations that partition alike (they differ only in pass options) place the state
@@ -559,7 +570,9 @@ def _one(
             trace_cache[args_key] = (args, kw)
     stages = sim.lower(*args, **kw)
     gm = stages["final"]
-    report = build_report(gm, world_size=dist.get_world_size(), parallel_style=opts["parallel_style"])
+    report = build_report(
+        gm, world_size=dist.get_world_size(), parallel_style=opts["parallel_style"], backend=sim.backend
+    )
     cost: CostEstimate = estimate_step_time(gm, prof, group_info)
     lower_s = time.perf_counter() - t0
     log.info("spmd.plan: %s: %.2f s", _label(opts), lower_s)
@@ -578,4 +591,6 @@ def _one(
         comm_bytes=sum(C.bytes_of(n) for n in C.collectives(gm.graph)),
         lower_s=lower_s,
         peak_site=fold.peak_site(gm, report.peak_node),
+        loss_heads=report.loss_heads,
+        peak_from=report.peak_from,
     )

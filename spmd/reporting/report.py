@@ -54,6 +54,10 @@ class StepReport:
     num_params: int  # parameter tensors (graph inputs of role param)
     num_grads: int  # gradients the graph produces
     stage: str = "final"  # the graph stage reported on
+    # Which graph the report (its predicted peak above all) is read from, in words
+    # (:func:`peak_source`): with backend="inductor", spmd's graph before inductor, or the eager
+    # backend's graph where the measurement kept it.
+    peak_from: str = ""
     trace_s: float | None = None  # make_fx time of the first call
     compile_s: float | None = None  # whole first-call compile (trace, partition, passes, lowering)
     backend: str = "eager"  # what runs the final graph: "eager" (op by op) or "inductor"
@@ -126,6 +130,8 @@ class StepReport:
             ("inputs", _size(self.input_bytes)),
             ("predicted peak", f"{_size(self.peak_memory_bytes)}  (at {self.peak_node or '-'})"),
         ]
+        if self.backend != "eager" or self.stage != "final":
+            rows.append(("  peak from", self.peak_from))
         rows += [(f"  peak in {phase}", _size(b)) for phase, b in self.peak_by_phase.items()]
         rows += [("chunked loss head", h) for h in self.loss_heads]
         rows += [
@@ -163,6 +169,29 @@ class StepReport:
             f"ms the eager backend's graph, interquartile ranges {q.get('inductor', 0.0):.2f} / "
             f"{q.get('eager', 0.0):.2f} ms, {steps} timed steps)"
         )
+
+
+# The graph a report's peak is predicted from (StepReport.peak_from), by what runs the step.
+PEAK_FROM_EAGER = "the final graph, which the eager backend runs op by op"
+PEAK_FROM_INDUCTOR = (
+    "spmd's final graph, before inductor: inductor fuses its ops and plans its own buffers, so the "
+    "peak of the code it runs is not predicted (docs/inductor.md)"
+)
+PEAK_FROM_EAGER_KEPT = (
+    "the eager backend's graph of the step (eager_alternative), which runs: the measurement kept "
+    "it over inductor's code"
+)
+
+
+def peak_source(backend: str, stage: str, *, eager_kept: bool = False) -> str:
+    """What :attr:`StepReport.peak_from` says for a report of ``stage`` of a step run by
+    ``backend``; ``eager_kept``: an inductor step whose measurement kept the eager backend's
+    graph, and the report is of that graph."""
+    if eager_kept:
+        return PEAK_FROM_EAGER_KEPT
+    if stage != "final":
+        return f"the graph after {stage!r}, an intermediate stage (not the graph that runs)"
+    return PEAK_FROM_EAGER if backend == "eager" else PEAK_FROM_INDUCTOR
 
 
 def _size(n: int) -> str:
@@ -203,11 +232,13 @@ def build_report(
     measured_steps: dict[str, int] | None = None,
     traced: fx.GraphModule | None = None,
     remat: str | float | None = None,
+    peak_from: str | None = None,
 ) -> StepReport:
     """The report of one graph stage of a compiled step (see :class:`StepReport`).
 
     ``traced``: the traced graph after rematerialization (single-device semantics), for the
-    activation and FLOP numbers; ``remat``: the policy it was built with."""
+    activation and FLOP numbers; ``remat``: the policy it was built with; ``peak_from``: which
+    graph ``gm`` is, in words (None: :func:`peak_source` of ``backend`` and ``stage``)."""
     by_role: dict[Role, int] = {}
     num_params = 0
     grads: dict[str, int] = {}
@@ -242,6 +273,7 @@ def build_report(
         num_params=num_params,
         num_grads=len(grads),
         stage=stage,
+        peak_from=peak_source(backend, stage) if peak_from is None else peak_from,
         trace_s=trace_s,
         compile_s=compile_s,
         backend=backend,

@@ -30,10 +30,12 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 from torch.distributed.tensor import DTensor
 
+from passes.cost_model import DeviceProfile
 from spmd.api import CompiledStep
 from spmd.errors import ConfigError, SpmdError
 from spmd.frontend import step_inputs
 from spmd.parallel import sharding
+from spmd.profiles import get_profile
 from spmd.reporting.report import StepReport
 
 log = logging.getLogger("spmd")
@@ -41,7 +43,13 @@ log = logging.getLogger("spmd")
 __all__ = ["simulate"]
 
 
-def simulate(train_step: CompiledStep, *example_args: Any, world_size: int, **kwargs: Any) -> StepReport:
+def simulate(
+    train_step: CompiledStep,
+    *example_args: Any,
+    world_size: int,
+    device: str | DeviceProfile | None = None,
+    **kwargs: Any,
+) -> StepReport:
     """The :class:`StepReport` of ``train_step`` on ``world_size`` ranks (rank 0's view).
 
     Args:
@@ -51,6 +59,12 @@ def simulate(train_step: CompiledStep, *example_args: Any, world_size: int, **kw
             (the model, the optimizer, rank 0's local batch). They are copied, not changed.
         **kwargs: the keyword arguments of that call, copied likewise.
         world_size: how many ranks to simulate.
+        device: the device the ranks run on, as ``spmd.plan`` takes it (a profile name such as
+            ``"h100-80gb"``, a profile json path or a :class:`~passes.cost_model.DeviceProfile`):
+            the step is lowered with that device's rules (on an accelerator, the chunked loss
+            head's larger chunks: :func:`passes.linear_cross_entropy.default_chunk`), though it
+            traces on the CPU. None: the rules of the devices the arguments are on (the CPU's
+            for a model built on the CPU or under ``FakeTensorMode``).
 
     Must be called with no process group initialised (it initialises the fake one and
     destroys it afterwards). ``train_step`` itself is not changed: its graph cache and
@@ -58,6 +72,8 @@ def simulate(train_step: CompiledStep, *example_args: Any, world_size: int, **kw
     """
     check_call("spmd.simulate", train_step, world_size, example_args, kwargs)
     sim = fresh_copy(train_step)
+    if device is not None:
+        sim._target_accelerator = get_profile(device).accelerator
     args, kwargs = fake_copy(example_args, kwargs)
     with fake_world(world_size):
         t0 = time.perf_counter()

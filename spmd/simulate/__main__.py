@@ -30,6 +30,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="rematerialization policy: selective, full, or a float in (0, 1] (default: none)",
     )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="lower for this device profile (h100-80gb, a100-80gb, cpu-local or a profile json; "
+        "default: the CPU's rules, where the model is built)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="log spmd's progress to stderr")
     args = p.parse_args(argv)
@@ -44,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             p.error(f"--remat {remat!r}: must be selective, full or a float in (0, 1]")
     step = spmd.compile(parallel_mode=dp, remat=None if remat == "none" else remat)(fn)
-    report = spmd.simulate(step, model, optim, idx, targets, world_size=args.world_size)
+    report = spmd.simulate(step, model, optim, idx, targets, world_size=args.world_size, device=args.device)
     print(report.to_json() if args.json else report)
     return 0
 

@@ -54,6 +54,13 @@ def test_the_25th_percentile_and_the_machine_load_are_printed_beside_the_median(
             "matmul_vs_calibration": 0.9,
             "bandwidth_vs_calibration": 0.75,
         }
+        if model == "overhead":  # a record with the probes' absolute readings (rank 0's)
+            r["machine"].update(
+                matmul_flops_calibration=80e9,
+                matmul_flops_rounds=72e9,
+                bandwidth_calibration=20e9,
+                bandwidth_rounds=15e9,
+            )
         rows.append(r)
     summ = plan_check.summaries(rows)
     assert summ["median_abs_step_error"] == pytest.approx(0.1 / 1.1)
@@ -61,4 +68,5 @@ def test_the_25th_percentile_and_the_machine_load_are_printed_beside_the_median(
     text = plan_check.table(rows, summ)
     assert "step time (25th percentile) over 3 configurations" in text
     assert "gpt 25% / 0%" in text and "| 50.0 |" in text  # the machine line, the CPU column
-    assert "gpt 0.90 / 0.75" in text
+    assert "gpt 0.90 / 0.75," in text  # no absolute readings in the record: the ratios alone
+    assert "overhead 0.90 / 0.75 (80.0 -> 72.0 GFLOP/s, 20.0 -> 15.0 GB/s)" in text

@@ -150,3 +150,44 @@ def test_cli_remat(capsys) -> None:
     assert reps["full"]["activation_saved_bytes"] < reps["none"]["activation_saved_bytes"]
     assert reps["full"]["recompute_flops"] > 0 and reps["none"]["recompute_flops"] == 0
     assert reps["full"]["peak_memory_bytes"] < reps["none"]["peak_memory_bytes"]
+
+
+def _wide_vocab_lm(tokens: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    """A fake GPT whose vocabulary is 32x its width, so Liger's rule gives a CPU chunks of
+    ``tokens / 32`` rows (fewer than an accelerator's floor); one sequence of ``tokens``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cfg = models.GPTConfig(vocab=1024, seq=tokens, d_model=32, n_layers=1, n_heads=4)
+    with FakeTensorMode():
+        model = models.GPT(cfg)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    idx = torch.zeros(1, tokens, dtype=torch.long)
+    return model, optim, idx, idx.clone()
+
+
+def test_a_gpu_profile_lowers_the_loss_head_as_on_the_gpu() -> None:
+    """The step traces on the CPU; with ``device=`` a GPU profile the chunked loss head takes the
+    accelerator's chunks (at least ACCELERATOR_MIN_ROWS rows, one chunk when fewer tokens), and a
+    CPU profile the CPU's (Liger's rule, 128-row floor), as without ``device=``."""
+    import dataclasses
+
+    from passes.linear_cross_entropy import ACCELERATOR_MIN_ROWS, default_chunk
+    from spmd.profiles import get_profile
+
+    cpu = dataclasses.replace(get_profile("h100-80gb"), name="h100-marked-cpu", device_type="cpu")
+    step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), chunked_loss=True)(models.train_step)
+
+    def chunks(tokens: int, device: object) -> list[str]:
+        rep = spmd.simulate(step, *_wide_vocab_lm(tokens), world_size=2, device=device)
+        return rep.loss_heads
+
+    def words(tokens: int, rows: int) -> list[str]:
+        n = -(-tokens // rows)
+        return [f"loss head: {tokens} tokens x vocab 1024, {n} chunk(s) of {min(rows, tokens)}"]
+
+    many, few = 4 * ACCELERATOR_MIN_ROWS, ACCELERATOR_MIN_ROWS // 2
+    cpu_rows = default_chunk(many, 1024, 32)
+    assert cpu_rows < ACCELERATOR_MIN_ROWS  # the two rules differ here
+    assert chunks(many, "h100-80gb") == words(many, ACCELERATOR_MIN_ROWS)
+    assert chunks(few, "a100-80gb") == words(few, few)  # one chunk: fewer tokens than the floor
+    assert chunks(many, cpu) == words(many, cpu_rows)

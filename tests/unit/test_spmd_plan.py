@@ -319,3 +319,29 @@ def test_a_peak_that_moves_between_the_copies_is_lowered_exactly() -> None:
     asked.clear()
     rows = _folded_search([{"parallel_style": "fully_shard"}], fold.Layers(path, 80), (3, 6), lower, 1)
     assert asked == [3, 6] and not rows[0].exact and rows[0].peak_bytes == 800
+
+
+def test_a_gpu_plan_lowers_as_on_the_gpu_and_says_which_graph_it_prices(monkeypatch) -> None:
+    """spmd.plan traces on the CPU but lowers for its profile: on a GPU profile the chunked loss
+    head has the accelerator's chunks (here 4 of ACCELERATOR_MIN_ROWS rows, where the CPU's rule
+    gives 32 of 256), in the row and in the table. And it prices spmd's final graph: with
+    backend="inductor" the graph before inductor (which plans its own buffers), which the row and
+    the table say. (Inductor is replaced by a stand-in: the label is checked, not its code.)"""
+    from passes.linear_cross_entropy import ACCELERATOR_MIN_ROWS
+    from spmd import api
+    from spmd.backend.lowering import Lowered, graph_order
+    from spmd.reporting.report import PEAK_FROM_INDUCTOR
+    from tests.unit.test_simulate import _wide_vocab_lm
+
+    def stand_in(gm, example_inputs, backend, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        return Lowered(gm, backend, "# stand-in", 0.0, graph_order(gm))
+
+    monkeypatch.setattr(api, "compile_graph", stand_in)
+    tokens = 4 * ACCELERATOR_MIN_ROWS
+    step = spmd.compile(chunked_loss=True, backend="inductor", inductor_fallback="never")(models.train_step)
+    p = plan(step, *_wide_vocab_lm(tokens), world_size=W, device="h100-80gb", styles=("replicate",))
+    want = f"loss head: {tokens} tokens x vocab 1024, 4 chunk(s) of {ACCELERATOR_MIN_ROWS}"
+    assert p.best.loss_heads == [want]
+    assert f"chunked {want} (on h100-80gb)" in str(p)
+    assert p.best.peak_from == PEAK_FROM_INDUCTOR
+    assert f"peaks and step times predicted from {PEAK_FROM_INDUCTOR}" in str(p)

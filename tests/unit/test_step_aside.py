@@ -19,6 +19,7 @@ from spmd import api
 from spmd.backend import runtime, step_aside
 from spmd.backend.lowering import Lowered, graph_order
 from spmd.backend.runtime import Executable
+from spmd.reporting.report import PEAK_FROM_EAGER, PEAK_FROM_EAGER_KEPT, PEAK_FROM_INDUCTOR, build_report
 from tests import models
 
 STEPS = step_aside.MIN_CALLS  # warm-up and the fewest timed pairs: a clear decision
@@ -61,6 +62,14 @@ def _inject(monkeypatch, inductor_ms: float | list[float], eager_ms: float | lis
         return fn(*flat), 1e-3 * ms
 
     monkeypatch.setattr(step_aside, "time_call", timer)
+
+
+def _row(report: spmd.StepReport, key: str) -> str | None:
+    """The value of ``str(report)``'s row ``key`` (None: no such row)."""
+    for line in str(report).splitlines():
+        if line.strip().startswith(key + "  "):
+            return line.strip()[len(key) :].strip()
+    return None
 
 
 def test_choose_keeps_inductor_unless_eager_wins_by_the_margin() -> None:
@@ -146,15 +155,17 @@ def test_eager_candidate_is_the_eager_backends_graph(ran, monkeypatch, tmp_path)
     """The eager candidate runs the graph backend="eager" runs (its own pipeline: in-place
     collectives, buffer reuse), not the inductor pipeline's final graph, and is checked for the
     ranks' agreement under its own name; the dump has it as the stage after inductor's code; with
-    eager kept, the steps run it."""
+    eager kept, the steps run it, and report() (and the dump's report.txt) is of it: the peak
+    of the graph that runs (the Llama's differs from the inductor pipeline's graph's: buffer
+    reuse), labelled as such."""
     _inject(monkeypatch, 10.0, 5.0)
     agreed: list[str] = []  # the graphs checked for the ranks' agreement on their collectives
     monkeypatch.setattr(runtime, "check_rank_agreement", lambda gm, step_name: agreed.append(step_name))
-    model, twin = models.build("mlp"), models.build("mlp")
+    model, twin = models.build("llama"), models.build("llama")
     opt, twin_opt = models.make_optimizer("adamw_fused", model), models.make_optimizer("adamw_fused", twin)
     step = spmd.compile(backend="inductor", dump_dir=str(tmp_path))(models.train_step)
     eager = spmd.compile()(models.train_step)
-    for x, y in models.batches("mlp", STEPS + 1):
+    for x, y in models.batches("llama", STEPS + 1):
         step(model, opt, x, y)
         eager(twin, twin_opt, x, y)
     alt = step._last.exe.alt
@@ -165,6 +176,14 @@ def test_eager_candidate_is_the_eager_backends_graph(ran, monkeypatch, tmp_path)
     files = sorted(os.listdir(tmp_path / "train_step" / "rank0"))
     final = files.index(next(f for f in files if f.endswith("_final.py")))
     assert files[final + 1].endswith("_inductor.py") and files[final + 2].endswith("_eager_alternative.py")
+    report, runs = step.report(), eager.report()
+    assert report.kept == "eager" and report.stage == "eager_alternative"
+    assert report.peak_from == PEAK_FROM_EAGER_KEPT and _row(report, "peak from") == PEAK_FROM_EAGER_KEPT
+    assert report.peak_memory_bytes == runs.peak_memory_bytes
+    assert build_report(step.graphs["final"], world_size=1, parallel_style="").peak_memory_bytes != (
+        runs.peak_memory_bytes
+    )  # what report() read before
+    assert PEAK_FROM_EAGER_KEPT in (tmp_path / "train_step" / "rank0" / "report.txt").read_text()
 
 
 def test_never_runs_only_inductor(ran, monkeypatch) -> None:
@@ -180,6 +199,9 @@ def test_never_runs_only_inductor(ran, monkeypatch) -> None:
     report = step.report()
     assert report.kept == "inductor" and report.measured_ms == {}
     assert "inductor_fallback='never'" in str(report)
+    # the peak is predicted from spmd's graph, not inductor's code, and the report says so
+    assert report.stage == "final" and report.peak_from == PEAK_FROM_INDUCTOR
+    assert _row(report, "peak from") == PEAK_FROM_INDUCTOR
 
 
 def test_retrace_measures_again(ran, monkeypatch) -> None:
@@ -207,4 +229,5 @@ def test_eager_backend_and_bad_option() -> None:
     step(model, opt, *models.batches("mlp", 1)[0])
     report = step.report()
     assert report.inductor_fallback is None and report.kept is None and "kept" not in str(report)
+    assert report.peak_from == PEAK_FROM_EAGER and _row(report, "peak from") is None
     assert report.measured_ms == {} and report.measured_steps == {}
