@@ -10,6 +10,13 @@
 #                                                # steps of 4 configs, two copies compared bit for bit
 #   MODE=plan_check benchmarks/crash_hunt.sh 30  # benchmarks/plan_check.py: 10 configurations of the
 #                                                # bench models in one torchrun job (a rank's SIGSEGV seen there)
+#   MODE=teardown CASE=unwaited RUNS=50 STRESS=0 benchmarks/crash_hunt.sh 30
+#                                                # benchmarks/valgrind_workloads.py teardown: 2 tiny torchrun
+#                                                # ranks that exit after an exception (CASE=exception), with an
+#                                                # unwaited all_reduce (unwaited) or a compiled step alive
+#                                                # (compiled); DESTROY=1: destroy_process_group first. The
+#                                                # exception case fails by design (rc 1); a crash is what counts.
+# RUNS stops the loop after that many runs (default: MINUTES only); STRESS=0 runs without stress-ng.
 # Defaults: 30 minutes; the tests most likely to race a buffer with gloo's background thread
 # (reduce-scatter as all-to-all, in-place all-reduce, buffer reuse, bucketing, overlap).
 # Output: $OUT_DIR (default /tmp/crash_hunt): one log per run, summary.txt (runs, failures,
@@ -52,7 +59,7 @@ cleanup() {
   [ -w /proc/sys/kernel/core_pattern ] && echo "$OLD_PATTERN" >/proc/sys/kernel/core_pattern
 }
 trap cleanup EXIT
-if command -v stress-ng >/dev/null; then
+if [ "${STRESS:-1}" = 1 ] && command -v stress-ng >/dev/null; then
   nice -n 19 stress-ng --cpu 1 --cpu-load 50 --timeout "$((MINUTES * 60 + 120))s" >"$OUT_DIR/stress.log" 2>&1 &
   STRESS_PID=$!
 fi
@@ -66,7 +73,7 @@ export MALLOC_CHECK_=3
 end=$(($(date +%s) + MINUTES * 60))
 runs=0 failed=0 crashes=0
 cd "$ROOT"
-while [ "$(date +%s)" -lt "$end" ]; do
+while [ "$(date +%s)" -lt "$end" ] && { [ -z "${RUNS:-}" ] || [ "$runs" -lt "$RUNS" ]; }; do
   runs=$((runs + 1))
   export MALLOC_PERTURB_=$(((runs * 37) % 255 + 1))  # freed bytes filled, allocations poisoned
   log="$OUT_DIR/run-$runs.log"
@@ -80,6 +87,12 @@ while [ "$(date +%s)" -lt "$end" ]; do
     rc=$?
     cat "$OUT_DIR"/spmd_plan_check_*.log >>"$log" 2>/dev/null
     rm -f "$OUT_DIR"/spmd_plan_check_*.log
+  elif [ "$MODE" = teardown ]; then
+    extra=()
+    [ "${DESTROY:-0}" = 1 ] && extra=(--destroy)
+    nice -n 15 timeout 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
+      benchmarks/valgrind_workloads.py teardown --case "${CASE:-exception}" "${extra[@]}" >"$log" 2>&1
+    rc=$?
   elif [ "$MODE" = demo ]; then
     tmp=$(mktemp -d)
     (cd "$tmp" && nice -n 15 timeout 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
@@ -91,14 +104,14 @@ while [ "$(date +%s)" -lt "$end" ]; do
     rc=$?
   fi
   crash=0
-  if grep -qE "Fatal Python error|SIG(ABRT|SEGV|BUS)|malloc\(\)|free\(\)|double free|corrupted|tcache|MISMATCH" "$log"; then
+  if grep -qE "Fatal Python error|SIG(ABRT|SEGV|BUS)|exitcode *: *-|malloc\(\)|free\(\)|double free|corrupted|tcache|terminate called|MISMATCH" "$log"; then
     crash=1
   fi
   [ $rc -ne 0 ] && failed=$((failed + 1))
   [ $crash -eq 1 ] && crashes=$((crashes + 1))
-  echo "$(date -u +%T) run $runs mode=$MODE rc=$rc crash=$crash perturb=$MALLOC_PERTURB_" | tee -a "$OUT_DIR/summary.txt"
+  echo "$(date -u +%T) run $runs mode=$MODE case=${CASE:-} destroy=${DESTROY:-0} rc=$rc crash=$crash perturb=$MALLOC_PERTURB_" | tee -a "$OUT_DIR/summary.txt"
   # Keep only the logs worth reading.
-  [ $rc -eq 0 ] && [ $crash -eq 0 ] && rm -f "$log"
+  [ $crash -eq 0 ] && { [ $rc -eq 0 ] || [ "$MODE" = teardown ]; } && rm -f "$log"
 done
 for core in "$OUT_DIR"/cores/core.*; do
   [ -e "$core" ] || continue

@@ -43,7 +43,14 @@ CONFIGS = [
 ]
 
 
-def body(rank: int, world: int, steps: int, configs: list[int] | None = None, n_copies: int = 2) -> list[str]:
+def body(
+    rank: int,
+    world: int,
+    steps: int,
+    configs: list[int] | None = None,
+    n_copies: int = 2,
+    backend: str = "eager",
+) -> list[str]:
     problems: list[str] = []
     for name, style, optim, fn in [CONFIGS[c] for c in configs] if configs is not None else CONFIGS:
         copies = []
@@ -51,7 +58,7 @@ def body(rank: int, world: int, steps: int, configs: list[int] | None = None, n_
             torch.manual_seed(0)
             model = pm.build(name)
             opt = shared.make_optimizer(optim, model)
-            step = spmd.compile(parallel_mode=spmd.DataParallel(style))(fn)
+            step = spmd.compile(parallel_mode=spmd.DataParallel(style), backend=backend)(fn)
             copies.append((model, opt, step))
         for i in range(steps):
             batch = pm.batch(name, i % 7, rank)
@@ -76,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated indices into CONFIGS (default: all)",
     )
     ap.add_argument("--copies", type=int, default=2, help="copies trained side by side and compared")
+    ap.add_argument(
+        "--backend", default="eager", choices=["eager", "inductor"], help="spmd.compile's backend"
+    )
     args = ap.parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a torchrun worker: this process is one rank
         import torch.distributed as dist
@@ -84,13 +94,20 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo")
         try:
             results: Any = [
-                body(dist.get_rank(), dist.get_world_size(), args.steps, args.configs, args.copies)
+                body(
+                    dist.get_rank(),
+                    dist.get_world_size(),
+                    args.steps,
+                    args.configs,
+                    args.copies,
+                    args.backend,
+                )
             ]
             dist.barrier()
         finally:
             dist.destroy_process_group()
     else:
-        results = run_ranks(body, 2, args.steps, args.configs, args.copies, timeout=3600)
+        results = run_ranks(body, 2, args.steps, args.configs, args.copies, args.backend, timeout=3600)
     problems = [p for r in results for p in r]
     for p in problems:
         print("MISMATCH", p)

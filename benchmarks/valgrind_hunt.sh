@@ -12,6 +12,16 @@
 #                                       # process exit)
 #   benchmarks/valgrind_hunt.sh control # benchmarks/valgrind_control.py: an in-flight all_reduce's buffer
 #                                       # freed on purpose; rank 0's log must show gloo's invalid access
+#   benchmarks/valgrind_hunt.sh eager_clip  # one process, no process group: the clip's ops eagerly
+#                                       # (Python API, torch.ops.aten boxed), clip_grad_norm_, then
+#                                       # spmd's clipped step at world size 1; the log split by phase
+#   benchmarks/valgrind_hunt.sh refs    # DDP, FSDP2 fully_shard, then spmd fully_shard, STEPS steps each,
+#                                       # in the same rank processes (as the parity tests run them)
+#   benchmarks/valgrind_hunt.sh expand  # tests/dist/test_expand.py's 1-D tensor-parallel case, STEPS steps
+#   benchmarks/valgrind_hunt.sh teardown  # a rank's exit: CASE=exception|unwaited|compiled, DESTROY=1
+#                                       # (benchmarks/valgrind_workloads.py teardown)
+#   BACKEND=inductor benchmarks/valgrind_hunt.sh steps  # the inductor backend: compiled natively
+#                                       # first (same TORCHINDUCTOR_CACHE_DIR), then run from that cache
 #   benchmarks/valgrind_hunt.sh noise   # one process: import torch + spmd, a matmul; writes the
 #                                       # suppressions of that start-up noise to $OUT_DIR/noise.supp
 #                                       # (benchmarks/valgrind.supp is made from it, see valgrind_report.py)
@@ -42,9 +52,11 @@ if [ "${1:-}" = --rank ]; then
   exec valgrind "${VG_OPTS[@]}" --suppressions="$SUPP" --log-file="$VG_DIR/rank%q{RANK}.%p.log" "$PY" "$@"
 fi
 
-MODE=${1:?usage: benchmarks/valgrind_hunt.sh steps|demo|control|noise}
+MODE=${1:?usage: benchmarks/valgrind_hunt.sh steps|demo|control|noise|eager_clip|refs|teardown|expand}
 STEPS=${STEPS:-3}
 CONFIGS=${CONFIGS:-0,2}
+BACKEND=${BACKEND:-eager}
+CASE=${CASE:-exception}
 COPIES=${COPIES:-1}
 TIMEOUT=${TIMEOUT:-2400}
 CPU=${CPU:-1}
@@ -68,8 +80,25 @@ RUN=(nice -n 19 taskset -c "$CPU" timeout "$TIMEOUT")
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc_per_node=2 --no-python "$ROOT/benchmarks/valgrind_hunt.sh" --rank)
 case "$MODE" in
   steps)
+    if [ "$BACKEND" = inductor ]; then
+      # Inductor's compile under memcheck would take hours: compile natively first into the same
+      # on-disk cache, so the checked run loads the compiled kernels from it (and runs them).
+      export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$OUT_DIR/inductor_cache} TORCHINDUCTOR_COMPILE_THREADS=1
+      nice -n 19 taskset -c "$CPU" "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
+        benchmarks/crash_hunt_steps.py --steps 1 --configs "$CONFIGS" --copies 1 --backend inductor \
+        >"$VG_DIR/warm.log" 2>&1 || { echo "the native warm-up failed, see $VG_DIR/warm.log" >&2; exit 1; }
+    fi
     "${RUN[@]}" "${TORCHRUN[@]}" benchmarks/crash_hunt_steps.py --steps "$STEPS" --configs "$CONFIGS" \
-      --copies "$COPIES" >"$VG_DIR/run.log" 2>&1
+      --copies "$COPIES" --backend "$BACKEND" >"$VG_DIR/run.log" 2>&1
+    ;;
+  refs | expand)
+    "${RUN[@]}" "${TORCHRUN[@]}" benchmarks/valgrind_workloads.py "$MODE" --steps "$STEPS" >"$VG_DIR/run.log" 2>&1
+    ;;
+  teardown)
+    extra=()
+    [ "${DESTROY:-0}" = 1 ] && extra=(--destroy)
+    "${RUN[@]}" "${TORCHRUN[@]}" benchmarks/valgrind_workloads.py teardown --case "$CASE" "${extra[@]}" \
+      >"$VG_DIR/run.log" 2>&1
     ;;
   demo)
     tmp=$(mktemp -d)  # the demo writes its checkpoint and graph dumps to the working directory
@@ -87,15 +116,30 @@ case "$MODE" in
       "$PY" -c "import torch, torch.distributed, spmd; x = torch.randn(64, 64); (x @ x).sum().item()" \
       >"$VG_DIR/run.log" 2>&1
     ;;
+  eager_clip)
+    # One process, valgrind's log on stderr with the workload's "=== phase" markers, so the log
+    # splits by phase below (phase-<name>.log); VG_EXTRA=--track-origins=yes says where each
+    # uninitialised value was made.
+    "${RUN[@]}" valgrind "${VG_OPTS[@]}" --suppressions="$SUPP" --log-fd=2 \
+      "$PY" benchmarks/valgrind_workloads.py eager_clip >"$VG_DIR/run.log" 2>&1
+    rc=$?
+    awk -v d="$VG_DIR" 'BEGIN { f = d "/rank0.phase-start.log" }
+      /^=== phase / { f = d "/rank0.phase-" $3 ".log"; next } { print > f }' "$VG_DIR/run.log"
+    for f in "$VG_DIR"/rank0.phase-*.log; do
+      echo "--- $(basename "$f"): $(grep -cE '^==[0-9]+== (Conditional jump|Use of uninit|Invalid|Syscall param)' "$f") error contexts"
+    done
+    (exit $rc)
+    ;;
   *)
-    echo "unknown mode $MODE (steps, demo, control or noise)" >&2
+    echo "unknown mode $MODE (steps, demo, control, noise or eager_clip)" >&2
     exit 2
     ;;
 esac
 rc=$?
 wall=$(($(date +%s) - start))
 {
-  echo "mode=$MODE rc=$rc wall_s=$wall steps=$STEPS configs=$CONFIGS copies=$COPIES demo_args=${DEMO_ARGS:-}" \
+  echo "mode=$MODE rc=$rc wall_s=$wall steps=$STEPS configs=$CONFIGS copies=$COPIES backend=$BACKEND" \
+    "case=$CASE destroy=${DESTROY:-0} demo_args=${DEMO_ARGS:-}" \
     "$(valgrind --version)"
   "$PY" "$ROOT/benchmarks/valgrind_report.py" "$VG_DIR"/rank*.log
 } | tee "$VG_DIR/summary.txt"

@@ -173,4 +173,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        # Every exit path, an error's included, destroys the group: a gloo group left alive to
+        # the interpreter's exit can abort the rank there (docs/crashes.md, "Teardown").
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -100,3 +100,38 @@ def test_override_moe(tmp_path):
     m = re.search(r"final: loss (\d+\.\d+) -> (\d+\.\d+) in \d+ steps; 1 graph\(s\)", out)
     assert m, out
     assert float(m[2]) < float(m[1]), "the loss should fall"
+
+
+def test_every_torchrun_script_destroys_its_group_on_every_exit_path() -> None:
+    """A gloo rank that leaves the interpreter with its process group alive can abort at exit:
+    gloo's worker thread drops a finished collective's tensor while the interpreter finalizes,
+    takes the GIL to free its Python object, and is ended mid-destructor ("terminate called
+    without an active exception", SIGABRT; pytorch/pytorch#190489). Reproduced 2026-11-25 by
+    ``MODE=teardown CASE=unwaited benchmarks/crash_hunt.sh`` (docs/crashes.md, "Teardown").
+    So every script of the examples and the multi-process tests that calls ``init_process_group``
+    destroys the group in a ``finally:``, an error's path included (``tests/dist/launcher.py``'s
+    ranks do; ``tests/dist/resume_script.py``'s surviving rank leaves by an error)."""
+    import ast
+
+    root = EXAMPLES.parent
+    missing = []
+    for path in sorted([*root.glob("examples/*.py"), *root.glob("tests/dist/*.py")]):
+        rel = path.relative_to(root).as_posix()
+        tree = ast.parse(path.read_text())
+        calls = {
+            n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call)
+        }
+        if "init_process_group" not in calls:
+            continue
+        in_finally = any(
+            isinstance(c, ast.Call) and getattr(c.func, "attr", None) == "destroy_process_group"
+            for t in ast.walk(tree)
+            if isinstance(t, ast.Try)
+            for stmt in t.finalbody
+            for c in ast.walk(stmt)
+        )
+        if not in_finally:
+            missing.append(rel)
+    assert not missing, f"init_process_group without destroy_process_group in a finally: {missing}"
