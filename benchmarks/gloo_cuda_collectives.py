@@ -58,4 +58,10 @@ def main(which: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    finally:
+        import torch.distributed  # destroyed on every exit path: tests/test_examples.py
+
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

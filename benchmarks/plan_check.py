@@ -464,4 +464,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        import torch.distributed  # destroyed on every exit path: tests/test_examples.py
+
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

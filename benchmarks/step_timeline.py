@@ -182,4 +182,10 @@ def report(name: str, colls: list[tuple[str, int]], every: list[list[dict[str, A
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        import torch.distributed  # destroyed on every exit path: tests/test_examples.py
+
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -438,4 +438,10 @@ def run_overlap(v: Variant, rank: int, world: int) -> dict[str, Any] | None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        import torch.distributed  # destroyed on every exit path: tests/test_examples.py
+
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

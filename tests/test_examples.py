@@ -108,14 +108,16 @@ def test_every_torchrun_script_destroys_its_group_on_every_exit_path() -> None:
     takes the GIL to free its Python object, and is ended mid-destructor ("terminate called
     without an active exception", SIGABRT; pytorch/pytorch#190489). Reproduced 2026-11-25 by
     ``MODE=teardown CASE=unwaited benchmarks/crash_hunt.sh`` (docs/crashes.md, "Teardown").
-    So every script of the examples and the multi-process tests that calls ``init_process_group``
-    destroys the group in a ``finally:``, an error's path included (``tests/dist/launcher.py``'s
-    ranks do; ``tests/dist/resume_script.py``'s surviving rank leaves by an error)."""
+    So every script of the examples, the multi-process tests and the benchmarks that calls
+    ``init_process_group`` destroys the group in a ``finally:``, an error's path included
+    (``tests/dist/launcher.py``'s ranks do; ``tests/dist/resume_script.py``'s surviving rank
+    leaves by an error)."""
     import ast
 
     root = EXAMPLES.parent
     missing = []
-    for path in sorted([*root.glob("examples/*.py"), *root.glob("tests/dist/*.py")]):
+    scripts = [*root.glob("examples/*.py"), *root.glob("tests/dist/*.py"), *root.glob("benchmarks/*.py")]
+    for path in sorted(scripts):
         rel = path.relative_to(root).as_posix()
         tree = ast.parse(path.read_text())
         calls = {
