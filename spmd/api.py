@@ -35,7 +35,7 @@ from spmd.backend.runtime import (
     make_executable,
     weak_hook,
 )
-from spmd.backend.step_aside import EAGER, check_fallback, report_fields
+from spmd.backend.step_aside import check_fallback
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.frontend import guards, step_inputs, tracing
 from spmd.frontend import optim as optim_utils
@@ -47,7 +47,7 @@ from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.parallel.sharding import local
 from spmd.pipeline import backend_pipeline, build_trace_pipeline, check_remat, chunk_loss
 from spmd.reporting.dump import dump_code, dump_graph, dump_report, dump_stages, dump_where
-from spmd.reporting.report import StepReport, build_report, describe_mode, peak_source
+from spmd.reporting.report import StepReport, describe_mode, entry_report
 
 log = logging.getLogger("spmd")
 
@@ -229,7 +229,7 @@ class CompiledStep:
                 f"spmd: report(stage={stage!r}): no such stage; the stages are {list(self.graphs)}."
             )
         assert self._last is not None
-        return _report(self._last, stage)
+        return entry_report(self._last, stage)
 
     @property
     def lowered_code(self) -> str | None:
@@ -569,7 +569,7 @@ class CompiledStep:
             stale = os.path.join(where, f"{old_index:02d}_final.py")  # now NN_fix_layouts.py
             if os.path.exists(stale):
                 os.remove(stale)
-            dump_report(where, _report(entry, "final"))
+            dump_report(where, entry_report(entry, "final"))
 
     def _dump(self, entry: _Entry, *, stages: bool = True) -> None:
         """Write the stages (``stages``), the backend's code and the eager backend's graph of an
@@ -584,32 +584,4 @@ class CompiledStep:
             dump_code(where, n, entry.backend, entry.lowered_code)
         if entry.exe.alt is not None:
             dump_graph(where, n + 1, ALT_STAGE, entry.exe.alt.gm, self.__name__)
-        dump_report(where, _report(entry, "final"))
-
-
-def _report(entry: _Entry, stage: str) -> StepReport:
-    """The report of ``stage``; of ``final``: of the graph that runs the step, which for an
-    inductor step whose measurement kept the eager backend's graph is that graph (its pipeline
-    reuses buffers and reduces in place: another peak than the inductor pipeline's graph)."""
-    traced_stage = "rematerialize" if "rematerialize" in entry.graphs else "traced"
-    gm, peak_from = entry.graphs[stage], None
-    exe = entry.exe
-    if stage == "final" and exe.alt is not None and exe.aside is not None and exe.aside.kept == EAGER:
-        gm, stage, peak_from = exe.alt.gm, ALT_STAGE, peak_source(entry.backend, stage, eager_kept=True)
-    return build_report(
-        gm,
-        traced=entry.graphs[traced_stage],
-        remat=entry.remat,
-        world_size=entry.world_size,
-        parallel_style=entry.parallel_style,
-        stage=stage,
-        peak_from=peak_from,
-        trace_s=entry.trace_s,
-        compile_s=entry.compile_s,
-        backend=entry.backend,
-        lower_s=entry.lower_s,
-        lower_role=entry.lower_role,
-        lower_wait_s=entry.lower_wait_s,
-        inductor_fallback=entry.inductor_fallback,
-        **report_fields(entry.exe.aside, entry.inductor_fallback),
-    )
+        dump_report(where, entry_report(entry, "final"))

@@ -19,6 +19,8 @@ from passes import collectives as C
 from passes.memory import estimate_peak_memory
 from passes.meta import CHUNKED_LOSS, GRAD_OF, ROLE, Role
 from passes.remat import summarize
+from spmd.backend.runtime import ALT_STAGE
+from spmd.backend.step_aside import EAGER, report_fields
 
 _MiB = 1024 * 1024
 
@@ -315,3 +317,32 @@ def describe_mode(parallel_mode: Any) -> tuple[str, int]:
     mesh = getattr(parallel_mode, "mesh", None)
     world = mesh.size() if mesh is not None and hasattr(mesh, "size") else sharding.world_info()[1]
     return style, world
+
+
+def entry_report(entry: Any, stage: str) -> StepReport:
+    """The report of a compiled step's cache entry (``spmd.api``'s ``_Entry``) at ``stage``; at
+    ``final``, of the graph that runs the step: for an inductor step whose measurement kept the
+    eager backend's graph, that graph (its pipeline reuses buffers and reduces in place: another
+    peak than the inductor pipeline's graph)."""
+    traced_stage = "rematerialize" if "rematerialize" in entry.graphs else "traced"
+    gm, peak_from = entry.graphs[stage], None
+    exe = entry.exe
+    if stage == "final" and exe.alt is not None and exe.aside is not None and exe.aside.kept == EAGER:
+        gm, stage, peak_from = exe.alt.gm, ALT_STAGE, peak_source(entry.backend, stage, eager_kept=True)
+    return build_report(
+        gm,
+        traced=entry.graphs[traced_stage],
+        remat=entry.remat,
+        world_size=entry.world_size,
+        parallel_style=entry.parallel_style,
+        stage=stage,
+        peak_from=peak_from,
+        trace_s=entry.trace_s,
+        compile_s=entry.compile_s,
+        backend=entry.backend,
+        lower_s=entry.lower_s,
+        lower_role=entry.lower_role,
+        lower_wait_s=entry.lower_wait_s,
+        inductor_fallback=entry.inductor_fallback,
+        **report_fields(entry.exe.aside, entry.inductor_fallback),
+    )
