@@ -36,6 +36,7 @@ from spmd.backend.runtime import (
     weak_hook,
 )
 from spmd.backend.step_aside import check_fallback
+from spmd.backend.teardown import warn_at_exit_if_alive
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.frontend import guards, step_inputs, tracing
 from spmd.frontend import optim as optim_utils
@@ -332,6 +333,7 @@ class CompiledStep:
                 "use fused=True optimizers, or raise cache_size_limit."
             )
         t0 = time.perf_counter()
+        warn_at_exit_if_alive()
         module, optimizer = step_args.module, step_args.optimizer
         fresh: list[torch.Tensor] = []
         if optimizer is not None:
