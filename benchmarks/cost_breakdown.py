@@ -295,10 +295,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        import torch.distributed  # destroyed on every exit path: tests/test_examples.py
+    import rank_main
 
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    rank_main.run(main)

@@ -58,10 +58,6 @@ def main(which: str) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1])
-    finally:
-        import torch.distributed  # destroyed on every exit path: tests/test_examples.py
+    import rank_main
 
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    rank_main.run(main, sys.argv[1])

@@ -83,6 +83,19 @@ class Spec:
         """The submodules FSDP2 shards one by one (then the root), as one would per transformer block."""
         return list(model.blocks)  # type: ignore[arg-type]
 
+    def train_step(self) -> Callable[..., torch.Tensor]:
+        """The plain single-device step on this model's loss: forward, backward, update."""
+        loss_fn = self.loss
+
+        def train_step(model, optim, x, y):  # noqa: ANN001, ANN202
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            return loss
+
+        return train_step
+
 
 def _xent(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, -2), y.flatten())

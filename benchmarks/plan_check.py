@@ -170,14 +170,7 @@ class Row:
         self.net = spec.build()
         self.optim = torch.optim.AdamW(self.net.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
 
-        def train_step(model, optim, x, y):  # noqa: ANN001, ANN202
-            loss = spec.loss(model(x), y)
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            return loss
-
-        self.step = spmd.compile(parallel_mode=spmd.DataParallel(**self.opts))(train_step)
+        self.step = spmd.compile(parallel_mode=spmd.DataParallel(**self.opts))(spec.train_step())
         for _ in range(1 + warmup):
             t0 = time.perf_counter()
             self.run()
@@ -464,10 +457,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        import torch.distributed  # destroyed on every exit path: tests/test_examples.py
+    import rank_main
 
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    rank_main.run(main)

@@ -79,14 +79,7 @@ def main() -> None:
     net = spec.build()
     optim = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True)
 
-    def train_step(model, optim, x, y):  # noqa: ANN001, ANN202
-        loss = spec.loss(model(x), y)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        return loss
-
-    step = spmd.compile(parallel_mode=spmd.DataParallel("fully_shard"))(train_step)
+    step = spmd.compile(parallel_mode=spmd.DataParallel("fully_shard"))(spec.train_step())
     x, y = spec.batch(torch.Generator().manual_seed(1000 + rank))
     for _ in range(3):
         step(net, optim, x, y)
@@ -97,10 +90,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        import torch.distributed  # destroyed on every exit path: tests/test_examples.py
+    import rank_main
 
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    rank_main.run(main)

@@ -182,10 +182,6 @@ def report(name: str, colls: list[tuple[str, int]], every: list[list[dict[str, A
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        import torch.distributed  # destroyed on every exit path: tests/test_examples.py
+    import rank_main
 
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    rank_main.run(main)

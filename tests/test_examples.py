@@ -111,10 +111,29 @@ def test_every_torchrun_script_destroys_its_group_on_every_exit_path() -> None:
     So every script of the examples, the multi-process tests and the benchmarks that calls
     ``init_process_group`` destroys the group in a ``finally:``, an error's path included
     (``tests/dist/launcher.py``'s ranks do; ``tests/dist/resume_script.py``'s surviving rank
-    leaves by an error)."""
+    leaves by an error). A benchmark may end with ``rank_main.run(main)`` instead, which does it."""
     import ast
 
+    def destroys_in_finally(tree: ast.AST) -> bool:
+        return any(
+            isinstance(c, ast.Call) and getattr(c.func, "attr", None) == "destroy_process_group"
+            for t in ast.walk(tree)
+            if isinstance(t, ast.Try)
+            for stmt in t.finalbody
+            for c in ast.walk(stmt)
+        )
+
+    def runs_through_rank_main(tree: ast.AST) -> bool:
+        return any(
+            isinstance(c, ast.Call)
+            and isinstance(c.func, ast.Attribute)
+            and c.func.attr == "run"
+            and getattr(c.func.value, "id", None) == "rank_main"
+            for c in ast.walk(tree)
+        )
+
     root = EXAMPLES.parent
+    assert destroys_in_finally(ast.parse((root / "benchmarks" / "rank_main.py").read_text()))
     missing = []
     scripts = [*root.glob("examples/*.py"), *root.glob("tests/dist/*.py"), *root.glob("benchmarks/*.py")]
     for path in sorted(scripts):
@@ -127,13 +146,7 @@ def test_every_torchrun_script_destroys_its_group_on_every_exit_path() -> None:
         }
         if "init_process_group" not in calls:
             continue
-        in_finally = any(
-            isinstance(c, ast.Call) and getattr(c.func, "attr", None) == "destroy_process_group"
-            for t in ast.walk(tree)
-            if isinstance(t, ast.Try)
-            for stmt in t.finalbody
-            for c in ast.walk(stmt)
-        )
-        if not in_finally:
+        through_helper = rel.startswith("benchmarks/") and runs_through_rank_main(tree)
+        if not (destroys_in_finally(tree) or through_helper):
             missing.append(rel)
     assert not missing, f"init_process_group without destroy_process_group in a finally: {missing}"
