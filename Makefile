@@ -39,7 +39,7 @@ examples-smoke: install
 	$(BIN)/python examples/inspect_graphs.py --smoke
 	$(BIN)/python examples/override_moe.py --smoke
 
-# spmd vs DDP and FSDP2 on 2 gloo ranks (1 thread each): prints tables, writes bench.json. ~15-20 min on 2 cores (the plan check included; --no-plan-check skips it).
+# spmd vs DDP and FSDP2 on 2 gloo ranks (1 thread each): prints tables, writes bench.json. ~20-25 min on 2 cores (the plan check and a 6-minute crash hunt included; --no-plan-check, --hunt-minutes 0 skip them).
 bench: install
 	$(BIN)/python benchmarks/run.py
 

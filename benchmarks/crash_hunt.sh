@@ -7,7 +7,7 @@
 #   benchmarks/crash_hunt.sh [MINUTES] [pytest targets...]
 #   MODE=demo benchmarks/crash_hunt.sh 20        # torchrun examples/train_gpt.py --smoke in a loop
 #   MODE=steps benchmarks/crash_hunt.sh 20       # benchmarks/crash_hunt_steps.py: STEPS compiled
-#                                                # steps of 4 configs, two copies compared bit for bit
+#                                                # steps of 5 configs, two copies compared bit for bit
 #   MODE=plan_check benchmarks/crash_hunt.sh 30  # benchmarks/plan_check.py: 10 configurations of the
 #                                                # bench models in one torchrun job (a rank's SIGSEGV seen there)
 #   MODE=teardown CASE=unwaited RUNS=50 STRESS=0 benchmarks/crash_hunt.sh 30
@@ -16,7 +16,8 @@
 #                                                # unwaited all_reduce (unwaited) or a compiled step alive
 #                                                # (compiled); DESTROY=1: destroy_process_group first. The
 #                                                # exception case fails by design (rc 1); a crash is what counts.
-# RUNS stops the loop after that many runs (default: MINUTES only); STRESS=0 runs without stress-ng.
+# RUNS stops the loop after that many runs (default: MINUTES only); STRESS=0 runs without stress-ng;
+# CORES=0 leaves core dumps as the machine has them (`make bench` runs a few minutes of MODE=steps so).
 # Defaults: 30 minutes; the tests most likely to race a buffer with gloo's background thread
 # (reduce-scatter as all-to-all, in-place all-reduce, buffer reuse, bucketing, overlap).
 # Output: $OUT_DIR (default /tmp/crash_hunt): one log per run, summary.txt (runs, failures,
@@ -43,20 +44,21 @@ mkdir -p "$OUT_DIR/cores"
 export SPMD_TEST_SPAWN=1
 
 # stress-ng from Debian's packages (installed here, never by hand).
-if ! command -v stress-ng >/dev/null; then
+if [ "${STRESS:-1}" = 1 ] && ! command -v stress-ng >/dev/null; then
   apt-get install -y stress-ng >"$OUT_DIR/apt.log" 2>&1 || { apt-get update >>"$OUT_DIR/apt.log" 2>&1 && apt-get install -y stress-ng >>"$OUT_DIR/apt.log" 2>&1; }
 fi
 
 # Core dumps: unlimited size, written to $OUT_DIR/cores when core_pattern is writable (restored at exit).
-ulimit -c unlimited
+CORES=${CORES:-1}
 OLD_PATTERN=$(cat /proc/sys/kernel/core_pattern)
-if [ -w /proc/sys/kernel/core_pattern ]; then
-  echo "$OUT_DIR/cores/core.%e.%p.%s" >/proc/sys/kernel/core_pattern
+if [ "$CORES" = 1 ]; then
+  ulimit -c unlimited
+  [ -w /proc/sys/kernel/core_pattern ] && echo "$OUT_DIR/cores/core.%e.%p.%s" >/proc/sys/kernel/core_pattern
 fi
 STRESS_PID=
 cleanup() {
   [ -n "$STRESS_PID" ] && kill "$STRESS_PID" 2>/dev/null
-  [ -w /proc/sys/kernel/core_pattern ] && echo "$OLD_PATTERN" >/proc/sys/kernel/core_pattern
+  [ "$CORES" = 1 ] && [ -w /proc/sys/kernel/core_pattern ] && echo "$OLD_PATTERN" >/proc/sys/kernel/core_pattern
 }
 trap cleanup EXIT
 if [ "${STRESS:-1}" = 1 ] && command -v stress-ng >/dev/null; then

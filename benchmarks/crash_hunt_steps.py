@@ -34,13 +34,28 @@ from tests.dist.workers import _full, train_step, train_step_clip
 
 # (model, style, optimizer, step function): the passes in question all fire on these
 # (fully_shard: reduce-scatters as all-to-alls; replicate: in-place bucket all-reduces;
-# tinygpt: reuse of the logits' buffers; clip: a small all-reduce of the norm).
+# tinygpt: reuse of the logits' buffers; clip: a small all-reduce of the norm). "tp":
+# DTensorExpandMode with Megatron placements on a 1-D mesh, clip_grad_norm_ over sharded
+# gradients and fused SGD -- tests/dist/test_expand.py's 1-D case, the test that crashed in CI.
 CONFIGS = [
     ("tinygpt", "fully_shard", "adamw_fused", train_step),
     ("uneven", "fully_shard", "adam_fused", train_step_clip),
     ("tinygpt", "replicate", "adamw_fused", train_step),
     ("nested", "replicate", "sgd_momentum_foreach", train_step_clip),
+    ("tinygpt", "tp", "sgd_momentum_fused", train_step_clip),
 ]
+
+
+def _mode(style: str, world: int) -> Any:
+    if style == "tp":
+        from torch.distributed.tensor import Replicate
+
+        from tests.dist.workers_expand import TP
+
+        return spmd.DTensorExpandMode(
+            {"tp": world}, param_placements=dict(TP), input_placements=(Replicate(),)
+        )
+    return spmd.DataParallel(style)
 
 
 def body(
@@ -58,10 +73,11 @@ def body(
             torch.manual_seed(0)
             model = pm.build(name)
             opt = shared.make_optimizer(optim, model)
-            step = spmd.compile(parallel_mode=spmd.DataParallel(style), backend=backend)(fn)
+            step = spmd.compile(parallel_mode=_mode(style, world), backend=backend)(fn)
             copies.append((model, opt, step))
         for i in range(steps):
-            batch = pm.batch(name, i % 7, rank)
+            # Tensor parallelism: every rank feeds the same (replicated) batch.
+            batch = pm.batch(name, i % 7, 0 if style == "tp" else rank)
             la, *rest = (step(model, opt, *batch) for model, opt, step in copies)
             if any(not torch.equal(la, lb) for lb in rest):
                 problems.append(f"{name}/{style} step {i}: losses {[x.item() for x in (la, *rest)]!r} differ")

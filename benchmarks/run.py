@@ -97,6 +97,13 @@ p.add_argument("--out", default=os.path.join(ROOT, "bench.json"), help="where to
 p.add_argument("--timeout", type=int, default=None, help="seconds per torchrun job (default 1500, quick 600)")
 p.add_argument("--no-plan-check", action="store_true", help="skip the cost-model check (plan_check.py)")
 p.add_argument(
+    "--hunt-minutes",
+    type=float,
+    default=None,
+    help="minutes of benchmarks/crash_hunt.sh MODE=steps at the end (glibc's heap checks on, two copies "
+    "of each config compared bit for bit; default 6, quick 1; 0 skips)",
+)
+p.add_argument(
     "--malloc",
     choices=("keep", "system"),
     default="keep",
@@ -431,6 +438,41 @@ def _div(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def crash_hunt(minutes: float) -> dict[str, Any] | None:
+    """A standing hunt for the rare native crash of a gloo rank (issue 23, docs/crashes.md): a few
+    minutes of ``benchmarks/crash_hunt.sh`` in its ``steps`` mode -- every config (the passes that
+    free, reuse or write buffers around collectives, and tensor parallelism) trained as two copies
+    compared bit for bit, glibc's heap checks on, ``MALLOC_PERTURB_`` varied per run. No CPU load is
+    added and core dumps stay as the machine has them (``STRESS=0 CORES=0``): ``make bench`` runs it
+    on every machine it measures, so a crash is counted wherever the bench runs."""
+    if minutes <= 0:
+        return None
+    out_dir = tempfile.mkdtemp(prefix="spmd_crash_hunt_")
+    env = {**os.environ, "MODE": "steps", "STEPS": "40", "STRESS": "0", "CORES": "0", "OUT_DIR": out_dir}
+    for k in MALLOC_KEEP:  # the hunt wants glibc to reuse freed memory, as it does by default
+        env.pop(k, None)
+    print(f"== crash hunt: {minutes:g} min of benchmarks/crash_hunt.sh MODE=steps", flush=True)
+    # MINUTES is whole minutes; a run that starts before the end finishes (a few minutes at most).
+    cmd = ["bash", os.path.join(HERE, "crash_hunt.sh"), str(max(1, round(minutes)))]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    total = next((ln for ln in done.stdout.splitlines() if ln.startswith("TOTAL ")), None)
+    if total is None:
+        return {
+            "minutes": minutes,
+            "runs": 0,
+            "failed": 1,
+            "crashes": 0,
+            "out_dir": out_dir,
+            "error": last_error(done.stderr or done.stdout),
+        }
+    fields = dict(kv.split("=", 1) for kv in total.split()[1:])
+    return {
+        "minutes": minutes,
+        "out_dir": out_dir,
+        **{k: int(fields[k]) for k in ("runs", "failed", "crashes")},
+    }
+
+
 def main() -> None:
     models = [m for m in args.models.split(",") if m]
     variants = [v for v in args.variants.split(",") if v]
@@ -477,6 +519,9 @@ def main() -> None:
         check = plan_check.run(quick=args.quick, log_path=log_path, timeout=timeout, malloc=args.malloc)
         rec = {"model": "plan_check", "variant": "predicted_vs_measured", **check, "run": run_info}
         all_records.append(rec)
+    hunt = crash_hunt(args.hunt_minutes if args.hunt_minutes is not None else (1 if args.quick else 6))
+    if hunt is not None:
+        all_records.append({"model": "crash_hunt", "variant": "steps", **hunt, "run": run_info})
     with open(args.out, "w") as f:
         json.dump(all_records, f, indent=1)
 
@@ -518,6 +563,13 @@ def main() -> None:
             print(f"error: {check['error']}")
         else:
             print(plan_check.table(check["records"], check["summary"]))
+    if hunt is not None:
+        print(
+            f"\n### crash hunt (issue 23): {hunt['runs']} runs of benchmarks/crash_hunt_steps.py in "
+            f"{hunt['minutes']:g} min, glibc heap checks on: {hunt['crashes']} native crashes or mismatches, "
+            f"{hunt['failed']} failed runs"
+            + (f"; logs in {hunt['out_dir']}" if hunt["crashes"] or hunt["failed"] else "")
+        )
     errors = [r for r in all_records if r.get("error")]
     print(f"\nwrote {args.out} ({len(all_records)} records) in {took:.0f} s; worker log: {log_path}")
     if errors:
