@@ -232,15 +232,16 @@ class Row:
 
 
 def _probe() -> tuple[float, float]:
-    """(fp32 matmul FLOP/s, add bandwidth): ``spmd.calibrate``'s two roofline measurements, about
-    0.3 s; run on every rank at once (after a barrier), as the job's calibration was."""
-    import torch
+    """(fp32 matmul FLOP/s, add bandwidth): ``spmd.calibrate``'s two roofline measurements, each
+    the median of ``spmd.calibrate.READINGS`` calls (one call varied 2x from call to call), as
+    ``measure_compute`` now takes them; about 1.5 s; run on every rank at once (after a barrier),
+    as the job's calibration was."""
     import torch.distributed as dist
 
-    from spmd.calibrate import measure_matmul, measure_memory_bandwidth
+    from spmd.calibrate import probe
 
     dist.barrier()
-    return measure_matmul(torch.float32), measure_memory_bandwidth()
+    return probe()
 
 
 def time_rows(

@@ -9,8 +9,10 @@ at the points of a plan_check job, on 2 gloo ranks at once, to find why a probe 
 (plan_check's allocator settings; about a minute on the idle 2-core machine.) Probes, each after a
 barrier as plan_check's: twice at the start; ``measure_compute()`` (what the job calibrates; its
 own fp32 rate and bandwidth printed); twice right after it (plan_check's old reference), once more
-2 s later; three fully_shard steps of the bench GPT; twice after them (a round's probe). Per probe
-and rank: GFLOP/s, GB/s, the main thread's CPU time over the wall time (below 1: the rank was
+2 s later; three fully_shard steps of the bench GPT; twice after them (a round's probe). A probe
+is plan_check's: ``spmd.calibrate.READINGS`` calls of each function, their medians. Per probe and
+rank: the median GFLOP/s and the range of the single calls' (how far one call would have been
+off), the median GB/s, the main thread's CPU time over the wall time (below 1: the rank was
 preempted) and the other threads' (above 0: a thread of the process ran beside the probe).
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import statistics
 import sys
 import time
 
@@ -29,7 +32,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from spmd.calibrate import measure_compute, measure_matmul, measure_memory_bandwidth
+    from spmd.calibrate import READINGS, measure_compute, probe_readings
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
@@ -44,20 +47,25 @@ def main() -> None:
     def probe(tag: str) -> None:
         dist.barrier()
         t0, c0, th0 = time.perf_counter(), time.process_time(), time.thread_time()
-        flops, bw = measure_matmul(torch.float32), measure_memory_bandwidth()
+        flops, bw = probe_readings()  # plan_check's probe: the medians of these
         wall, cpu, main_cpu = time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - th0
         report(
             tag,
             (
-                round(flops / 1e9, 1),
-                round(bw / 1e9, 2),
+                round(statistics.median(flops) / 1e9, 1),
+                f"{min(flops) / 1e9:.0f}-{max(flops) / 1e9:.0f}",
+                round(statistics.median(bw) / 1e9, 2),
                 round(main_cpu / wall, 2),
                 round((cpu - main_cpu) / wall, 2),
             ),
         )
 
     if rank == 0:
-        print("probe: (GFLOP/s, GB/s, main-thread CPU / wall, other threads' CPU / wall)", flush=True)
+        print(
+            f"probe: (median GFLOP/s of {READINGS} readings, their range, median GB/s, main-thread CPU / "
+            "wall, other threads' CPU / wall)",
+            flush=True,
+        )
     probe("start")
     probe("start, again")
     dist.barrier()

@@ -29,13 +29,14 @@ from spmd.backend.lastcall import LastCall
 from spmd.backend.lowering import check_backend, check_gemm, check_optimizer_lowering, compile_graph
 from spmd.backend.runtime import (
     ALT_STAGE,
+    INDUCTOR_STAGE,
     Executable,
     build_eager_alternative,
     check_final_graph,
     make_executable,
     weak_hook,
 )
-from spmd.backend.step_aside import check_fallback
+from spmd.backend.step_aside import EAGER, check_fallback
 from spmd.backend.teardown import warn_at_exit_if_alive
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.frontend import guards, step_inputs, tracing
@@ -47,7 +48,14 @@ from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.parallel.sharding import local
 from spmd.pipeline import backend_pipeline, build_trace_pipeline, check_remat, chunk_loss
-from spmd.reporting.dump import dump_code, dump_graph, dump_report, dump_stages, dump_where
+from spmd.reporting.dump import (
+    dump_code,
+    dump_graph,
+    dump_report,
+    dump_stages,
+    dump_where,
+    remove_stale_stages,
+)
 from spmd.reporting.report import StepReport, describe_mode, entry_report
 
 log = logging.getLogger("spmd")
@@ -213,12 +221,21 @@ class CompiledStep:
         # the profile (passes that choose by device, the chunked loss head's chunks, then choose
         # as they would there). None: each pass reads the traced graph's devices.
         self._target_accelerator: bool | None = None
+        # Whether a compile hands the final graph to the backend (inductor) and builds the eager
+        # candidate of spmd.backend.step_aside. spmd.plan and spmd.simulate turn it off: they read
+        # the graph and its cost model and never run the step, and inductor's compile of one
+        # configuration took minutes (the graph before inductor is what they price anyway).
+        self._lower_backend = True
 
     # ------------------------------------------------------------------ inspection
 
     @property
     def graphs(self) -> Stages:
-        """The stages of the most recently run graph: ``traced``, ``partitioned``, one per pass, ``final``."""
+        """The stages of the most recently run graph: ``traced``, ``partitioned``, one per pass,
+        ``final`` (the graph that runs). With ``backend="inductor"``, once the measurement
+        (:mod:`spmd.backend.step_aside`) keeps the eager backend's graph, ``final`` is that graph
+        and the inductor pipeline's graph, which no longer runs, is the stage before it,
+        ``inductor_graph``."""
         if self._last is None:
             raise RuntimeError("spmd: the step has not been called yet; graphs exist after the first call.")
         return self._last.graphs
@@ -389,7 +406,8 @@ class CompiledStep:
         pipeline = backend_pipeline(
             self.parallel_mode, gm, backend=self.backend, cross_step_prefetch=self.cross_step_prefetch
         )
-        measure = self.backend != "eager" and self.inductor_fallback == "measure"
+        to_backend = self.backend != "eager" and self._lower_backend
+        measure = to_backend and self.inductor_fallback == "measure"
         # The eager candidate of spmd.backend.step_aside starts from the same partitioned graph.
         partitioned = tracing.copy_graph_module(gm) if measure else None
         disabled = [d for d in self.disabled_passes if d not in before]
@@ -403,7 +421,7 @@ class CompiledStep:
         exe = make_executable(gm, traced, state)
         exe.carry = self._carry
         lowered = None
-        if self.backend != "eager":
+        if to_backend:
             flat = [local(t) for t in exe.inputs(step_args)]
             lowered = compile_graph(
                 gm,
@@ -441,9 +459,8 @@ class CompiledStep:
         # allocated after `del step, model, optim` until Python's cycle collector runs.
         exe.on_layout_fix = weak_hook(self, entry, lambda s, e, gm: s._record_layout_fix(e, gm))
         if exe.alt is not None:  # the dump shows the eager candidate's fix-ups and the decision
-            dump = weak_hook(self, entry, lambda s, e, _: s._dump(e, stages=False))
-            exe.alt.on_layout_fix = dump
-            exe.on_decide = dump
+            exe.alt.on_layout_fix = weak_hook(self, entry, lambda s, e, _: s._dump(e, stages=False))
+            exe.on_decide = weak_hook(self, entry, lambda s, e, kept: s._decided(e, kept))
         self._dump(entry)
         return entry, signature(step_args)
 
@@ -562,28 +579,44 @@ class CompiledStep:
 
     def _record_layout_fix(self, entry: _Entry, gm: fx.GraphModule) -> None:
         """The first run inserted layout fix-ups into the final graph: show them as a stage."""
-        old_index = list(entry.graphs).index("final")
         del entry.graphs["final"]
         entry.graphs.record("fix_layouts", gm)
         entry.graphs["final"] = gm
-        if self.dump_dir:
-            where = dump_stages(self.dump_dir, self.__name__, entry.graphs)
-            stale = os.path.join(where, f"{old_index:02d}_final.py")  # now NN_fix_layouts.py
-            if os.path.exists(stale):
-                os.remove(stale)
-            dump_report(where, entry_report(entry, "final"))
+        self._dump(entry)
+
+    def _decided(self, entry: _Entry, kept: str) -> None:
+        """An inductor step's measurement kept ``kept``. With eager kept, ``final`` becomes the
+        graph that runs from now on, the eager backend's (``exe.alt``), and the inductor
+        pipeline's graph stays as the stage before it, :data:`INDUCTOR_STAGE`; the dump follows."""
+        alt = entry.exe.alt
+        if kept == EAGER and alt is not None:
+            inductor_gm = entry.graphs["final"]
+            del entry.graphs["final"]
+            entry.graphs[INDUCTOR_STAGE] = inductor_gm
+            entry.graphs["final"] = alt.gm
+        self._dump(entry)
 
     def _dump(self, entry: _Entry, *, stages: bool = True) -> None:
-        """Write the stages (``stages``), the backend's code and the eager backend's graph of an
-        inductor step (as the two stages after ``final``), and the report, if dumping."""
+        """Write the stages (``stages``), the backend's code and, while it is a candidate, the
+        eager backend's graph of an inductor step (as the two stages after the graphs), and the
+        report, if dumping. With ``stages``, files of stages no longer there are removed (a
+        stage renamed or moved: fix-ups, the eager graph kept)."""
         if not self.dump_dir:
             return
         where = dump_where(self.dump_dir, self.__name__)
+        written = []
         if stages:
             dump_stages(self.dump_dir, self.__name__, entry.graphs)
+            written = [f"{i:02d}_{name}.py" for i, name in enumerate(entry.graphs)]
         n = len(entry.graphs)
         if entry.lowered_code is not None:
-            dump_code(where, n, entry.backend, entry.lowered_code)
-        if entry.exe.alt is not None:
-            dump_graph(where, n + 1, ALT_STAGE, entry.exe.alt.gm, self.__name__)
+            source = INDUCTOR_STAGE if INDUCTOR_STAGE in entry.graphs else "final"
+            dump_code(where, n, entry.backend, entry.lowered_code, source=source)
+            written.append(f"{n:02d}_{entry.backend}.py")
+        alt = entry.exe.alt
+        if alt is not None and INDUCTOR_STAGE not in entry.graphs:
+            dump_graph(where, n + 1, ALT_STAGE, alt.gm, self.__name__)
+            written.append(f"{n + 1:02d}_{ALT_STAGE}.py")
+        if stages:
+            remove_stale_stages(where, written)
         dump_report(where, entry_report(entry, "final"))

@@ -42,6 +42,9 @@ from spmd.parallel.sharding import local
 
 # The dump's and the logs' name for the eager backend's graph of an inductor step (step_aside).
 ALT_STAGE = "eager_alternative"
+# The stage name of the inductor pipeline's graph once the measurement kept the eager backend's
+# graph, which is then ``final`` (the graph that runs).
+INDUCTOR_STAGE = "inductor_graph"
 
 log = logging.getLogger("spmd")
 

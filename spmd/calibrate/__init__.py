@@ -53,6 +53,7 @@ import datetime
 import functools
 import os
 import socket
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +77,34 @@ _COMM_BYTES = 16 * 2**20
 _UNIT_BYTES = 64 * 2**10
 _HIDE_S = 2e-3
 _N_INTERLEAVED = 20
+
+
+# A reading of the roofline constants (the matmul rate, the add bandwidth) is the median of this
+# many calls of its function, each on fresh operands: one call (itself the median of 5 repeats of
+# at least 20 ms) varied 2x from call to call on the idle machine (benchmarks/probe_check.py,
+# 2026-11-25 16:38: 43.1 and 87.8 GFLOP/s on the two ranks at the same point), so a single call
+# says little about the machine. Five: the fewest whose median ignores two outliers.
+READINGS = 5
+
+
+def median_reading(measure: Callable[[], float], readings: int = READINGS) -> float:
+    """The median of ``readings`` calls of ``measure`` (see :data:`READINGS`)."""
+    return statistics.median(measure() for _ in range(readings))
+
+
+def probe_readings(readings: int = READINGS) -> tuple[list[float], list[float]]:
+    """``readings`` calls each of the fp32 matmul rate and the add bandwidth (FLOP/s, bytes/s):
+    the probe ``benchmarks/plan_check.py`` takes during its rounds, against the same two
+    constants in :func:`measure_compute`."""
+    flops = [measure_matmul(torch.float32) for _ in range(readings)]
+    return flops, [measure_memory_bandwidth() for _ in range(readings)]
+
+
+def probe(readings: int = READINGS) -> tuple[float, float]:
+    """(fp32 matmul FLOP/s, add bandwidth): the medians of :func:`probe_readings`, as
+    :func:`measure_compute` measures its ``peak_flops["fp32"]`` and ``memory_bandwidth``."""
+    flops, bandwidth = probe_readings(readings)
+    return statistics.median(flops), statistics.median(bandwidth)
 
 
 def measure_matmul(dtype: torch.dtype, n: int = 512, repeats: int = 5) -> float:
@@ -293,8 +322,11 @@ def measure_compute() -> dict[str, Any]:
         **measure_view_costs(),
     }
     return {
-        "peak_flops": {"fp32": measure_matmul(torch.float32), "bf16": measure_matmul(torch.bfloat16, n=256)},
-        "memory_bandwidth": measure_memory_bandwidth(),
+        "peak_flops": {
+            "fp32": median_reading(lambda: measure_matmul(torch.float32)),
+            "bf16": median_reading(lambda: measure_matmul(torch.bfloat16, n=256)),
+        },
+        "memory_bandwidth": median_reading(measure_memory_bandwidth),
         "op_overhead_s": measure_op_overhead(),
         "view_overhead_s": measure_view_overhead(),
         "per_tensor_s": measure_per_tensor(),

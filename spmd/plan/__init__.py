@@ -60,7 +60,7 @@ from spmd.parallel import DataParallel, MixedPrecision
 from spmd.plan import fold
 from spmd.profiles import get_profile
 from spmd.reporting.report import PEAK_FROM_EAGER, build_report
-from spmd.simulate import check_call, fake_copy, fake_world, fresh_copy
+from spmd.simulate import check_call, fake_copy, fake_world, fresh_copy, given_keywords, step_keywords
 
 log = logging.getLogger("spmd")
 
@@ -342,6 +342,7 @@ def plan(
     exact: bool = False,
     fold_depths: tuple[int, int] = FOLD_DEPTHS,
     fold_margin: float = FOLD_MARGIN,
+    step_kwargs: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> Plan:
     """Search data-parallel configurations of ``train_step`` at ``world_size`` ranks (module docstring).
@@ -351,6 +352,10 @@ def plan(
             its parallel mode gives the mixed precision unless ``mixed_precision=``).
         *example_args, **kwargs: one call's arguments as rank 0 passes them (build big models
             under ``FakeTensorMode``: see ``spmd.models``). Copied, never changed.
+        step_kwargs: the call's keyword arguments as a dict, instead of ``**kwargs``: the way to
+            pass one named like a keyword of ``plan`` (``world_size``, ``device``, ...). A step
+            whose function takes a parameter named like a keyword given to ``plan`` must get its
+            keywords this way (``step_kwargs={}`` for none): :class:`~spmd.ConfigError` otherwise.
         world_size: ranks to plan for.
         device: a profile name (``"h100-80gb"``, ``"a100-80gb"``, ``"cpu-local"``), a profile
             json path or a :class:`~passes.cost_model.DeviceProfile`.
@@ -370,6 +375,9 @@ def plan(
             checked exactly.
     """
     t_start = time.perf_counter()
+    kwargs = step_keywords(
+        "spmd.plan", train_step, example_args, step_kwargs, kwargs, given_keywords(plan, locals())
+    )
     check_call("spmd.plan", train_step, world_size, example_args, kwargs)
     prof = get_profile(device, gpus_per_node=gpus_per_node, compute_efficiency=efficiency)
     budget = parse_bytes(memory_per_rank)

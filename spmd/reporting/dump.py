@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -113,11 +114,22 @@ def dump_graph(where: str, index: int, stage: str, gm: fx.GraphModule, step_name
         f.write(annotated_code(gm))
 
 
-def dump_code(where: str, index: int, stage: str, code: str) -> None:
-    """Write a backend's generated code as the stage after the graphs: ``where/NN_<stage>.py``."""
+def dump_code(where: str, index: int, stage: str, code: str, *, source: str = "final") -> None:
+    """Write a backend's generated code as the stage after the graphs: ``where/NN_<stage>.py``;
+    ``source``: the stage the backend compiled."""
     with open(os.path.join(where, f"{index:02d}_{stage}.py"), "w") as f:
-        f.write(f"# stage {stage!r}: the final graph as the {stage} backend compiled it\n")
+        f.write(f"# stage {stage!r}: the graph of stage {source!r} as the {stage} backend compiled it\n")
         f.write(code)
+
+
+def remove_stale_stages(where: str, written: list[str]) -> None:
+    """Remove the ``NN_<stage>.py`` files in ``where`` that are not in ``written`` (the dump's
+    files now): left by an earlier dump of the step whose stages have since moved or been
+    renamed (layout fix-ups added, the eager backend's graph kept)."""
+    keep = set(written)
+    for name in os.listdir(where):
+        if re.fullmatch(r"\d\d+_\w+\.py", name) and name not in keep:
+            os.remove(os.path.join(where, name))
 
 
 def dump_report(where: str, report: StepReport) -> None:

@@ -19,8 +19,8 @@ from passes import collectives as C
 from passes.memory import estimate_peak_memory
 from passes.meta import CHUNKED_LOSS, GRAD_OF, ROLE, Role
 from passes.remat import summarize
-from spmd.backend.runtime import ALT_STAGE
-from spmd.backend.step_aside import EAGER, report_fields
+from spmd.backend.runtime import INDUCTOR_STAGE
+from spmd.backend.step_aside import report_fields
 
 _MiB = 1024 * 1024
 
@@ -121,6 +121,8 @@ class StepReport:
             elif self.lower_role == "leader":
                 shared = ", compiled for this host"
             backend = f"{self.backend} (lowered in {self.lower_s:.2f} s{shared})"
+        elif self.backend != "eager":
+            backend = f"{self.backend} (not lowered: spmd.simulate / spmd.plan read the graph before it)"
         rows.append(("backend", backend))
         if self.inductor_fallback is not None:
             rows.append(("kept", self._kept_words()))
@@ -180,8 +182,11 @@ PEAK_FROM_INDUCTOR = (
     "peak of the code it runs is not predicted (docs/inductor.md)"
 )
 PEAK_FROM_EAGER_KEPT = (
-    "the eager backend's graph of the step (eager_alternative), which runs: the measurement kept "
-    "it over inductor's code"
+    "the eager backend's graph of the step (final), which runs: the measurement kept it over inductor's code"
+)
+PEAK_FROM_INDUCTOR_DROPPED = (
+    f"the inductor pipeline's graph ({INDUCTOR_STAGE}), which inductor compiled: the measurement kept "
+    "the eager backend's graph (final) over it, so it does not run"
 )
 
 
@@ -189,6 +194,8 @@ def peak_source(backend: str, stage: str, *, eager_kept: bool = False) -> str:
     """What :attr:`StepReport.peak_from` says for a report of ``stage`` of a step run by
     ``backend``; ``eager_kept``: an inductor step whose measurement kept the eager backend's
     graph, and the report is of that graph."""
+    if stage == INDUCTOR_STAGE:
+        return PEAK_FROM_INDUCTOR_DROPPED
     if eager_kept:
         return PEAK_FROM_EAGER_KEPT
     if stage != "final":
@@ -320,23 +327,20 @@ def describe_mode(parallel_mode: Any) -> tuple[str, int]:
 
 
 def entry_report(entry: Any, stage: str) -> StepReport:
-    """The report of a compiled step's cache entry (``spmd.api``'s ``_Entry``) at ``stage``; at
-    ``final``, of the graph that runs the step: for an inductor step whose measurement kept the
+    """The report of a compiled step's cache entry (``spmd.api``'s ``_Entry``) at ``stage``.
+    ``final`` is the graph that runs the step: for an inductor step whose measurement kept the
     eager backend's graph, that graph (its pipeline reuses buffers and reduces in place: another
-    peak than the inductor pipeline's graph)."""
+    peak than the inductor pipeline's graph, then the stage :data:`INDUCTOR_STAGE`)."""
     traced_stage = "rematerialize" if "rematerialize" in entry.graphs else "traced"
-    gm, peak_from = entry.graphs[stage], None
-    exe = entry.exe
-    if stage == "final" and exe.alt is not None and exe.aside is not None and exe.aside.kept == EAGER:
-        gm, stage, peak_from = exe.alt.gm, ALT_STAGE, peak_source(entry.backend, stage, eager_kept=True)
+    eager_kept = stage == "final" and INDUCTOR_STAGE in entry.graphs
     return build_report(
-        gm,
+        entry.graphs[stage],
         traced=entry.graphs[traced_stage],
         remat=entry.remat,
         world_size=entry.world_size,
         parallel_style=entry.parallel_style,
         stage=stage,
-        peak_from=peak_from,
+        peak_from=peak_source(entry.backend, stage, eager_kept=eager_kept),
         trace_s=entry.trace_s,
         compile_s=entry.compile_s,
         backend=entry.backend,

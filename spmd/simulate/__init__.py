@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 import logging
 import time
 from collections.abc import Iterator
@@ -48,6 +49,7 @@ def simulate(
     *example_args: Any,
     world_size: int,
     device: str | DeviceProfile | None = None,
+    step_kwargs: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> StepReport:
     """The :class:`StepReport` of ``train_step`` on ``world_size`` ranks (rank 0's view).
@@ -57,7 +59,12 @@ def simulate(
             options are used (a ``mesh=`` of the mode is dropped: simulation makes its own).
         *example_args: the positional arguments of one call, as rank 0 would pass them
             (the model, the optimizer, rank 0's local batch). They are copied, not changed.
-        **kwargs: the keyword arguments of that call, copied likewise.
+        step_kwargs: the keyword arguments of that call, copied likewise: the way to pass
+            one named like simulate's own (``world_size``, ``device``).
+        **kwargs: the same, as keywords (kept for compatibility; not together with
+            ``step_kwargs``). A step whose function takes a parameter named like one of
+            simulate's keywords given here must get its keywords through ``step_kwargs``
+            (``step_kwargs={}`` for none): :class:`~spmd.ConfigError` otherwise.
         world_size: how many ranks to simulate.
         device: the device the ranks run on, as ``spmd.plan`` takes it (a profile name such as
             ``"h100-80gb"``, a profile json path or a :class:`~passes.cost_model.DeviceProfile`):
@@ -70,6 +77,9 @@ def simulate(
     destroys it afterwards). ``train_step`` itself is not changed: its graph cache and
     ``graphs`` stay as they were, and nothing is dumped.
     """
+    kwargs = step_keywords(
+        "spmd.simulate", train_step, example_args, step_kwargs, kwargs, given_keywords(simulate, locals())
+    )
     check_call("spmd.simulate", train_step, world_size, example_args, kwargs)
     sim = fresh_copy(train_step)
     if device is not None:
@@ -86,6 +96,68 @@ def simulate(
             time.perf_counter() - t0,
         )
     return report
+
+
+def given_keywords(fn: Any, values: dict[str, Any]) -> list[str]:
+    """The keyword-only parameters of ``fn`` (``spmd.simulate``, ``spmd.plan``) whose value in
+    ``values`` (its ``locals()`` on entry) is not the default: the names a call gave it."""
+    out = []
+    for name, p in inspect.signature(fn).parameters.items():
+        if p.kind is not inspect.Parameter.KEYWORD_ONLY or name == "step_kwargs":
+            continue
+        v = values[name]
+        if p.default is inspect.Parameter.empty or v is not p.default and not _equal(v, p.default):
+            out.append(name)
+    return out
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # a value whose == is not a bool (a tensor)
+        return False
+
+
+def step_keywords(
+    who: str,
+    train_step: Any,
+    example_args: tuple[Any, ...],
+    step_kwargs: dict[str, Any] | None,
+    kwargs: dict[str, Any],
+    own: list[str],
+) -> dict[str, Any]:
+    """The keyword arguments of the step's call: ``step_kwargs``, or else the extra keywords
+    ``kwargs`` -- unless the step's function takes a parameter named like one of ``own`` (the
+    keywords ``who`` was given), which the call cannot have meant for the step and ``who``
+    alike: then a :class:`ConfigError` asks for ``step_kwargs``."""
+    if step_kwargs is not None:
+        if kwargs:
+            raise ConfigError(
+                f"{who}: the step's keyword arguments are given both in step_kwargs= and as keywords "
+                f"({sorted(kwargs)}); put them all in step_kwargs."
+            )
+        if not isinstance(step_kwargs, dict):
+            raise ConfigError(f"{who}: step_kwargs must be a dict, got {type(step_kwargs).__name__}.")
+        return dict(step_kwargs)
+    fn = getattr(train_step, "fn", None)
+    try:
+        params = inspect.signature(fn).parameters if fn is not None else {}
+    except (TypeError, ValueError):  # a callable without a signature
+        params = {}
+    positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    filled = set(positional[: len(example_args)])
+    keyword_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    clash = [n for n in own if n in params and params[n].kind in keyword_kinds and n not in filled]
+    if clash:
+        name = clash[0]
+        raise ConfigError(
+            f"{who}: the step ({getattr(fn, '__name__', 'train_step')}) takes an argument named "
+            f"{name!r}, like {who}'s own {name}=: the {name}= of this call is {who}'s, and the step "
+            f"would not get one. Pass the step's keyword arguments as step_kwargs= "
+            f"(e.g. {who}(step, *args, {name}=..., step_kwargs={{{name!r}: ...}}), or step_kwargs={{}} "
+            "to give the step none)."
+        )
+    return kwargs
 
 
 def check_call(
@@ -140,12 +212,16 @@ def fake_world(world_size: int) -> Iterator[None]:
 
 
 def fresh_copy(step: CompiledStep) -> CompiledStep:
-    """``step``'s configuration with an empty graph cache, dumping nothing."""
+    """``step``'s configuration with an empty graph cache, dumping nothing, and never lowered
+    by its backend: with ``backend="inductor"`` the graph is the inductor pipeline's, as inductor
+    would get it, but inductor's compile (minutes per configuration) does not run -- the report
+    and the plan read the graph before inductor (``StepReport.peak_from`` says so)."""
     sim = copy.copy(step)
     sim._cache = {}
     sim._last = None
     sim._overridden = set()
     sim.dump_dir = None
+    sim._lower_backend = False
     mode = step.parallel_mode
     mesh = getattr(mode, "mesh", None)
     # A DeviceMesh belongs to the caller's process group; a shape (DTensorExpandMode) is kept.

@@ -89,7 +89,9 @@ def inductor_vs_eager(
         report = ind.report()
         if report.backend != "inductor" or not report.lower_s:
             problems.append(f"{tag}: report says backend={report.backend!r} lower_s={report.lower_s!r}")
-        want_order = graph_order(ind.graphs["final"])
+        # the graph inductor compiled (graphs["final"] is the eager backend's where that is kept)
+        lowered = ind._last.exe.gm  # type: ignore[union-attr]
+        want_order = graph_order(lowered)
         got_order = code_order(ind.lowered_code or "")
         # (sizes the code does not show read as None; check_collective_order treats them as unknown)
         if not want_order or [o[:3] for o in got_order] != [o[:3] for o in want_order]:
@@ -103,7 +105,7 @@ def inductor_vs_eager(
         out["measured_steps"][tag] = report.measured_steps
         alt = ind._last.exe.alt  # type: ignore[union-attr]
         out["alt_is_eager"][tag] = alt is not None and alt.gm.code == eag.graphs["final"].code
-        out["kinds"][tag] = sorted({C.kind_of(n).value for n in C.collectives(ind.graphs["final"].graph)})
+        out["kinds"][tag] = sorted({C.kind_of(n).value for n in C.collectives(lowered.graph)})
     gemm_policy.time_gemm = real_timer
     step_aside.time_call = real_time_call
     if reorder:

@@ -29,3 +29,31 @@ def test_call_costs_cover_the_list_ops_of_a_fully_shard_step() -> None:
     for key in padded:
         assert set(costs[key]) == {"call", "per_tensor", "ragged_call", "per_ragged"}
     assert all(v >= 0.0 for c in costs.values() for v in c.values())
+
+
+def test_a_probe_reading_is_the_median_of_several_calls(monkeypatch) -> None:
+    """plan_check's probe and measure_compute's roofline constants read the median of READINGS
+    calls of their functions (one call varied 2x from call to call): one outlier call, slow or
+    fast, does not move them. (The calls return made-up readings; measure_compute's other
+    measurements are stubbed.)"""
+    import spmd.calibrate as cal
+
+    def readings(*values: float):  # noqa: ANN202
+        it = iter(values)
+        return lambda *args, **kwargs: next(it)
+
+    assert cal.READINGS == 5
+    monkeypatch.setattr(cal, "measure_matmul", readings(40.0, 90.0, 85.0, 80.0, 88.0))
+    monkeypatch.setattr(cal, "measure_memory_bandwidth", readings(9.0, 10.0, 30.0, 11.0, 10.5))
+    assert cal.probe() == (85.0, 10.5)
+    fp32, bf16 = (40.0, 90.0, 85.0, 80.0, 88.0), (1.0, 2.0, 3.0, 2.5, 9.0)
+    monkeypatch.setattr(cal, "measure_matmul", readings(*fp32, *bf16))
+    monkeypatch.setattr(cal, "measure_memory_bandwidth", readings(9.0, 10.0, 30.0, 11.0, 10.5))
+    others = [
+        n for n in dir(cal) if n.startswith("measure_") and n not in ("measure_matmul", "measure_compute")
+    ]
+    for name in others:
+        if name != "measure_memory_bandwidth":
+            monkeypatch.setattr(cal, name, lambda *args, **kwargs: {})
+    got = cal.measure_compute()
+    assert got["peak_flops"] == {"fp32": 85.0, "bf16": 2.5} and got["memory_bandwidth"] == 10.5

@@ -147,8 +147,11 @@ def test_world_size_1_inductor_matches_eager_backend_in_place(inductor_cache, mo
     assert eag.report().backend == "eager" and eag.lowered_code is None
     assert "def call(" in ind.lowered_code
     files = sorted(os.listdir(dump / "train_step" / "rank0"))
+    # eager kept: "final" (the graph that runs) is the eager backend's, after the graph inductor compiled
     final = files.index(next(f for f in files if f.endswith("_final.py")))
-    assert files[final + 1].endswith("_inductor.py") and files[final + 2].endswith("_eager_alternative.py")
+    assert files[final - 1].endswith("_inductor_graph.py") and files[final + 1].endswith("_inductor.py")
+    assert not any(f.endswith("_eager_alternative.py") for f in files)
+    assert ind.graphs["final"] is ind._last.exe.alt.gm
     assert "eager (median step" in (dump / "train_step" / "rank0" / "report.txt").read_text()
 
 

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import spmd
@@ -117,6 +118,45 @@ def test_errors() -> None:
             spmd.simulate(_step("replicate"), model, opt, x, y, world_size=2)
     finally:
         dist.destroy_process_group()
+
+
+def _step_named_like_simulate(model, optim, x, y, world_size=1, device="cpu"):
+    """A step with keyword arguments named like simulate's own; ``world_size`` divides the loss
+    (a Python value: the graph has one more op when it is not 1)."""
+    loss = F.cross_entropy(model(x), y)
+    if world_size != 1:
+        loss = loss / world_size
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_step_keywords_named_like_simulates_own() -> None:
+    """step_kwargs= carries the step's keyword arguments named like simulate's (and plan's) own;
+    a call that gives such a keyword to a step taking it, without step_kwargs, is refused (it
+    cannot tell whose it is); positional arguments never clash."""
+    torch.manual_seed(0)
+    model = Stack()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    x, y = stack_batch(5, 3, 0)
+    step = spmd.compile()(_step_named_like_simulate)
+    plain = spmd.simulate(step, model, opt, x, y, world_size=8, step_kwargs={})
+    scaled = spmd.simulate(step, model, opt, x, y, world_size=8, step_kwargs={"world_size": 4})
+    assert plain.world_size == scaled.world_size == 8  # simulate's own world_size
+    assert scaled.num_nodes > plain.num_nodes  # the step got its own: the division (and its backward)
+    assert spmd.simulate(step, model, opt, x, y, 4, world_size=8).num_nodes == scaled.num_nodes
+    with pytest.raises(spmd.ConfigError, match=r"takes an argument named 'world_size'.*step_kwargs="):
+        spmd.simulate(step, model, opt, x, y, world_size=8)
+    with pytest.raises(spmd.ConfigError, match=r"both in step_kwargs= and as keywords \(\['extra'\]\)"):
+        spmd.simulate(step, model, opt, x, y, world_size=8, step_kwargs={}, extra=1)
+    with pytest.raises(spmd.ConfigError, match=r"takes an argument named 'world_size'.*step_kwargs="):
+        spmd.plan(step, model, opt, x, y, world_size=8)
+    p = spmd.plan(step, model, opt, x, y, world_size=8, styles=("replicate",), step_kwargs={"device": "cpu"})
+    assert len(p.rows) == 1
+    # a step without such names takes its keywords as before
+    kw = spmd.simulate(_step("replicate"), model, opt, x, targets=y, world_size=8)
+    assert kw.world_size == 8
 
 
 def test_cli_tiny(capsys) -> None:

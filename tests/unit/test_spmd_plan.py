@@ -326,22 +326,31 @@ def test_a_gpu_plan_lowers_as_on_the_gpu_and_says_which_graph_it_prices(monkeypa
     head has the accelerator's chunks (here 4 of ACCELERATOR_MIN_ROWS rows, where the CPU's rule
     gives 32 of 256), in the row and in the table. And it prices spmd's final graph: with
     backend="inductor" the graph before inductor (which plans its own buffers), which the row and
-    the table say. (Inductor is replaced by a stand-in: the label is checked, not its code.)"""
+    the table say -- without calling inductor (a compile per configuration took minutes), and so
+    does spmd.simulate. (spmd's entry to inductor is replaced by a stand-in that counts its calls.)"""
     from passes.linear_cross_entropy import ACCELERATOR_MIN_ROWS
     from spmd import api
     from spmd.backend.lowering import Lowered, graph_order
     from spmd.reporting.report import PEAK_FROM_INDUCTOR
     from tests.unit.test_simulate import _wide_vocab_lm
 
+    lowered: list[int] = []
+
     def stand_in(gm, example_inputs, backend, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        lowered.append(len(gm.graph.nodes))
         return Lowered(gm, backend, "# stand-in", 0.0, graph_order(gm))
 
     monkeypatch.setattr(api, "compile_graph", stand_in)
     tokens = 4 * ACCELERATOR_MIN_ROWS
-    step = spmd.compile(chunked_loss=True, backend="inductor", inductor_fallback="never")(models.train_step)
+    step = spmd.compile(chunked_loss=True, backend="inductor")(models.train_step)
     p = plan(step, *_wide_vocab_lm(tokens), world_size=W, device="h100-80gb", styles=("replicate",))
     want = f"loss head: {tokens} tokens x vocab 1024, 4 chunk(s) of {ACCELERATOR_MIN_ROWS}"
     assert p.best.loss_heads == [want]
     assert f"chunked {want} (on h100-80gb)" in str(p)
     assert p.best.peak_from == PEAK_FROM_INDUCTOR
     assert f"peaks and step times predicted from {PEAK_FROM_INDUCTOR}" in str(p)
+    assert lowered == []  # inductor was never asked to compile
+    report = spmd.simulate(step, *_wide_vocab_lm(tokens), world_size=W, device="h100-80gb")
+    assert report.backend == "inductor" and report.peak_from == PEAK_FROM_INDUCTOR
+    assert report.lower_s is None and report.kept is None and "not lowered" in str(report)
+    assert lowered == []  # inductor was never asked to compile

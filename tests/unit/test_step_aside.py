@@ -19,7 +19,13 @@ from spmd import api
 from spmd.backend import runtime, step_aside
 from spmd.backend.lowering import Lowered, graph_order
 from spmd.backend.runtime import Executable
-from spmd.reporting.report import PEAK_FROM_EAGER, PEAK_FROM_EAGER_KEPT, PEAK_FROM_INDUCTOR, build_report
+from spmd.reporting.dump import annotated_code
+from spmd.reporting.report import (
+    PEAK_FROM_EAGER,
+    PEAK_FROM_EAGER_KEPT,
+    PEAK_FROM_INDUCTOR,
+    PEAK_FROM_INDUCTOR_DROPPED,
+)
 from tests import models
 
 STEPS = step_aside.MIN_CALLS  # warm-up and the fewest timed pairs: a clear decision
@@ -154,10 +160,12 @@ def test_decision_follows_timings(
 def test_eager_candidate_is_the_eager_backends_graph(ran, monkeypatch, tmp_path) -> None:
     """The eager candidate runs the graph backend="eager" runs (its own pipeline: in-place
     collectives, buffer reuse), not the inductor pipeline's final graph, and is checked for the
-    ranks' agreement under its own name; the dump has it as the stage after inductor's code; with
-    eager kept, the steps run it, and report() (and the dump's report.txt) is of it: the peak
-    of the graph that runs (the Llama's differs from the inductor pipeline's graph's: buffer
-    reuse), labelled as such."""
+    ranks' agreement under its own name; while measuring, the dump has it as the stage after
+    inductor's code. With eager kept, the steps run it, and everything that says what runs says
+    so: ``graphs["final"]`` is it (the inductor pipeline's graph moves to the stage before,
+    ``inductor_graph``), the dump's ``NN_final.py`` is it (no ``eager_alternative`` file left), and
+    report() (and the dump's report.txt) is of it: the peak of the graph that runs (the Llama's
+    differs from the inductor pipeline's graph's: buffer reuse), labelled as such."""
     _inject(monkeypatch, 10.0, 5.0)
     agreed: list[str] = []  # the graphs checked for the ranks' agreement on their collectives
     monkeypatch.setattr(runtime, "check_rank_agreement", lambda gm, step_name: agreed.append(step_name))
@@ -165,25 +173,36 @@ def test_eager_candidate_is_the_eager_backends_graph(ran, monkeypatch, tmp_path)
     opt, twin_opt = models.make_optimizer("adamw_fused", model), models.make_optimizer("adamw_fused", twin)
     step = spmd.compile(backend="inductor", dump_dir=str(tmp_path))(models.train_step)
     eager = spmd.compile()(models.train_step)
-    for x, y in models.batches("llama", STEPS + 1):
+    where = tmp_path / "train_step" / "rank0"
+    for i, (x, y) in enumerate(models.batches("llama", STEPS + 1)):
         step(model, opt, x, y)
         eager(twin, twin_opt, x, y)
-    alt = step._last.exe.alt
+        if i == 2:  # measuring: "final" is the inductor pipeline's graph, the eager one a candidate
+            assert step.graphs["final"] is step._last.exe.gm and "inductor_graph" not in step.graphs
+            names = [f.split("_", 1)[1] for f in sorted(os.listdir(where)) if f.endswith(".py")]
+            assert names[-3:] == ["final.py", "inductor.py", "eager_alternative.py"]
+    exe = step._last.exe
+    alt = exe.alt
     assert alt.gm.code == eager.graphs["final"].code
-    assert alt.gm.code != step.graphs["final"].code  # the inductor pipeline's graph differs
-    assert step._last.exe.compiled == alt.run_graph
+    assert alt.gm.code != exe.gm.code  # the inductor pipeline's graph differs
+    assert exe.compiled == alt.run_graph
     assert agreed == ["train_step:eager_alternative"]
-    files = sorted(os.listdir(tmp_path / "train_step" / "rank0"))
-    final = files.index(next(f for f in files if f.endswith("_final.py")))
-    assert files[final + 1].endswith("_inductor.py") and files[final + 2].endswith("_eager_alternative.py")
+    # graphs: "final" is what runs; the graph inductor compiled is kept as the stage before it
+    assert list(step.graphs)[-2:] == ["inductor_graph", "final"]
+    assert step.graphs["final"] is alt.gm and step.graphs["inductor_graph"] is exe.gm
+    files = sorted(f for f in os.listdir(where) if f.endswith(".py"))
+    assert [f.split("_", 1)[1] for f in files[-3:]] == ["inductor_graph.py", "final.py", "inductor.py"]
+    assert (where / files[-2]).read_text().endswith(annotated_code(alt.gm))
+    assert "of stage 'inductor_graph'" in (where / files[-1]).read_text()
     report, runs = step.report(), eager.report()
-    assert report.kept == "eager" and report.stage == "eager_alternative"
+    assert report.kept == "eager" and report.stage == "final"
     assert report.peak_from == PEAK_FROM_EAGER_KEPT and _row(report, "peak from") == PEAK_FROM_EAGER_KEPT
     assert report.peak_memory_bytes == runs.peak_memory_bytes
-    assert build_report(step.graphs["final"], world_size=1, parallel_style="").peak_memory_bytes != (
-        runs.peak_memory_bytes
-    )  # what report() read before
-    assert PEAK_FROM_EAGER_KEPT in (tmp_path / "train_step" / "rank0" / "report.txt").read_text()
+    assert report.num_nodes == runs.num_nodes
+    dropped = step.report("inductor_graph")
+    assert dropped.peak_from == PEAK_FROM_INDUCTOR_DROPPED
+    assert dropped.peak_memory_bytes != runs.peak_memory_bytes  # what report() read before
+    assert PEAK_FROM_EAGER_KEPT in (where / "report.txt").read_text()
 
 
 def test_never_runs_only_inductor(ran, monkeypatch) -> None:
