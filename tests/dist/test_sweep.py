@@ -32,8 +32,20 @@ EXPENSIVE = ("hf_", "fsdp_transformer_shared", "seq_first_encoder", "recurrent_m
 STYLES = ("replicate", "fully_shard")
 
 
-def _cases(style: str) -> list[tuple[str, str, str]]:
+def _selected() -> list[str]:
+    """The models to sweep: ``SPMD_SWEEP_MODELS`` (comma-separated names) if set, else all of them."""
     names = [n for n in S.MODELS if S.HAS_TRANSFORMERS or not n.startswith("hf_")]
+    wanted = os.environ.get("SPMD_SWEEP_MODELS")
+    if not wanted:
+        return names
+    chosen = [w.strip() for w in wanted.split(",") if w.strip()]
+    unknown = [w for w in chosen if w not in S.MODELS]
+    assert not unknown, f"SPMD_SWEEP_MODELS names unknown models {unknown}; known: {list(S.MODELS)}"
+    return [n for n in names if n in chosen]
+
+
+def _cases(style: str) -> list[tuple[str, str, str]]:
+    names = _selected()
     if os.environ.get("SPMD_SWEEP_FULL"):
         return [(n, style, o) for n in names for o in OPTIMIZERS]
     cheap = [n for n in names if not n.startswith(EXPENSIVE)]
