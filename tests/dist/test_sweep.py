@@ -1,8 +1,9 @@
 """The foreign-model sweep at world size 2: models we did not write (tests/sweep_models.py:
 Hugging Face BERT/T5/ViT/Qwen2/Mistral/GPT-NeoX/Mixtral (and, in the full sweep, GPT-2, Gemma,
-Gemma2, Phi-3, OPT, BLOOM, Falcon, Qwen2-MoE, RoBERTa, DistilBERT, Whisper), torch's FSDP test models, a seq-first
-nn.TransformerEncoder, and nets with channels_last convs, permuted norms, RNNs, parametrizations,
-activation checkpointing, buffers written in forward, dropout, dict/tuple/dataclass outputs)
+Gemma2, Phi-3, OPT, BLOOM, Falcon, Qwen2-MoE, RoBERTa, DistilBERT, Whisper), torch's FSDP test
+models, a seq-first nn.TransformerEncoder, and nets with channels_last convs, permuted norms, RNNs,
+parametrizations, activation checkpointing, buffers written in forward, dropout,
+dict/tuple/dataclass outputs)
 compiled in replicate and fully_shard against DDP (and FSDP2 where its semantics agree), bit for
 bit on the step outputs, parameters and buffers, different data on each rank.
 
@@ -12,7 +13,8 @@ budget, the cheap models run in both styles and the expensive ones (Hugging Face
 nn.Transformer ones, the RNNs: 5-20 s each on a loaded 2-core machine) in one style each,
 alternating; the optimizer alternates between SGD momentum and fused AdamW. ``SPMD_SWEEP_FULL=1``
 runs every model in both styles with both optimizers (the sweep as first run: all passed after
-the fixes below; about 10 minutes, plus about 20 for the models of ``FULL_ONLY``);
+the fixes below; about 10 minutes, plus about 16 for the models of ``FULL_ONLY``, measured under
+load);
 ``SPMD_SWEEP_MODELS=hf_gpt2,hf_opt`` sweeps only the models named.
 What the sweep found is pinned by tests of its own (tests/unit/test_tracing.py: checkpointed
 dropout, LSTM/GRU; the Embedding(max_norm) refusal runs here).
