@@ -28,7 +28,9 @@ Why legal. The node computes the same functions of the same inputs (one chunk: t
 the same bits; several: a different summation order only, see the op's docstring). Its inputs
 are forward values and ``grad_loss``, all defined before ``nll_loss_backward``; everything
 that read the replaced nodes reads the getitems, after the node. Nothing that writes in place
-is moved (checked; otherwise the head is left alone). The head is left alone, too, when a
+is moved unless all it writes is the loss or a value computed from it (``loss += coef * aux``,
+Hugging Face's MoE heads), whose readers all move with it (checked; otherwise the head is
+left alone). The head is left alone, too, when a
 logits-sized tensor has another reader (a step that returns the logits), when the loss is not
 a plain ``nll_loss`` (class weights, ``reduction="none"``), or when the pattern differs in any
 other way: recognising less is safe, recognising wrongly is not.
@@ -289,9 +291,14 @@ def _match(nll: fx.Node, order: dict[fx.Node, int]) -> _Head | str:
     move = sorted(
         (n for n in loss_value if n not in pattern and order[n] < order[nll_bwd]), key=order.__getitem__
     )
+    # An in-place reader moves too when all it writes is the loss or a value computed from it
+    # (Hugging Face's MoE heads add the router's aux loss with `loss += coef * aux`): every reader
+    # of what it writes is a reader of the loss, so it moves as well, in order. A write into
+    # anything else (a running total made before the head) would land later than traced.
+    derived = loss_value | set(getitems.values())
     for n in move:
-        if n.op != "call_function" or mutated_nodes(n):
-            return f"{n.name} reads the loss before backward and writes in place (not moved)"
+        if n.op != "call_function" or any(w not in derived for w in mutated_nodes(n)):
+            return f"{n.name} reads the loss before backward and writes in place to another value (not moved)"
     remove = sorted(pattern | {wt, *extra}, key=order.__getitem__)
     return _Head(
         x=x,  # type: ignore[arg-type]

@@ -37,6 +37,11 @@ class DataDependentControlFlowError(TraceError):
     """Python control flow depended on a tensor's value (``.item()``, ``if tensor:``)."""
 
 
+class HostRandomError(TraceError):
+    """The step drew from numpy's or Python's global random generator while traced: the graph
+    would replay that one draw at every step (``spmd.frontend.host_random``)."""
+
+
 class UntraceableOpError(TraceError):
     """An operation has no meta/fake implementation or a data-dependent output shape."""
 

@@ -156,6 +156,160 @@ _LLAMA_LIKE = dict(
 )  # fmt: skip
 
 
+# More Hugging Face architectures, each with HF's default attention (sdpa where the model has
+# it) and its dropouts on: tied heads, GPT-2's Conv1D (transposed weights), Gemma's scaled
+# embeddings and logit softcapping, Phi-3's fused qkv / gate_up, OPT's learned positions, BLOOM's
+# and Falcon's alibi, MoE routing (Mixtral, Qwen2-MoE with the router's aux loss and jitter),
+# RoBERTa / DistilBERT masked LMs and Whisper's conv front end.
+_TINY = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+)  # fmt: skip
+_TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # inside the tiny vocabulary
+
+
+def _masked_lm(config_name: str, model_name: str, **kw: Any) -> Callable[[], Case]:
+    def build() -> Case:
+        tf = _transformers()
+        model = getattr(tf, model_name)(getattr(tf, config_name)(vocab_size=V, pad_token_id=0, **kw))
+
+        def batch(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+            ids = _ids(g, B, T)
+            labels = torch.where(torch.rand(B, T, generator=g) < 0.3, ids, torch.full_like(ids, -100))
+            labels[:, 0] = ids[:, 0]
+            return ids, labels
+
+        loss = lambda m, ids, labels: m(input_ids=ids, labels=labels).loss
+        return Case(model, batch, loss, uses_transformers=True)
+
+    return build
+
+
+def _whisper() -> Case:
+    """Encoder-decoder with a Conv1d front end over (B, mel bins, frames) and learned positions."""
+    tf = _transformers()
+    cfg = tf.WhisperConfig(
+        vocab_size=V, num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_source_positions=8, max_target_positions=16, dropout=0.1, attention_dropout=0.1,
+        activation_dropout=0.1, decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None,
+        **_TOKENS,
+    )  # fmt: skip
+    model = tf.WhisperForConditionalGeneration(cfg)
+
+    def batch(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+        return torch.randn(B, 8, 16, generator=g), _ids(g, B, T)  # 16 frames = 2 x max_source_positions
+
+    loss = lambda m, x, labels: m(input_features=x, labels=labels).loss
+    return Case(model, batch, loss, uses_transformers=True)
+
+
+HF_MORE: dict[str, Callable[[], Case]] = {
+    # dropout 0.1 (embeddings, attention, residual) by default
+    "hf_gpt2": _causal(
+        "GPT2Config", "GPT2LMHeadModel", n_layer=2, n_embd=32, n_head=4, bos_token_id=1, eos_token_id=2
+    ),
+    "hf_gemma": _causal(
+        "GemmaConfig", "GemmaForCausalLM", head_dim=8, attention_dropout=0.1, **_TINY, **_TOKENS
+    ),
+    # softcapping of attention and final logits (HF's default attention for Gemma2 is eager)
+    "hf_gemma2": _causal(
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        head_dim=8,
+        sliding_window=4,
+        attention_dropout=0.1,
+        **_TINY,
+        **_TOKENS,
+    ),  # fmt: skip
+    "hf_phi3": _causal(
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attention_dropout=0.1,
+        **_TINY,
+        **_TOKENS,
+    ),  # fmt: skip
+    "hf_opt": _causal(
+        "OPTConfig",
+        "OPTForCausalLM",
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        word_embed_proj_dim=32,
+        dropout=0.1,
+        attention_dropout=0.1,
+        **_TOKENS,
+    ),  # fmt: skip
+    "hf_bloom": _causal(
+        "BloomConfig",
+        "BloomForCausalLM",
+        hidden_size=32,
+        n_layer=2,
+        n_head=4,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        **_TOKENS,
+    ),  # fmt: skip
+    "hf_falcon_alibi": _causal(
+        "FalconConfig",
+        "FalconForCausalLM",
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        alibi=True,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        **_TOKENS,
+    ),  # fmt: skip
+    # HF's default experts implementation (grouped_mm: fixed shapes); the router's aux loss and jitter
+    "hf_mixtral": _causal(
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        attention_dropout=0.1,
+        output_router_logits=True,
+        router_jitter_noise=0.1,
+        **_TINY,
+        **_TOKENS,
+    ),  # fmt: skip
+    "hf_qwen2_moe": _causal(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        output_router_logits=True,
+        attention_dropout=0.1,
+        **_TINY,
+        **_TOKENS,
+    ),  # fmt: skip
+    # dropout 0.1 by default; RoBERTa's positions start after padding_idx
+    "hf_roberta": _masked_lm(
+        "RobertaConfig",
+        "RobertaForMaskedLM",
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=T + 2,
+    ),  # fmt: skip
+    "hf_distilbert": _masked_lm(
+        "DistilBertConfig",
+        "DistilBertForMaskedLM",
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        hidden_dim=64,
+        max_position_embeddings=32,
+    ),  # fmt: skip
+    "hf_whisper": _whisper,
+}
+
+
 # --- torch's FSDP test models ---------------------------------------------------------------
 
 
@@ -565,6 +719,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "odd_params": _odd_params,
     "embedding_max_norm": _max_norm,
     "vision_ops": _vision_ops,
+    **HF_MORE,
 }
 
 

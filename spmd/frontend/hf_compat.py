@@ -155,4 +155,20 @@ def hf_static_masks() -> Iterator[None]:
             setattr(masking, name, original)
 
 
-__all__ = ["constant_value", "hf_static_masks"]
+def hf_data_dependent_hint(module: torch.nn.Module | None) -> str:
+    """What to change when a Hugging Face module fails the trace with a data-dependent shape
+    (``nonzero``): its mixture-of-experts layer in the ``"eager"`` experts implementation loops
+    over the experts the routing hit. Empty for any other module."""
+    config = getattr(module, "config", None)
+    if getattr(config, "_experts_implementation", None) != "eager":
+        return ""
+    return (
+        " This is a Hugging Face experts module in its 'eager' implementation (a loop over the experts "
+        "the routing hit): build the model with experts_implementation='grouped_mm' (Hugging Face's "
+        "default) or 'batched_mm', which compute every expert over fixed shapes and trace "
+        "(from_pretrained(..., experts_implementation='grouped_mm'), or "
+        "model.set_experts_implementation('grouped_mm'))."
+    )
+
+
+__all__ = ["constant_value", "hf_data_dependent_hint", "hf_static_masks"]

@@ -52,7 +52,8 @@ from spmd.errors import (
 )
 from spmd.frontend import kernel_layouts
 from spmd.frontend import optim as optim_utils
-from spmd.frontend.hf_compat import hf_static_masks
+from spmd.frontend.hf_compat import hf_data_dependent_hint, hf_static_masks
+from spmd.frontend.host_random import refuse_host_random
 from spmd.frontend.step_inputs import (
     LiftedState,
     Slot,
@@ -166,15 +167,32 @@ def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     return None
 
 
-def _module_at_frame(exc: BaseException, names: dict[int, str]) -> str | None:
+def _module_at_frame(exc: BaseException, names: dict[int, str]) -> tuple[str, nn.Module] | None:
+    """The innermost module of the traceback that belongs to the model: (its path, itself)."""
     tb = exc.__traceback__
     found = None
     while tb is not None:
         self_ = tb.tb_frame.f_locals.get("self")
         if isinstance(self_, nn.Module) and id(self_) in names:
-            found = names[id(self_)]
+            found = names[id(self_)], self_
         tb = tb.tb_next
     return found
+
+
+def _library_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame outside torch, spmd and the standard library: the line of a
+    third-party model (``transformers``' modeling file) that called the failing op."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    skip = (
+        os.path.dirname(torch.__file__),
+        root + os.sep + "spmd",
+        root + os.sep + "passes",
+        sysconfig.get_paths()["stdlib"] + os.sep,
+    )
+    for fr in reversed(traceback.extract_tb(exc.__traceback__)):
+        if not fr.filename.startswith(skip) and "<" not in fr.filename:
+            return fr
+    return None
 
 
 def _cudnn_rnn(exc: BaseException) -> bool:
@@ -192,8 +210,13 @@ def _raise_trace_error(exc: BaseException, module: nn.Module) -> None:
     data_dependent, untraceable = _trace_error_types()
     frame = _user_frame(exc)
     where = f" at {frame.filename}:{frame.lineno} ({frame.line!r})" if frame else ""
+    lib = _library_frame(exc)
+    if lib is not None and (frame is None or (lib.filename, lib.lineno) != (frame.filename, frame.lineno)):
+        # The op was called by a library's model code, below the user's line: name both.
+        where = f" at {lib.filename}:{lib.lineno} ({lib.line!r})" + (f", called{where}" if where else "")
     mod_names = {id(m): (n or type(module).__name__) for n, m in module.named_modules()}
-    mod = _module_at_frame(exc, mod_names)
+    found = _module_at_frame(exc, mod_names)
+    mod = found[0] if found else None
     in_mod = f" in module {mod!r}" if mod else ""
     op = getattr(exc, "func", None)
     op_txt = f" (op {op})" if op is not None else ""
@@ -205,18 +228,33 @@ def _raise_trace_error(exc: BaseException, module: nn.Module) -> None:
             "out of the step, or wrap the submodule with an spmd.Override that supplies a traceable stand-in."
         ) from exc
     if isinstance(exc, untraceable):
-        rnn = _cudnn_rnn(exc)
-        hint = (
-            " cuDNN's fused RNN takes its weights as one flat storage, which cannot be traced: run the "
-            "step under `with torch.backends.cudnn.flags(enabled=False):` (the RNN then runs PyTorch's own "
-            "kernels; eager under the same flags matches bit for bit), or"
-            if rnn
-            else " It has no fake/meta implementation or its output shape depends on data."
+        from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+        fix = (
+            " Wrap this submodule with an spmd.Override (module_override=[...]) whose replacement is "
+            "traceable, or register a fake kernel for the op."
         )
+        if _cudnn_rnn(exc):
+            hint = (
+                " cuDNN's fused RNN takes its weights as one flat storage, which cannot be traced: run the "
+                "step under `with torch.backends.cudnn.flags(enabled=False):` (the RNN then runs PyTorch's "
+                "own kernels; eager under the same flags matches bit for bit), or"
+            )
+        elif isinstance(exc, DynamicOutputShapeException):
+            hint = (
+                " Its output shape depends on the values of its input (e.g. which tokens are routed to "
+                "which expert), and a graph is traced once, for fixed shapes: compute it over fixed shapes "
+                "instead (masks, one_hot, a matmul over every expert)."
+                + hf_data_dependent_hint(found[1] if found else None)
+            )
+            fix = (
+                " Or wrap this submodule with an spmd.Override (module_override=[...]) whose replacement "
+                "has fixed shapes (examples/override_moe.py)."
+            )
+        else:
+            hint = " It has no fake/meta implementation."
         raise UntraceableOpError(
-            f"spmd.compile: an operation cannot be traced{in_mod}{where}{op_txt}: {exc}.{hint} Wrap this "
-            "submodule with an spmd.Override (module_override=[...]) whose replacement is traceable, or "
-            "register a fake kernel for the op."
+            f"spmd.compile: an operation cannot be traced{in_mod}{where}{op_txt}: {exc}.{hint}{fix}"
         ) from exc
     raise TraceError(f"spmd.compile: tracing the train step failed{in_mod}{where}: {exc!r}") from exc
 
@@ -340,6 +378,7 @@ def trace_step(
             stack.enter_context(module_paths(module, in_backward))
             stack.enter_context(traced_rng_state())
             stack.enter_context(hf_static_masks())
+            stack.enter_context(refuse_host_random(module))
             stack.enter_context(cast_forward_io(module, casts))
             calls = stack.enter_context(backward_phases(in_backward))
             annotate(**{PHASE_KEY: Phase.FORWARD, MODULE_KEY: "", MICROBATCH_KEY: 0})

@@ -5,7 +5,9 @@ from __future__ import annotations
 import heapq
 import inspect
 import os
+import random
 
+import numpy
 import pytest
 import torch
 import torch.nn as nn
@@ -71,6 +73,37 @@ class Nonzero(nn.Module):
     def forward(self, x):
         h = self.fc(x)
         return h[torch.nonzero(h > 0)[:, 0]]
+
+
+class LayerDrop(nn.Module):
+    """Skips its layer at random, drawing with Python's global generator (as HF's MusicGen does)."""
+
+    def __init__(self, draw=None):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.draw = draw
+
+    def forward(self, x):
+        u = self.draw(0, 1) if self.draw else random.uniform(0, 1)  # marker: draw
+        if self.training and u < 0.5:
+            return x
+        return self.fc(x)
+
+
+class NumpyMask(nn.Module):
+    """Zeroes a random half of the features, drawn with numpy (HF's SpecAugment masks)."""
+
+    def forward(self, x):
+        keep = numpy.random.rand(x.shape[-1]) < 0.5  # marker: numpy
+        return x * torch.tensor(keep, dtype=x.dtype)
+
+
+def _uniform_alias(a, b):
+    """A draw spmd's wrappers cannot see: the generator's bound method taken before the trace."""
+    return _RANDOM_ALIAS(a, b)
+
+
+_RANDOM_ALIAS = random.uniform
 
 
 class Outer(nn.Module):
@@ -163,8 +196,35 @@ def test_untraceable_op():
         _compile_and_call(Nonzero())
     msg = str(info.value)
     assert "nonzero" in msg and "'body.1'" in msg
-    assert "spmd.Override" in msg
+    assert "spmd.Override" in msg and "fixed shapes" in msg
     assert f"{os.path.basename(__file__)}:{_line_of(Nonzero.forward, 'torch.nonzero')}" in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("inner", "call", "marker"),
+    [
+        (LayerDrop(), "random.uniform()", "marker: draw"),
+        (NumpyMask(), "numpy.random.rand()", "marker: numpy"),
+    ],
+    ids=["python_random", "numpy"],
+)
+def test_host_random_draw_is_refused(inner, call, marker):
+    """A draw from numpy's or Python's global generator inside the step would be replayed at every
+    step (compiled without the check: the same layer dropped, the same mask, at every call)."""
+    with pytest.raises(spmd.HostRandomError) as info:
+        _compile_and_call(inner)
+    msg = str(info.value)
+    assert call in msg and "'body.1'" in msg, msg
+    assert f"{os.path.basename(__file__)}:{_line_of(type(inner).forward, marker)}" in msg, msg
+    assert "torch.rand" in msg and isinstance(info.value, spmd.TraceError)
+
+
+def test_host_random_draw_through_an_alias_is_refused():
+    state = random.getstate()
+    with pytest.raises(spmd.HostRandomError, match="global random generator"):
+        _compile_and_call(LayerDrop(draw=_uniform_alias))
+    random.setstate(state)
+    _compile_and_call(LayerDrop(draw=lambda a, b: 0.9))  # a Python value that is not drawn is fine
 
 
 def test_failed_trace_leaves_model_and_optimizer_usable():

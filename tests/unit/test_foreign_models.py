@@ -253,3 +253,61 @@ def test_hf_sdpa_takes_eagers_attention_path(name: str, padded: bool) -> None:
             assert call.get("attn_mask") is not None and not call.get("is_causal"), call
         else:
             assert call.get("attn_mask") is None and call.get("is_causal") is True, call
+
+
+def test_hf_moe_eager_experts_refused_with_the_fix() -> None:
+    """A Hugging Face MoE in the ``"eager"`` experts implementation routes with ``nonzero`` (shapes
+    that depend on the routing): refused naming the op, the experts module, the modeling file's line
+    and the fix; after that fix (``set_experts_implementation("grouped_mm")``, HF's default) the same
+    model trains bit for bit with eager."""
+    from tests import sweep_models as S
+
+    pytest.importorskip("transformers")
+    case = S.build("hf_mixtral")
+    model = case.model
+    model.set_experts_implementation("eager")
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _fused_adamw(model), _fused_adamw(ref)
+    compiled = spmd.compile()(_lm_step)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = case.batch(g)
+    with pytest.raises(spmd.UntraceableOpError) as info:
+        compiled(model, opt, ids, labels)
+    msg = str(info.value)
+    assert "nonzero" in msg and "'model.layers.0.mlp.experts'" in msg, msg
+    assert "modeling_mixtral.py:" in msg and "experts_implementation='grouped_mm'" in msg, msg
+    for m in (model, ref):
+        m.set_experts_implementation("grouped_mm")
+    for i in range(2):
+        ids, labels = case.batch(g)
+        torch.manual_seed(10 + i)  # the router's jitter and attention dropout
+        got = compiled(model, opt, ids, labels)
+        torch.manual_seed(10 + i)
+        assert torch.equal(got, _lm_step(ref, ref_opt, ids, labels)), f"call {i}"
+    _assert_same(model, ref, "after 2 calls")
+
+
+def test_hf_whisper_spec_augment_refused() -> None:
+    """Whisper draws its SpecAugment masks with numpy in training: compiled, one draw would be
+    replayed at every step (measured before the check: the loss left eager's from the second
+    step). Refused, naming the numpy call, the module and Hugging Face's line."""
+    from tests import sweep_models as S
+
+    pytest.importorskip("transformers")
+    case = S.build("hf_whisper")
+    model = case.model
+    model.config.apply_spec_augment, model.config.mask_time_prob = True, 0.5
+    opt = _fused_adamw(model)
+
+    def step(model, opt, x, labels):
+        loss = model(input_features=x, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    with pytest.raises(spmd.HostRandomError) as info:
+        spmd.compile()(step)(model, opt, *case.batch(torch.Generator().manual_seed(0)))
+    msg = str(info.value)
+    assert "numpy.random.rand()" in msg and "modeling_whisper.py:" in msg and "in module 'model'" in msg, msg
+    assert "apply_spec_augment=False" in msg, msg

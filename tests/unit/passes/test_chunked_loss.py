@@ -236,6 +236,41 @@ def test_accumulation_moves_the_loss_readers() -> None:
         torch.testing.assert_close(grads[5][1][k], g, **TOL)
 
 
+def test_in_place_aux_loss_moves_with_the_loss(caplog: pytest.LogCaptureFixture) -> None:
+    """``loss += coef * aux`` (Hugging Face's MoE causal LMs add the router's aux loss so) writes
+    the loss in place before backward: it moves after the node with the loss's other readers,
+    and the head is rewritten (gradients within TOL of the unchunked step). An in-place write of
+    the loss into a value made before the head (a running total) still leaves the head alone."""
+
+    def aux_in_place(model, idx, tgt):
+        loss = gpt_step_no_backward(model, idx, tgt)
+        loss += 0.01 * sum(p.square().sum() for p in model.parameters())
+        loss.backward()
+        return loss
+
+    def into_a_total(model, idx, tgt):
+        total = torch.zeros(())
+        loss = gpt_step_no_backward(model, idx, tgt)
+        total.add_(loss)
+        loss.backward()
+        return total
+
+    grads = {}
+    for option in (False, 5):
+        model = _gpt()
+        step = spmd.compile(chunked_loss=option, check_invariants=True)(aux_in_place)
+        loss = step(model, *_batch("gpt"))
+        grads[option] = (loss, {n: p.grad for n, p in model.named_parameters()})
+        assert len(_heads(step)) == (1 if option else 0)
+    torch.testing.assert_close(grads[5][0], grads[False][0], **TOL)
+    for k, g in grads[False][1].items():
+        torch.testing.assert_close(grads[5][1][k], g, **TOL, msg=lambda m, k=k: f"{k}: {m}")
+    caplog.set_level("INFO", logger="spmd")
+    step = spmd.compile(chunked_loss=True)(into_a_total)
+    step(_gpt(), *_batch("gpt"))
+    assert not _heads(step) and "writes in place to another value" in caplog.text
+
+
 def gpt_step_no_backward(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
     logits = model(idx)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
