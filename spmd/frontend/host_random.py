@@ -21,6 +21,7 @@ import contextlib
 import os
 import random
 import sys
+import threading
 import traceback
 import types
 from collections.abc import Callable, Iterator
@@ -92,8 +93,15 @@ def _message(call: str, where: str) -> str:
     )
 
 
-def _refusing(label: str, module: nn.Module) -> Callable[..., Any]:
+def _refusing(label: str, fn: Callable[..., Any], module: nn.Module, others: list[str]) -> Callable[..., Any]:
+    """``fn`` refused on the tracing thread; another thread of the program (a data-loading thread,
+    say) draws as usual, and is recorded in ``others`` (its draws change the generator's state)."""
+    tracing = threading.get_ident()
+
     def refused(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != tracing:
+            others.append(label)
+            return fn(*args, **kwargs)
         raise HostRandomError(_message(f"{label}()", _where(module)))
 
     return refused
@@ -106,19 +114,20 @@ def refuse_host_random(module: nn.Module) -> Iterator[None]:
     gens = _generators()
     before = [_state(gen) for _, _, gen in gens]
     saved: list[tuple[Any, str, Any]] = []
+    others: list[str] = []  # draws by other threads while the trace ran
     for label, mod, gen in gens:
         for name in dir(mod):
             fn = getattr(mod, name)
             if name.startswith("_") or name in _NOT_DRAWS or getattr(fn, "__self__", None) is not gen:
                 continue
             saved.append((mod, name, fn))
-            setattr(mod, name, _refusing(f"{label}.{name}", module))
+            setattr(mod, name, _refusing(f"{label}.{name}", fn, module, others))
     try:
         yield
     finally:
         for mod, name, fn in saved:
             setattr(mod, name, fn)
     changed = [label for (label, _, gen), st in zip(gens, before) if _state(gen) != st]
-    if changed:
+    if changed and not others:  # with another thread drawing, a state change is no evidence
         which = f"the global {' and '.join(changed)} generator"
         raise HostRandomError(_message(which, " (through an alias the check cannot locate)"))

@@ -227,6 +227,23 @@ def test_host_random_draw_through_an_alias_is_refused():
     _compile_and_call(LayerDrop(draw=lambda a, b: 0.9))  # a Python value that is not drawn is fine
 
 
+def test_host_random_draws_of_other_threads_go_on():
+    """Only the tracing thread is refused: a program's other thread (a data-loading thread) keeps
+    drawing while a step is traced, and its draws do not make the trace fail."""
+    import threading
+
+    from spmd.frontend.host_random import refuse_host_random
+
+    drawn: list[object] = []
+    with refuse_host_random(nn.Linear(2, 2)):
+        t = threading.Thread(target=lambda: drawn.append(random.random()))
+        t.start()
+        t.join()
+        with pytest.raises(spmd.HostRandomError):
+            random.random()
+    assert len(drawn) == 1 and isinstance(drawn[0], float)
+
+
 def test_failed_trace_leaves_model_and_optimizer_usable():
     """A trace error must not leave hooks, fake tensors or the compiling flag behind."""
     model = Outer(Branches())
