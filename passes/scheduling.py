@@ -13,8 +13,12 @@ all-gather's output, a reduce-scatter's full-size input). Walking the graph in
 order, before a collective would push the bytes in flight above
 ``max_inflight_bytes``, the oldest outstanding collectives are waited on first
 (their waits move up to just before it) -- the ``limit_all_gathers`` idea with a
-byte budget. A single collective larger than the budget still runs, alone. Run
-after ``sink_waits``. No-op when the budget is never exceeded or is None.
+byte budget. A single collective larger than the budget still runs, alone.
+``max_inflight_collectives`` caps their number the same way: with 1, each
+collective is waited before the next one is issued (it still overlaps the compute
+between its issue and its wait). spmd sets 1 on gloo groups that run collectives on
+more than one thread, where two at once can corrupt the heap (docs/crashes.md). Run
+after ``sink_waits``. No-op when neither cap is ever exceeded (or both are None).
 
 Neither pass changes the order of collectives, only of waits, so the collective
 sequence every rank issues is unchanged.
@@ -84,20 +88,32 @@ def inflight_profile(gm: fx.GraphModule) -> list[tuple[fx.Node, int]]:
     return out
 
 
-def limit_inflight(gm: fx.GraphModule, *, max_inflight_bytes: int | str | None = "auto") -> fx.GraphModule:
-    """Wait on the oldest collectives early so in-flight bytes stay within the budget.
+def limit_inflight(
+    gm: fx.GraphModule,
+    *,
+    max_inflight_bytes: int | str | None = "auto",
+    max_inflight_collectives: int | None = None,
+) -> fx.GraphModule:
+    """Wait on the oldest collectives early so in-flight bytes (and, if given, the number of
+    collectives in flight) stay within the budget.
 
     ``max_inflight_bytes="auto"`` allows twice the largest collective (one in use, one
     prefetched, like FSDP's ``limit_all_gathers``); None means no limit.
+    ``max_inflight_collectives``: at most this many issued and not yet waited (>= 1); None
+    means no limit. A collective carried to the next call (``cross_step_prefetch``) is added
+    after this pass and is not counted.
     """
-    if max_inflight_bytes is None:
+    if max_inflight_collectives is not None and max_inflight_collectives < 1:
+        raise ValueError(f"max_inflight_collectives must be >= 1, got {max_inflight_collectives}")
+    if max_inflight_bytes is None and max_inflight_collectives is None:
         return gm
     if max_inflight_bytes == "auto":
         sizes = [C.bytes_of(c) for c in C.collectives(gm.graph)]
         if not sizes:
             return gm
         max_inflight_bytes = 2 * max(sizes)
-    assert isinstance(max_inflight_bytes, int)
+    assert max_inflight_bytes is None or isinstance(max_inflight_bytes, int)
+    max_count = max_inflight_collectives
     graph = gm.graph
     changed = False
     outstanding: dict[fx.Node, int] = {}
@@ -107,7 +123,10 @@ def limit_inflight(gm: fx.GraphModule, *, max_inflight_bytes: int | str | None =
             inflight -= outstanding.pop(C.collective_of(n), 0)
         elif C.is_collective(n):
             need = C.bytes_of(n)
-            while outstanding and inflight + need > max_inflight_bytes:
+            while outstanding and (
+                (max_inflight_bytes is not None and inflight + need > max_inflight_bytes)
+                or (max_count is not None and len(outstanding) >= max_count)
+            ):
                 oldest = next(iter(outstanding))
                 for w in C.waits_of(oldest):
                     if w.args[0] is not oldest:  # coalesced: wait(getitem(coll, i))

@@ -7,6 +7,7 @@ def train_step(model, optim, x, y): ...
 import logging
 
 from spmd.api import CompiledStep, Override, compile
+from spmd.backend.gloo_threads import gloo_threads
 from spmd.errors import (
     CacheLimitError,
     CollectiveError,
@@ -62,6 +63,7 @@ __all__ = [
     "UntraceableOpError",
     "compile",
     "full_state_dict",
+    "gloo_threads",
     "plan",
     "simulate",
 ]

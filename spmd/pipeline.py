@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import functools
 import os
 from collections.abc import Callable, Iterable
@@ -29,6 +30,9 @@ from passes.scheduling import limit_inflight, sink_waits
 from passes.units import assign_units
 from spmd.errors import ConfigError, PassError
 from spmd.parallel import DataParallel, ParallelMode
+
+
+log = logging.getLogger("spmd")
 
 
 @dataclasses.dataclass
@@ -98,6 +102,7 @@ def build_pipeline(
     reuse_buffers: bool = False,
     inplace_collectives: bool = True,
     gloo_collectives: bool = False,
+    serial_collectives: bool = False,
 ) -> Pipeline:
     """The built-in passes, in order, configured from the parallel mode's knobs.
 
@@ -107,13 +112,17 @@ def build_pipeline(
     inductor's functionalization rejects the in-place ``all_reduce_`` (and inductor reinplaces
     the functional all-reduce itself). ``gloo_collectives`` includes ``reduce_scatter_as_all_to_all``:
     for gloo process groups only (gloo reduce-scatters by all-reducing the whole input; an
-    all-to-all and a local sum send less, with the same bits at 2 ranks)."""
+    all-to-all and a local sum send less, with the same bits at 2 ranks). ``serial_collectives``
+    caps ``limit_inflight`` at one collective in flight: for gloo groups that run collectives
+    on more than one thread (:func:`gloo_concurrent`)."""
     options = parallel_mode.pass_options()
     # The parallel mode's knobs, by the names each pass takes them under (absent: the pass's default).
     names = {"bucket_cap_mb": "bucket_cap_mb", "bucket_mode": "mode", "bucket_unit_of": "unit_of"}
     bucketing = {kw: options[name] for name, kw in names.items() if name in options}
     prefetch = {k: options[k] for k in ("forward_prefetch", "backward_prefetch", "unit_of") if k in options}
-    inflight = {k: options[k] for k in ("max_inflight_bytes",) if k in options}
+    inflight: dict[str, object] = {k: options[k] for k in ("max_inflight_bytes",) if k in options}
+    if serial_collectives:
+        inflight["max_inflight_collectives"] = 1
     units = {
         "unit_of": options.get("base_unit_of", default_unit_of),
         "min_unit_bytes": options.get("min_unit_bytes", 0),
@@ -147,7 +156,8 @@ def build_pipeline(
         NamedPass(
             name="limit_inflight",
             fn=functools.partial(limit_inflight, **inflight),
-            reason="after sink_waits, which maximised in-flight bytes: pulls waits back within the budget",
+            reason="after sink_waits, which maximised in-flight bytes: pulls waits back within the budget "
+            "(and, on a gloo group with several threads, to one collective at a time)",
         ),
         NamedPass(
             name="overlap_optimizer",
@@ -215,14 +225,20 @@ def backend_pipeline(
     itself), buffer reuse (inductor reuses buffers itself) and, if asked, cross-step prefetch
     (a backend compiles the graph as a whole, and inductor does not take an unwaited collective
     as an input or output). Both get gloo's rewrites where every group is gloo: inductor lowers
-    all_to_all_single as an extern call, and its order is checked like every collective's."""
+    all_to_all_single as an extern call, and its order is checked like every collective's.
+    Where a group is gloo with more than one thread (:func:`gloo_concurrent`), one collective is
+    in flight at a time, and cross-step prefetch (a gather in flight across calls) is off."""
     eager = backend == "eager"
+    serial = gloo_concurrent(gm)
+    if serial and cross_step_prefetch:
+        log.info("spmd: cross_step_prefetch is off on a gloo group with several threads (docs/crashes.md)")
     return build_pipeline(
         parallel_mode,
-        cross_step_prefetch=cross_step_prefetch and eager,
+        cross_step_prefetch=cross_step_prefetch and eager and not serial,
         reuse_buffers=eager,
         inplace_collectives=eager,
         gloo_collectives=all_gloo(gm),
+        serial_collectives=serial,
     )
 
 
@@ -268,3 +284,48 @@ def all_gloo(gm: fx.GraphModule) -> bool:
         return all(str(dist.get_backend(g)) == "gloo" for g in groups)
     except (RuntimeError, ValueError, KeyError):
         return False
+
+
+def gloo_concurrent(gm: fx.GraphModule) -> bool:
+    """Whether a collective of ``gm`` runs on a gloo process group with more than one worker
+    thread (``torch.distributed.init_process_group("gloo")`` makes two), where two collectives
+    in flight run at once -- and on torch 2.13's gloo, two at once can corrupt the heap: a
+    rank aborts with "malloc(): unaligned tcache chunk detected" or computes on in silence
+    (reproduced without spmd: ``benchmarks/gloo_concurrent_collectives.py``; docs/crashes.md).
+    spmd then keeps one collective in flight at a time. A group made under
+    ``spmd.gloo_threads(1)`` runs its collectives one after another itself and keeps the
+    overlap between collectives."""
+    if not dist.is_initialized():
+        return False
+    import torch
+
+    for name in {C.group_of(c) for c in C.collectives(gm.graph)}:
+        try:
+            group = _resolve_process_group(name)  # type: ignore[arg-type]
+            if str(dist.get_backend(group)) != "gloo":
+                continue
+            threads = group._get_backend(torch.device("cpu")).options._threads
+        except (RuntimeError, ValueError, KeyError, AttributeError):
+            continue
+        if threads > 1:
+            _warn_serial_once(name, threads)
+            return True
+    return False
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_serial_once(group: str, threads: int) -> None:
+    if group in _WARNED:
+        return
+    _WARNED.add(group)
+    log.warning(
+        "spmd: process group %r is gloo with %d worker threads: two collectives in flight would run at "
+        "once, and torch's gloo can corrupt the heap then (a rank aborts with 'malloc(): unaligned tcache "
+        "chunk detected'; docs/crashes.md). spmd keeps one collective in flight at a time on it. Create "
+        "the group under `with spmd.gloo_threads(1): dist.init_process_group(\"gloo\", ...)` to keep "
+        "collectives overlapped with each other safely.",
+        group,
+        threads,
+    )

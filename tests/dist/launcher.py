@@ -82,15 +82,24 @@ def _entry(
     import torch
     import torch.distributed as dist
 
+    import spmd
+
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=pg_timeout),
-        )
+        # One gloo worker thread: torch's gloo can corrupt the heap when two collectives run
+        # at once (docs/crashes.md), and the DDP/FSDP2 references the ranks run next to spmd
+        # have no protection of their own. SPMD_TEST_GLOO_THREADS=default makes torch's own
+        # group (two threads), on which spmd keeps one collective in flight
+        # (tests/dist/test_gloo_threads.py; the torchrun jobs use it too).
+        threads = os.environ.get("SPMD_TEST_GLOO_THREADS", "1")
+        with spmd.gloo_threads(int(threads)) if threads != "default" else contextlib.nullcontext():
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=pg_timeout),
+            )
         out = fn(rank, world, *args)
         # Pickle here: a result that cannot be pickled must fail loudly, not vanish in the
         # queue's feeder thread and leave the parent waiting.

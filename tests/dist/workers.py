@@ -334,3 +334,32 @@ def elastic_resume(rank: int, world: int, style: str, ckpt_dir: str) -> list[str
                     f"{tag}: {k} after one step differs from the reference by {_diff(after[k], v)}"
                 )
     return problems
+
+
+def gloo_threads_step(rank: int, world: int, style: str, knobs: dict[str, Any]) -> dict[str, Any]:
+    """Three fused-AdamW steps of TinyGPT on the group the launcher made: its gloo worker
+    threads, the most collectives the final graph has in flight at once, losses and the
+    full parameters after the steps."""
+    import torch.distributed as dist
+
+    from passes import collectives as C
+
+    torch.manual_seed(0)
+    model = pm.build("tinygpt")
+    opt = shared.make_optimizer("adamw_fused", model)
+    step = spmd.compile(parallel_mode=spmd.DataParallel(style, **knobs))(train_step)
+    losses = [step(model, opt, *pm.batch("tinygpt", i, rank)).item() for i in range(3)]
+    outstanding: set[Any] = set()
+    most = 0
+    for n in step.graphs["final"].graph.nodes:
+        if C.is_collective(n):
+            outstanding.add(n)
+            most = max(most, len(outstanding))
+        elif C.is_wait(n):
+            outstanding.discard(C.collective_of(n))
+    return {
+        "threads": dist.group.WORLD._get_backend(torch.device("cpu")).options._threads,
+        "most_in_flight": most,
+        "losses": losses,
+        "params": {n: _full(p) for n, p in model.named_parameters()},
+    }
