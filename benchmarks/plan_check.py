@@ -100,7 +100,10 @@ def worker(args: argparse.Namespace) -> None:
     from spmd.profiles import get_profile
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    from spmd.backend.gloo_threads import gloo_threads
+
+    with gloo_threads(1):  # spmd's full schedule, safely (docs/crashes.md), as make bench
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
     # The compute constants again, on both ranks at once: what one rank gets of the machine
     # while the other rank computes too (spmd.calibrate measured them in one process). Once, not

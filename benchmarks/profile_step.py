@@ -123,7 +123,10 @@ def main() -> None:
         from torch._inductor import config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True  # a record_function per cpp kernel
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
+    from spmd.backend.gloo_threads import gloo_threads
+
+    with gloo_threads(1):  # spmd's full schedule, safely (docs/crashes.md), as make bench
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = models.get(args.model, quick=args.quick)
     gen = torch.Generator().manual_seed(1000 + rank)

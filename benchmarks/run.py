@@ -97,6 +97,14 @@ p.add_argument("--out", default=os.path.join(ROOT, "bench.json"), help="where to
 p.add_argument("--timeout", type=int, default=None, help="seconds per torchrun job (default 1500, quick 600)")
 p.add_argument("--no-plan-check", action="store_true", help="skip the cost-model check (plan_check.py)")
 p.add_argument(
+    "--gloo-threads",
+    type=int,
+    default=1,
+    help="worker threads of each job's gloo group, every variant alike (default 1, spmd.gloo_threads(1): "
+    "torch's gloo can corrupt the heap running two collectives at once, docs/crashes.md; 0: torch's "
+    "default of two, on which spmd keeps one collective in flight)",
+)
+p.add_argument(
     "--hunt-minutes",
     type=float,
     default=None,
@@ -135,6 +143,7 @@ def torchrun(
         f"--rounds={rounds}",
         f"--warmup={warmup}",
         f"--out={out}",
+        f"--gloo-threads={args.gloo_threads}",
     ]
     if args.quick:
         cmd.append("--quick")

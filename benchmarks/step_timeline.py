@@ -123,7 +123,10 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    from spmd.backend.gloo_threads import gloo_threads
+
+    with gloo_threads(1):  # spmd's full schedule, safely (docs/crashes.md), as make bench
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = models.get(args.model)
     gen = torch.Generator().manual_seed(1000 + rank)

@@ -17,6 +17,7 @@ the others go on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -244,10 +245,14 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")  # smaller models
     p.add_argument("--overlap", action="store_true")  # item 4: compare with inductor's scheduler
     p.add_argument("--out", required=True)
+    p.add_argument("--gloo-threads", type=int, default=1)  # 0: torch's default (run.py --gloo-threads)
     args = p.parse_args()
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    from spmd.backend.gloo_threads import gloo_threads
+
+    with gloo_threads(args.gloo_threads) if args.gloo_threads else contextlib.nullcontext():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
     # spmd's decisions (inductor's GEMM library per shape, the kept callable, the passes' choices)
     # go to the job's log (run.py writes each worker's stderr there), rank 0's only.

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import functools
+import logging
 import os
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch.distributed as dist
 import torch.fx as fx
@@ -30,7 +31,6 @@ from passes.scheduling import limit_inflight, sink_waits
 from passes.units import assign_units
 from spmd.errors import ConfigError, PassError
 from spmd.parallel import DataParallel, ParallelMode
-
 
 log = logging.getLogger("spmd")
 
@@ -120,7 +120,7 @@ def build_pipeline(
     names = {"bucket_cap_mb": "bucket_cap_mb", "bucket_mode": "mode", "bucket_unit_of": "unit_of"}
     bucketing = {kw: options[name] for name, kw in names.items() if name in options}
     prefetch = {k: options[k] for k in ("forward_prefetch", "backward_prefetch", "unit_of") if k in options}
-    inflight: dict[str, object] = {k: options[k] for k in ("max_inflight_bytes",) if k in options}
+    inflight: dict[str, Any] = {k: options[k] for k in ("max_inflight_bytes",) if k in options}
     if serial_collectives:
         inflight["max_inflight_collectives"] = 1
     units = {
@@ -304,7 +304,7 @@ def gloo_concurrent(gm: fx.GraphModule) -> bool:
             group = _resolve_process_group(name)  # type: ignore[arg-type]
             if str(dist.get_backend(group)) != "gloo":
                 continue
-            threads = group._get_backend(torch.device("cpu")).options._threads
+            threads = group._get_backend(torch.device("cpu")).options._threads  # type: ignore[attr-defined]
         except (RuntimeError, ValueError, KeyError, AttributeError):
             continue
         if threads > 1:
@@ -324,7 +324,7 @@ def _warn_serial_once(group: str, threads: int) -> None:
         "spmd: process group %r is gloo with %d worker threads: two collectives in flight would run at "
         "once, and torch's gloo can corrupt the heap then (a rank aborts with 'malloc(): unaligned tcache "
         "chunk detected'; docs/crashes.md). spmd keeps one collective in flight at a time on it. Create "
-        "the group under `with spmd.gloo_threads(1): dist.init_process_group(\"gloo\", ...)` to keep "
+        'the group under `with spmd.gloo_threads(1): dist.init_process_group("gloo", ...)` to keep '
         "collectives overlapped with each other safely.",
         group,
         threads,

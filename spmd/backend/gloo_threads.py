@@ -48,7 +48,7 @@ def gloo_threads(n: int = 1) -> Iterator[None]:
 
     class _GlooWithThreads(base):  # type: ignore[misc, valid-type]
         def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
-            options = base._Options()
+            options = base._Options()  # type: ignore[attr-defined]
             options._threads = n
             options._devices = [base.create_default_device()]
             options._timeout = timeout

@@ -284,6 +284,23 @@ def test_the_profile_never_exceeds_the_budget(budget):
             assert inflight == C.bytes_of(coll)
 
 
+def test_a_cap_of_one_collective_waits_on_each_before_the_next_whatever_the_bytes():
+    """
+    four 64-byte all-reduces, no byte budget, at most one collective in flight (spmd's setting
+    for a gloo group with several threads)
+    after: ar0 relu0 w0 ar1 relu1 w1 ar2 relu2 w2 ar3 relu3 mul0 mul1 mul2 w3 mul3
+    a cap of two: one wait pulled up per collective from the third on
+    """
+    gm, nodes = _all_issued_then_waited([16] * 4)
+    _checked(functools.partial(limit_inflight, max_inflight_bytes=None, max_inflight_collectives=1), gm)
+    assert _order(gm, nodes) == "ar0 relu0 w0 ar1 relu1 w1 ar2 relu2 w2 ar3 relu3 mul0 mul1 mul2 w3 mul3"
+    gm, nodes = _all_issued_then_waited([16] * 4)
+    _checked(functools.partial(limit_inflight, max_inflight_bytes=None, max_inflight_collectives=2), gm)
+    assert _order(gm, nodes) == "ar0 relu0 ar1 relu1 w0 ar2 relu2 w1 ar3 relu3 mul0 mul1 w2 mul2 w3 mul3"
+    with pytest.raises(ValueError, match=">= 1"):
+        limit_inflight(gm, max_inflight_collectives=0)
+
+
 def test_auto_allows_twice_the_largest_collective():
     """
     all-reduces of 64, 128, 64, 64 bytes: "auto" is 256 bytes (unlimited, ar3 would make 320)
