@@ -16,7 +16,13 @@
 #                                                # unwaited all_reduce (unwaited) or a compiled step alive
 #                                                # (compiled); DESTROY=1: destroy_process_group first. The
 #                                                # exception case fails by design (rc 1); a crash is what counts.
+#   SPAWN=0 CHECKS=0 STRESS=0 SPMD_TEST_GLOO_THREADS=default benchmarks/crash_hunt.sh 20 \
+#     "tests/dist/test_optimizer_overlap.py::test_every_optimizer_form_split_bitwise[fully_shard]"
+#                                                # as the suite runs (forked ranks, glibc's plain malloc)
+#                                                # on torch's two-thread gloo group: how the gloo heap
+#                                                # corruption was caught (docs/crashes.md)
 # RUNS stops the loop after that many runs (default: MINUTES only); STRESS=0 runs without stress-ng;
+# CHECKS=0 leaves glibc's heap checks off; SPAWN=0 forks the ranks from the suite's fork server;
 # CORES=0 leaves core dumps as the machine has them (`make bench` runs a few minutes of MODE=steps so).
 # Defaults: 30 minutes; the tests most likely to race a buffer with gloo's background thread
 # (reduce-scatter as all-to-all, in-place all-reduce, buffer reuse, bucketing, overlap).
@@ -40,8 +46,9 @@ if [ ${#TARGETS[@]} -eq 0 ]; then
 fi
 mkdir -p "$OUT_DIR/cores"
 # Spawned ranks, not the suite's fork server: only a spawned rank runs the interpreter's teardown,
-# where a crash at exit happens (tests/dist/launcher.py).
-export SPMD_TEST_SPAWN=1
+# where a crash at exit happens (tests/dist/launcher.py). SPAWN=0 forks them as the suite does
+# (with CHECKS=0 too, the way the gloo heap corruption was found: docs/crashes.md).
+export SPMD_TEST_SPAWN=${SPAWN:-1}
 
 # stress-ng from Debian's packages (installed here, never by hand).
 if [ "${STRESS:-1}" = 1 ] && ! command -v stress-ng >/dev/null; then
@@ -69,15 +76,17 @@ fi
 # glibc >= 2.34 reads MALLOC_CHECK_ only with its debug malloc preloaded; the tunables say the same.
 DEBUG_MALLOC=$(ls /usr/lib/*/libc_malloc_debug.so.0 2>/dev/null | head -1)
 export OMP_NUM_THREADS=1 PYTHONFAULTHANDLER=1 PYTHONPATH=$ROOT
-export MALLOC_CHECK_=3
-[ -n "$DEBUG_MALLOC" ] && export LD_PRELOAD=$DEBUG_MALLOC
+if [ "${CHECKS:-1}" = 1 ]; then
+  export MALLOC_CHECK_=3
+  [ -n "$DEBUG_MALLOC" ] && export LD_PRELOAD=$DEBUG_MALLOC
+fi
 
 end=$(($(date +%s) + MINUTES * 60))
 runs=0 failed=0 crashes=0
 cd "$ROOT"
 while [ "$(date +%s)" -lt "$end" ] && { [ -z "${RUNS:-}" ] || [ "$runs" -lt "$RUNS" ]; }; do
   runs=$((runs + 1))
-  export MALLOC_PERTURB_=$(((runs * 37) % 255 + 1))  # freed bytes filled, allocations poisoned
+  [ "${CHECKS:-1}" = 1 ] && export MALLOC_PERTURB_=$(((runs * 37) % 255 + 1))  # freed bytes filled, allocations poisoned
   log="$OUT_DIR/run-$runs.log"
   if [ "$MODE" = steps ]; then
     nice -n 15 timeout 1800 "$PY" benchmarks/crash_hunt_steps.py --steps "${STEPS:-200}" >"$log" 2>&1
@@ -111,7 +120,7 @@ while [ "$(date +%s)" -lt "$end" ] && { [ -z "${RUNS:-}" ] || [ "$runs" -lt "$RU
   fi
   [ $rc -ne 0 ] && failed=$((failed + 1))
   [ $crash -eq 1 ] && crashes=$((crashes + 1))
-  echo "$(date -u +%T) run $runs mode=$MODE case=${CASE:-} destroy=${DESTROY:-0} rc=$rc crash=$crash perturb=$MALLOC_PERTURB_" | tee -a "$OUT_DIR/summary.txt"
+  echo "$(date -u +%T) run $runs mode=$MODE case=${CASE:-} destroy=${DESTROY:-0} rc=$rc crash=$crash perturb=${MALLOC_PERTURB_:-none}" | tee -a "$OUT_DIR/summary.txt"
   # Keep only the logs worth reading.
   [ $crash -eq 0 ] && { [ $rc -eq 0 ] || [ "$MODE" = teardown ]; } && rm -f "$log"
 done
