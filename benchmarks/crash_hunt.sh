@@ -16,7 +16,7 @@
 #                                                # unwaited all_reduce (unwaited) or a compiled step alive
 #                                                # (compiled); DESTROY=1: destroy_process_group first. The
 #                                                # exception case fails by design (rc 1); a crash is what counts.
-#   SPAWN=0 CHECKS=0 STRESS=0 SPMD_TEST_GLOO_THREADS=default benchmarks/crash_hunt.sh 20 \
+#   SPAWN=0 CHECKS=0 STRESS=0 benchmarks/crash_hunt.sh 20 \
 #     "tests/dist/test_optimizer_overlap.py::test_every_optimizer_form_split_bitwise[fully_shard]"
 #                                                # as the suite runs (forked ranks, glibc's plain malloc)
 #                                                # on torch's two-thread gloo group: how the gloo heap
@@ -49,6 +49,9 @@ mkdir -p "$OUT_DIR/cores"
 # where a crash at exit happens (tests/dist/launcher.py). SPAWN=0 forks them as the suite does
 # (with CHECKS=0 too, the way the gloo heap corruption was found: docs/crashes.md).
 export SPMD_TEST_SPAWN=${SPAWN:-1}
+# The ranks' gloo groups as a user's script makes them (torch's default, two worker threads, on
+# which spmd keeps one collective in flight), not the suite's one-thread groups.
+export SPMD_TEST_GLOO_THREADS=${SPMD_TEST_GLOO_THREADS:-default}
 
 # stress-ng from Debian's packages (installed here, never by hand).
 if [ "${STRESS:-1}" = 1 ] && ! command -v stress-ng >/dev/null; then
