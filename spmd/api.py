@@ -28,7 +28,6 @@ from spmd.backend.carry import install as carry_install
 from spmd.backend.lastcall import LastCall
 from spmd.backend.lowering import check_backend, check_gemm, check_optimizer_lowering, compile_graph
 from spmd.backend.runtime import (
-    ALT_STAGE,
     INDUCTOR_STAGE,
     Executable,
     build_eager_alternative,
@@ -48,14 +47,7 @@ from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.parallel.sharding import local
 from spmd.pipeline import backend_pipeline, build_trace_pipeline, check_remat, chunk_loss
-from spmd.reporting.dump import (
-    dump_code,
-    dump_graph,
-    dump_report,
-    dump_stages,
-    dump_where,
-    remove_stale_stages,
-)
+from spmd.reporting.dump import dump_entry
 from spmd.reporting.report import StepReport, describe_mode, entry_report
 
 log = logging.getLogger("spmd")
@@ -597,26 +589,6 @@ class CompiledStep:
         self._dump(entry)
 
     def _dump(self, entry: _Entry, *, stages: bool = True) -> None:
-        """Write the stages (``stages``), the backend's code and, while it is a candidate, the
-        eager backend's graph of an inductor step (as the two stages after the graphs), and the
-        report, if dumping. With ``stages``, files of stages no longer there are removed (a
-        stage renamed or moved: fix-ups, the eager graph kept)."""
-        if not self.dump_dir:
-            return
-        where = dump_where(self.dump_dir, self.__name__)
-        written = []
-        if stages:
-            dump_stages(self.dump_dir, self.__name__, entry.graphs)
-            written = [f"{i:02d}_{name}.py" for i, name in enumerate(entry.graphs)]
-        n = len(entry.graphs)
-        if entry.lowered_code is not None:
-            source = INDUCTOR_STAGE if INDUCTOR_STAGE in entry.graphs else "final"
-            dump_code(where, n, entry.backend, entry.lowered_code, source=source)
-            written.append(f"{n:02d}_{entry.backend}.py")
-        alt = entry.exe.alt
-        if alt is not None and INDUCTOR_STAGE not in entry.graphs:
-            dump_graph(where, n + 1, ALT_STAGE, alt.gm, self.__name__)
-            written.append(f"{n + 1:02d}_{ALT_STAGE}.py")
-        if stages:
-            remove_stale_stages(where, written)
-        dump_report(where, entry_report(entry, "final"))
+        """Write the entry's stages, code and report if dumping (``spmd.reporting.dump.dump_entry``)."""
+        if self.dump_dir:
+            dump_entry(self.dump_dir, self.__name__, entry, stages=stages)

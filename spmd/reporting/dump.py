@@ -6,7 +6,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
@@ -138,3 +138,30 @@ def dump_report(where: str, report: StepReport) -> None:
         f.write(report.to_json() + "\n")
     with open(os.path.join(where, "report.txt"), "w") as f:
         f.write(str(report) + "\n")
+
+
+def dump_entry(dump_dir: str, step_name: str, entry: Any, *, stages: bool = True) -> None:
+    """Write a compiled step's cache entry (``spmd.api``'s ``_Entry``): its stages (``stages``),
+    the backend's code and, while it is a candidate, the eager backend's graph of an inductor
+    step (as the two stages after the graphs), and the report. With ``stages``, files of stages
+    no longer there are removed (a stage renamed or moved: fix-ups, the eager graph kept)."""
+    from spmd.backend.runtime import ALT_STAGE, INDUCTOR_STAGE
+    from spmd.reporting.report import entry_report
+
+    where = dump_where(dump_dir, step_name)
+    written = []
+    if stages:
+        dump_stages(dump_dir, step_name, entry.graphs)
+        written = [f"{i:02d}_{name}.py" for i, name in enumerate(entry.graphs)]
+    n = len(entry.graphs)
+    if entry.lowered_code is not None:
+        source = INDUCTOR_STAGE if INDUCTOR_STAGE in entry.graphs else "final"
+        dump_code(where, n, entry.backend, entry.lowered_code, source=source)
+        written.append(f"{n:02d}_{entry.backend}.py")
+    alt = entry.exe.alt
+    if alt is not None and INDUCTOR_STAGE not in entry.graphs:
+        dump_graph(where, n + 1, ALT_STAGE, alt.gm, step_name)
+        written.append(f"{n + 1:02d}_{ALT_STAGE}.py")
+    if stages:
+        remove_stale_stages(where, written)
+    dump_report(where, entry_report(entry, "final"))
