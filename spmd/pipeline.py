@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -231,7 +232,10 @@ def backend_pipeline(
     eager = backend == "eager"
     serial = gloo_concurrent(gm)
     if serial and cross_step_prefetch:
-        log.info("spmd: cross_step_prefetch is off on a gloo group with several threads (docs/crashes.md)")
+        log.warning(
+            "spmd: cross_step_prefetch is off on a gloo group with several worker threads, where one "
+            "collective is in flight at a time (docs/crashes.md); make the group under spmd.gloo_threads(1)"
+        )
     return build_pipeline(
         parallel_mode,
         cross_step_prefetch=cross_step_prefetch and eager and not serial,
@@ -297,8 +301,6 @@ def gloo_concurrent(gm: fx.GraphModule) -> bool:
     overlap between collectives."""
     if not dist.is_initialized():
         return False
-    import torch
-
     for name in {C.group_of(c) for c in C.collectives(gm.graph)}:
         try:
             group = _resolve_process_group(name)  # type: ignore[arg-type]

@@ -1,7 +1,8 @@
 """spmd on a gloo group with two worker threads (torch's default) keeps one collective in flight
 at a time: torch's gloo can corrupt the heap when two collectives run at once (docs/crashes.md,
 benchmarks/gloo_concurrent_collectives.py). On a group made under ``spmd.gloo_threads(1)`` the
-collectives overlap each other as before. Same values either way, bit for bit."""
+collectives overlap each other as before, and cross_step_prefetch (a gather in flight across calls)
+is on only there. Same values either way, bit for bit."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def test_two_thread_gloo_group_runs_one_collective_at_a_time(monkeypatch: pytest
         assert d["threads"] == 2 and s["threads"] == 1, (d["threads"], s["threads"])
         assert d["most_in_flight"] == 1, f"rank {rank}: {d['most_in_flight']} collectives in flight at once"
         assert s["most_in_flight"] >= 2, "the one-thread group should keep collectives overlapped"
+        assert not d["carried"] and s["carried"], "cross_step_prefetch: off on two threads, on with one"
         assert d["losses"] == s["losses"]
         for name, p in d["params"].items():
             assert torch.equal(p, s["params"][name]), name

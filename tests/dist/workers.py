@@ -357,9 +357,18 @@ def gloo_threads_step(rank: int, world: int, style: str, knobs: dict[str, Any]) 
             most = max(most, len(outstanding))
         elif C.is_wait(n):
             outstanding.discard(C.collective_of(n))
+    # cross_step_prefetch carries a gather in flight across calls: off where one is the limit.
+    from passes.cross_step import CARRIED
+
+    carry_model = pm.build("tinygpt")
+    carry_opt = shared.make_optimizer("adamw_fused", carry_model)
+    carry = spmd.compile(parallel_mode=spmd.DataParallel(style, **knobs), cross_step_prefetch=True)(train_step)
+    carry(carry_model, carry_opt, *pm.batch("tinygpt", 0, rank))
+    carried = any(CARRIED in n.meta for n in carry.graphs["final"].graph.nodes)
     return {
         "threads": dist.group.WORLD._get_backend(torch.device("cpu")).options._threads,
         "most_in_flight": most,
+        "carried": carried,
         "losses": losses,
         "params": {n: _full(p) for n, p in model.named_parameters()},
     }
