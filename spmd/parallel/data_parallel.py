@@ -151,6 +151,17 @@ class DataParallel(ParallelMode):
             the device before its all-gathers and each reduced gradient back after its
             reduce-scatter (FSDP2's ``offload_policy``; FSDP1's ``cpu_offload``). Ignored on a
             CPU model. See :mod:`spmd.parallel.offload`.
+        tp_plan: tensor parallelism: ``{pattern: style or placement}`` in torchtitan's form, module
+            name patterns to ``torch.distributed.tensor.parallel`` styles (``ColwiseParallel()``,
+            ``RowwiseParallel()``, ``SequenceParallel()``...) or parameter name patterns to a
+            ``Placement`` on the ``"tp"`` mesh dimension (see
+            :func:`spmd.parallel.tensor_parallel.resolve_plan`). The style shards each data
+            dimension's piece as it would without tensor parallelism (FSDP2 composed with
+            ``parallelize_module``). Needs ``tp_size`` or a ``mesh`` with a ``"tp"`` dimension.
+        tp_size: ranks per tensor-parallel group (consecutive ranks, e.g. the GPUs of a node).
+            The default mesh is then ``(world // tp_size, tp_size)`` named ``("dp_shard", "tp")``
+            (``"dp_replicate"`` for replicate); for hybrid_shard ``("dp_replicate", "dp_shard",
+            "tp")`` with ``LOCAL_WORLD_SIZE // tp_size`` ranks sharding within a node.
     """
 
     parallel_style: str = "replicate"
@@ -172,6 +183,8 @@ class DataParallel(ParallelMode):
     ignored_modules: tuple[Any, ...] = ()
     ignored_params: tuple[Any, ...] = ()
     module_styles: Mapping[str, str] | None = None
+    tp_plan: Mapping[str, Any] | None = None
+    tp_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.parallel_style not in STYLES:
@@ -239,18 +252,52 @@ class DataParallel(ParallelMode):
                     f"parallel_style='fully_shard', got {self.parallel_style!r}. Use "
                     "DataParallel('fully_shard', offload_policy=spmd.CPUOffloadPolicy())."
                 )
+        self._check_tp()
         m = self.max_inflight_bytes
         if not (m is None or m == "auto" or (isinstance(m, int) and not isinstance(m, bool) and m > 0)):
             raise ConfigError(
                 f"spmd.DataParallel: max_inflight_bytes must be a positive int, 'auto' or None, got {m!r}."
             )
 
+    def _check_tp(self) -> None:
+        ts = self.tp_size
+        if ts is not None and (not isinstance(ts, int) or isinstance(ts, bool) or ts < 1):
+            raise ConfigError(f"spmd.DataParallel: tp_size must be an int >= 1, got {ts!r}.")
+        if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
+            raise ConfigError(
+                "spmd.DataParallel: tp_plan must be a dict {module or parameter name pattern: "
+                f"ColwiseParallel()/RowwiseParallel()/... or a Placement}}, got {type(self.tp_plan).__name__}."
+            )
+        mesh_tp = self.mesh is not None and plan.tp_dim(self.mesh) is not None
+        if self.tp_size is not None and self.mesh is not None:
+            if not mesh_tp or self.mesh.size(plan.tp_dim(self.mesh)) != self.tp_size:
+                raise ConfigError(
+                    "spmd.DataParallel: give either tp_size or a mesh with a 'tp' dimension, not both "
+                    "(they disagree)."
+                )
+        if self.tp_plan is not None and not (mesh_tp or (self.tp_size or 1) > 1):
+            raise ConfigError(
+                "spmd.DataParallel: tp_plan needs tensor-parallel ranks: tp_size=N (N > 1) or a mesh with a "
+                "dimension named 'tp', e.g. init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp_shard', 'tp'))."
+            )
+        if (mesh_tp or (self.tp_size or 1) > 1) and self.tp_plan is None:
+            raise ConfigError(
+                "spmd.DataParallel: a 'tp' mesh dimension needs tp_plan={...}, the placements of the "
+                "parameters on it (torchtitan's plan form: see docs/tensor-parallel.md)."
+            )
+        if self.tp_plan is not None and self.offload_policy is not None:
+            raise ConfigError("spmd.DataParallel: offload_policy with tensor parallelism is not supported.")
+
+    def _tp(self) -> bool:
+        """Whether this mode partitions a tensor-parallel dimension too."""
+        return self.tp_plan is not None
+
     def trace_casts(self) -> ComputeCasts | None:
         return self.mixed_precision.compute_casts() if self.mixed_precision is not None else None
 
     def accumulate_after_reduce(self) -> bool:
         # FSDP2's order for sharded styles, DDP's for replicate; eager's where nothing is reduced.
-        single = sharding.world_info()[1] == 1 and self.mesh is None
+        single = self._single()
         return self.parallel_style != "replicate" and not single
 
     def _check_per_parameter_knobs(self) -> None:
@@ -323,9 +370,42 @@ class DataParallel(ParallelMode):
                 return p.device_mesh
         p0 = next(module.parameters(), None)
         device_type = _init_device().type if p0 is None or p0.is_meta else p0.device.type
+        if self.tp_size is not None and self.tp_size > 1:
+            return sharding.default_mesh(device_type, *self._tp_mesh_shape())
         if self.parallel_style == plan.HYBRID_SHARD:
             return sharding.default_mesh(device_type, plan.hybrid_mesh_shape(sharding.world_info()[1]))
         return sharding.default_mesh(device_type)
+
+    def _tp_mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The default mesh (shape, names) with ``tp_size`` consecutive ranks per tensor-parallel group."""
+        world, tp = sharding.world_info()[1], self.tp_size or 1
+        if world % tp:
+            raise ConfigError(
+                f"spmd.DataParallel: tp_size={tp} does not divide the world size {world}; give a tp_size "
+                "that does (the data dimensions take the rest)."
+            )
+        if self.parallel_style == plan.HYBRID_SHARD:
+            nodes, local = plan.hybrid_mesh_shape(world)
+            if local % tp:
+                raise ConfigError(
+                    f"spmd.DataParallel('hybrid_shard'): tp_size={tp} does not divide the {local} ranks of a "
+                    "node (LOCAL_WORLD_SIZE); pass a mesh with dimensions ('dp_replicate', 'dp_shard', 'tp')."
+                )
+            return (nodes, local // tp, tp), ("dp_replicate", "dp_shard", plan.TP)
+        data = "dp_replicate" if self.parallel_style == plan.REPLICATE else "dp_shard"
+        return (world // tp, tp), (data, plan.TP)
+
+    def _single(self) -> bool:
+        """World size 1 with nothing asked of a mesh: no collectives, plain tensors."""
+        return sharding.world_info()[1] == 1 and self.mesh is None and not self._tp()
+
+    def _tp_placements(self, module: nn.Module, mesh: Any) -> dict[str, Any]:
+        """Parameter fqn -> its placement on the mesh's tp dimension ({} without one)."""
+        if plan.tp_dim(mesh) is None:
+            return {}
+        from spmd.parallel.tensor_parallel import resolve_plan
+
+        return resolve_plan(module, self.tp_plan or {})
 
     def _ignored_names(self, module: nn.Module, styles: dict[str, str] | None = None) -> set[str]:
         """Fqns of the ignored parameters and of the buffers of ignored modules (both rank-local)."""
@@ -354,13 +434,13 @@ class DataParallel(ParallelMode):
         that exist). A model on the meta device is materialised here (see ``param_init_fn``).
         """
         self.prepare(module, optimizer, None)
-        if optimizer is not None and sharding.world_info()[1] == 1 and self.mesh is None:
+        if optimizer is not None and self._single():
             optim_utils.ensure_state(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
 
     def prepare(
         self, module: nn.Module, optimizer: torch.optim.Optimizer | None, args: StepArgs | None
     ) -> None:
-        single = sharding.world_info()[1] == 1 and self.mesh is None
+        single = self._single()
         if sharding.is_meta_model(module):
             self._materialize(module, optimizer, single)
         if single:
@@ -382,11 +462,12 @@ class DataParallel(ParallelMode):
             optim_utils.ensure_state(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
         mesh = self._mesh(module)
         plan.check_mesh(mesh, self.parallel_style)
+        tp = self._tp_placements(module, mesh)
         n = sharding.distribute_state(
             module,
             optimizer,
             mesh,
-            lambda fqn, p: plan.placements_for(styles[fqn], mesh, p),
+            lambda fqn, p: plan.placements_for(styles[fqn], mesh, p, tp.get(fqn)),
             offload=self._offload(mesh),
         )
         _MESH_OF[module] = mesh
@@ -410,14 +491,16 @@ class DataParallel(ParallelMode):
         mesh = None if single else self._mesh(module)
         device = _init_device(mesh)
         styles = self._styles(module)
+        tp: dict[str, Any] = {}
         if mesh is not None:
             plan.check_mesh(mesh, self.parallel_style)
+            tp = self._tp_placements(module, mesh)
         new_of = sharding.materialize_meta(
             module,
             device=device,
             mesh=mesh,
             placements_of=lambda fqn, p: (
-                plan.placements_for(styles[fqn], mesh, p) if mesh is not None else None
+                plan.placements_for(styles[fqn], mesh, p, tp.get(fqn)) if mesh is not None else None
             ),
             param_init_fn=self.param_init_fn,
             sync_module_states=self.sync_module_states,
@@ -438,9 +521,13 @@ class DataParallel(ParallelMode):
     # ------------------------------------------------------------------ graph
 
     def partition(self, gm: fx.GraphModule, state: LiftedState, args: StepArgs) -> fx.GraphModule:
-        if sharding.world_info()[1] == 1 and self.mesh is None:
+        if self._single():
             return gm  # world size 1: nothing to communicate
         mesh = self._mesh(args.module)
+        if plan.tp_dim(mesh) is not None:
+            from spmd.parallel.tensor_parallel import expand_tp
+
+            gm = expand_tp(gm, state, args, mesh)  # step 1: the tensor-parallel piece of the step
         return _partition(gm, state, args, mesh, self)
 
 

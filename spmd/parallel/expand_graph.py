@@ -87,10 +87,12 @@ class _Expander(fx.Interpreter):
         param_pl: dict[str, Any],
         regions: dict[str, Any],
         view: _LocalView,
+        reduce_local: bool = True,
     ):
         super().__init__(gm)
         self.mesh = mesh
         self.view = view
+        self.reduce_local = reduce_local
         self.param_pl = param_pl
         self.regions = regions
         self.placements: dict[str, Any] = {}
@@ -176,12 +178,13 @@ class _Expander(fx.Interpreter):
         if target is TAG_GRAD:
             g, name = args
             want = self.param_pl.get(name)
+            average = self._average_local_dims if self.reduce_local else (lambda x: x)
             if isinstance(g, DTensor):
                 if want is not None and tuple(g.placements) != tuple(want):
                     g = g.redistribute(self.mesh, want)
-                local = self._average_local_dims(g._local_tensor)
+                local = average(g._local_tensor)
                 return _wrap(TAG_GRAD(local, name), self.mesh, g.placements, g)
-            return TAG_GRAD(self._average_local_dims(g), name)
+            return TAG_GRAD(average(g), name)
         q_at = expand_rules.ATTENTION_Q.get(target)
         if q_at is not None and kwargs.get("attn_mask") is not None:
             kwargs = {**kwargs, "attn_mask": self._place_mask(args[q_at], kwargs["attn_mask"])}
@@ -333,6 +336,8 @@ def expand_graph(
     param_pl: dict[str, Any],
     regions: dict[str, Any] | None = None,
     local_dims: Sequence[int] = (),
+    *,
+    reduce_local: bool = True,
 ) -> fx.GraphModule:
     """The graph one rank runs: ``gm`` (global semantics) expanded on ``mesh``.
 
@@ -341,8 +346,10 @@ def expand_graph(
     ``regions``: Override stand-ins that run on local tensors (see :class:`_Expander`).
     ``local_dims``: mesh dimensions of local batch semantics (DDP's): each rank's input there
     is its own batch, DTensor never communicates over them (see :class:`_LocalView`), and
-    every gradient is averaged over them at its tag. ``in_specs``, ``param_pl`` and
-    ``regions`` are given on the full mesh.
+    every gradient is averaged over them at its tag, unless ``reduce_local`` is False: then
+    every gradient keeps its tag, unreduced over the local dimensions, for a data-parallel
+    partitioner to reduce (FSDP x TP, :mod:`spmd.parallel.tensor_parallel`). ``in_specs``,
+    ``param_pl`` and ``regions`` are given on the full mesh.
     """
     expand_rules.register()
     old_nodes = {n.name: n for n in gm.graph.nodes}
@@ -357,7 +364,7 @@ def expand_graph(
     inner_specs = [view.inner(pl) for pl in in_specs]
     inner_regions = {fqn: tuple(view.inner(x) for x in pls) for fqn, pls in (regions or {}).items()}
     inner_params = {name: view.inner(pl) for name, pl in param_pl.items()}
-    expander = _Expander(gm, view.mesh, inner_params, inner_regions, view)
+    expander = _Expander(gm, view.mesh, inner_params, inner_regions, view, reduce_local)
 
     def run(*locals_: torch.Tensor) -> list[Any]:
         ins: list[Any] = []
@@ -386,7 +393,7 @@ def expand_graph(
             else:
                 n.meta[_CUSTOM] = c
     new = fx.GraphModule(new, new.graph, class_name="GraphModule")
-    _finish(new, old_nodes, placeholders, expander.placements, in_specs)
+    _finish(new, old_nodes, placeholders, expander.placements, in_specs, strip_tags=reduce_local)
     return new
 
 
@@ -409,6 +416,8 @@ def _finish(
     old_placeholders: list[fx.Node],
     placements: dict[str, Any],
     in_specs: list[Any],
+    *,
+    strip_tags: bool = True,
 ) -> None:
     """Give the expanded graph's nodes the traced nodes' names (placeholders) and metadata."""
     graph = gm.graph
@@ -451,7 +460,8 @@ def _finish(
         if not (n.meta.get(_CUSTOM) or {}):
             n.meta.pop(_CUSTOM, None)
         last = n
-    _strip_reduced_tags(graph)
+    if strip_tags:
+        _strip_reduced_tags(graph)
     _drop_none_getitems(graph)
     graph.lint()
     gm.recompile()

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from spmd.errors import ConfigError
 from spmd.parallel.sharding import ShardLayout
@@ -41,34 +42,62 @@ from spmd.parallel.sharding import ShardLayout
 # The styles a parameter can have; DataParallel's parallel_style is the default for all of them.
 REPLICATE, FULLY_SHARD, HYBRID_SHARD, IGNORED = "replicate", "fully_shard", "hybrid_shard", "ignored"
 _DIM_NAMES = (("replicate", "shard"), ("dp_replicate", "dp_shard"))
+# The mesh dimension of tensor parallelism (torchtitan's name); every other dimension is a data one.
+TP = "tp"
 
 
 # ----------------------------------------------------------------------------- meshes
 
 
+def tp_dim(mesh: Any) -> int | None:
+    """The index of the mesh's tensor-parallel dimension (named ``"tp"``), or None."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    return names.index(TP) if TP in names else None
+
+
+def data_dims(mesh: Any) -> tuple[int, ...]:
+    """The data-parallel dimensions of ``mesh``: every dimension but ``"tp"``."""
+    tp = tp_dim(mesh)
+    return tuple(d for d in range(getattr(mesh, "ndim", 1)) if d != tp)
+
+
 def hybrid_dims(mesh: DeviceMesh) -> tuple[int, int]:
-    """(replicate dim, shard dim) of a 2-D hybrid mesh: by dimension names if it has them, else (0, 1)."""
+    """(replicate dim, shard dim) of a hybrid mesh's two data dimensions: by dimension names if it
+    has them, else the first two data dimensions in order."""
     names = tuple(mesh.mesh_dim_names or ())
     for rep, shard in _DIM_NAMES:
         if rep in names and shard in names:
             return names.index(rep), names.index(shard)
-    return 0, 1
+    dims = data_dims(mesh)
+    return dims[0], dims[1]
+
+
+def shard_dim(mesh: DeviceMesh) -> int:
+    """The data dimension a sharded style shards over: the hybrid mesh's shard dimension, else the
+    one data dimension."""
+    dims = data_dims(mesh)
+    return hybrid_dims(mesh)[1] if len(dims) == 2 else dims[0]
 
 
 def check_mesh(mesh: Any, style: str, *, where: str = "spmd.DataParallel") -> None:
-    """Raise ConfigError unless ``mesh`` has the dimensions ``style`` needs."""
+    """Raise ConfigError unless ``mesh`` has the data dimensions ``style`` needs (plus, optionally,
+    a ``"tp"`` dimension)."""
     ndim = getattr(mesh, "ndim", None)
-    if style == HYBRID_SHARD and ndim != 2:
+    nd = len(data_dims(mesh)) if ndim is not None else None
+    tp = " plus a 'tp' dimension" if ndim is not None and tp_dim(mesh) is not None else ""
+    if style == HYBRID_SHARD and nd != 2:
         raise ConfigError(
-            f"{where}: parallel_style='hybrid_shard' needs a 2-D DeviceMesh (replicate x shard), got "
+            f"{where}: parallel_style='hybrid_shard' needs 2 data dimensions (replicate x shard){tp}, got "
             f"{'a ' + str(ndim) + '-D mesh' if ndim is not None else type(mesh).__name__}. Build one with "
             "init_device_mesh('cpu', (num_replicas, shard_size), mesh_dim_names=('replicate', 'shard')), "
             "or pass mesh=None to shard within each node (torchrun's LOCAL_WORLD_SIZE)."
         )
-    if style != HYBRID_SHARD and ndim != 1:
-        hint = " Use parallel_style='hybrid_shard' for a 2-D mesh." if ndim == 2 else ""
+    if style != HYBRID_SHARD and nd != 1:
+        hint = " Use parallel_style='hybrid_shard' for 2 data dimensions." if nd == 2 else ""
+        if ndim == 2 and not tp:
+            hint += " For tensor parallelism name the model dimension 'tp' (mesh_dim_names=('dp', 'tp'))."
         raise ConfigError(
-            f"{where}: parallel_style={style!r} needs a 1-D DeviceMesh, got "
+            f"{where}: parallel_style={style!r} needs one data dimension{tp}, got "
             f"{'a ' + str(ndim) + '-D mesh' if ndim is not None else type(mesh).__name__}.{hint}"
         )
 
@@ -105,6 +134,18 @@ def whole_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     if mesh.size() == dist.get_world_size():
         return dist.group.WORLD  # type: ignore[return-value]
     return mesh._flatten().get_group()
+
+
+def data_group(mesh: DeviceMesh, dims: tuple[int, ...]) -> dist.ProcessGroup:
+    """The process group of this rank's ``dims`` (data dimensions) of ``mesh``."""
+    if len(dims) == mesh.ndim:
+        return whole_group(mesh)
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ConfigError("spmd.DataParallel: a mesh with a 'tp' dimension must name all its dimensions.")
+    return mesh[tuple(names[d] for d in dims)]._flatten().get_group()
 
 
 # ----------------------------------------------------------------------------- placements
@@ -198,15 +239,34 @@ def ignored_buffers(module: nn.Module, ignored_modules: Iterable[Any]) -> set[st
     }
 
 
-def placements_for(style: str, mesh: DeviceMesh, p: torch.Tensor) -> tuple[Placement, ...] | None:
-    """The DTensor placements of a parameter of this style on ``mesh`` (None: stays a plain tensor)."""
+def placements_for(
+    style: str, mesh: DeviceMesh, p: torch.Tensor, tp: Placement | None = None
+) -> tuple[Placement, ...] | None:
+    """The DTensor placements of a parameter of this style on ``mesh`` (None: stays a plain tensor).
+
+    ``tp``: its placement on the mesh's ``"tp"`` dimension. A sharded style shards dim 0 of the
+    parameter's tensor-parallel piece over the data dimension, as FSDP2 composes with
+    ``parallelize_module``: where tp shards dim 0 too, the data dimension's placement is
+    ``_StridedShard(0, split_factor=tp size)`` (tp splits first, then each piece is split again).
+    """
     if style == IGNORED:
         return None
     out: list[Placement] = [Replicate()] * mesh.ndim
+    t = tp_dim(mesh)
+    if t is not None:
+        out[t] = tp if tp is not None else Replicate()
     if p.dim() == 0 or style == REPLICATE:
         return tuple(out)
-    out[hybrid_dims(mesh)[1] if mesh.ndim == 2 else 0] = Shard(0)
+    if t is not None and isinstance(tp, Shard) and tp.dim in (0, -p.dim()):
+        out[shard_dim(mesh)] = _StridedShard(0, split_factor=mesh.size(t))
+    else:
+        out[shard_dim(mesh)] = Shard(0)
     return tuple(out)
+
+
+def is_dim0_shard(pl: Placement) -> bool:
+    """``Shard(0)``, or the strided dim-0 shard of a data dimension under tensor parallelism."""
+    return isinstance(pl, Shard | _StridedShard) and pl.dim == 0
 
 
 # ----------------------------------------------------------------------------- communication
@@ -249,11 +309,14 @@ def _group(pg: dist.ProcessGroup) -> Group | None:
 
 
 def comm_plan(p: torch.Tensor, mesh: DeviceMesh) -> ParamComm:
-    """The parameter's communication, read from its state (a plain tensor is rank-local).
+    """The parameter's communication on the data dimensions, read from its state (a plain
+    tensor is rank-local).
 
     The groups come from ``mesh`` (the mode's), not from ``p.device_mesh``: DTensor may hand a
     parameter an earlier mesh that compares equal (same ranks and dimension names) but holds
-    other process groups, and every parameter of one graph must use the same groups.
+    other process groups, and every parameter of one graph must use the same groups. A
+    ``"tp"`` dimension is not the data partitioner's: the graph it sees already works on the
+    parameter's tensor-parallel piece, whose dim 0 is what the data dimension shards.
     """
     if not isinstance(p, DTensor):
         return LOCAL
@@ -263,23 +326,21 @@ def comm_plan(p: torch.Tensor, mesh: DeviceMesh) -> ParamComm:
             f"spmd.DataParallel: the model was distributed on a {p.device_mesh.ndim}-D mesh, but this step's "
             f"mode uses a {mesh.ndim}-D one. Compile every step on one model with the same parallel_style."
         )
-    shard_dims = [d for d, pl in enumerate(placements) if isinstance(pl, Shard)]
-    rep_dims = [d for d, pl in enumerate(placements) if isinstance(pl, Replicate)]
-    if len(shard_dims) > 1 or any(pl.dim != 0 for pl in placements if isinstance(pl, Shard)):
+    dims = data_dims(mesh)
+    shard_dims = [d for d in dims if not isinstance(placements[d], Replicate)]
+    rep_dims = tuple(d for d in dims if isinstance(placements[d], Replicate))
+    if len(shard_dims) > 1 or not all(is_dim0_shard(placements[d]) for d in shard_dims):
         raise ConfigError(
-            f"spmd.DataParallel: a parameter has placements {placements}; only Shard(0) on one mesh "
-            "dimension (and Replicate() elsewhere) is supported."
+            f"spmd.DataParallel: a parameter has placements {placements}; only Shard(0) on one data "
+            "mesh dimension (and Replicate() on the others) is supported."
         )
-    if len(shard_dims) + len(rep_dims) != mesh.ndim:
-        raise ConfigError(f"spmd.DataParallel: unsupported parameter placements {placements}.")
     shard = _group(mesh.get_group(shard_dims[0])) if shard_dims else None
-    if not rep_dims:
-        reduce = None
-    elif len(rep_dims) == mesh.ndim:
-        reduce = _group(whole_group(mesh))
-    else:
-        reduce = _group(mesh.get_group(rep_dims[0]))
-    layout = ShardLayout(p.shape[0], shard.size, shard.rank) if shard is not None else None
+    reduce = _group(data_group(mesh, rep_dims)) if rep_dims else None
+    rows = p.shape[0] if p.dim() else 0
+    t = tp_dim(mesh)
+    if t is not None and isinstance(placements[t], Shard) and placements[t].dim in (0, -p.dim()):
+        rows = Shard.local_shard_size_and_offset(rows, mesh.size(t), mesh.get_local_rank(t))[0]
+    layout = ShardLayout(rows, shard.size, shard.rank) if shard is not None else None
     return ParamComm(shard=shard, reduce=reduce, layout=layout)
 
 

@@ -111,7 +111,7 @@ def align_fused_optimizer(ps: PartitionState) -> None:
             lay = ps.layouts.get(name) if name is not None else None
             if name is None or lay is None:
                 continue
-            shape = ps.params[name].shape
+            shape = p.meta["val"].shape  # the parameter as the graph sees it (its tensor-parallel piece)
             row = math.prod(shape[1:])
             total, off, n_loc = lay.rows * row, lay.offset * row, lay.local_rows * row
             if off % _ALIGN == 0 and (n_loc % _ALIGN == 0 or off + n_loc == total):

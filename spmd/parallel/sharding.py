@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from spmd.errors import ConfigError
 from spmd.parallel.offload import CPUOffloadPolicy, to_host
@@ -40,22 +42,26 @@ def world_info() -> tuple[int, int]:
     return 0, 1
 
 
-_DEFAULT_MESHES: dict[tuple[str, int, int, tuple[int, ...]], DeviceMesh] = {}
+_DEFAULT_MESHES: dict[tuple[Any, ...], DeviceMesh] = {}
 
 
-def default_mesh(device_type: str, shape: Sequence[int] | None = None) -> DeviceMesh:
-    """A mesh over every rank of the default process group: 1-D, or ``shape`` (replicate, shard).
+def default_mesh(
+    device_type: str, shape: Sequence[int] | None = None, names: Sequence[str] | None = None
+) -> DeviceMesh:
+    """A mesh over every rank of the default process group: 1-D, or ``shape`` (replicate, shard),
+    or ``shape`` with its dimension ``names``.
 
     Made once per device type, shape and default group: a group destroyed and initialised
     again (tests, ``spmd.simulate``) gets a new mesh.
     """
     shape = tuple(shape) if shape is not None else (dist.get_world_size(),)
     group = dist.distributed_c10d._get_default_group()
-    key = (device_type, id(group), dist.get_world_size(), shape)
+    key = (device_type, id(group), dist.get_world_size(), shape, tuple(names or ()))
     if key not in _DEFAULT_MESHES:
         if any(k[1] != id(group) for k in _DEFAULT_MESHES):
             _DEFAULT_MESHES.clear()  # meshes of earlier groups are dead
-        names = ("replicate", "shard") if len(shape) == 2 else None
+        if names is None:
+            names = ("replicate", "shard") if len(shape) == 2 else None
         _DEFAULT_MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
     return _DEFAULT_MESHES[key]
 
@@ -88,7 +94,7 @@ class ShardLayout:
 
 
 def is_sharded(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
+    return isinstance(t, DTensor) and any(isinstance(p, Shard | _StridedShard) for p in t.placements)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -105,9 +111,24 @@ def _to_dtensor(
     """``t`` (the full value, equal on every rank) as a DTensor with this rank's piece of it."""
     if offload is not None:
         return _to_offloaded_dtensor(t, mesh, any(isinstance(pl, Shard) for pl in placements), offload)
+    if any(isinstance(pl, _StridedShard) for pl in placements):
+        # FSDP x TP: the tensor-parallel piece first, then that piece's rows over the data
+        # dimension (right to left, as FSDP2 shards a parallelize_module parameter).
+        piece = t.detach()
+        for dim in reversed(range(len(placements))):
+            pl = placements[dim]
+            if isinstance(pl, Shard | _StridedShard):
+                d = pl.dim % t.dim()
+                size, off = Shard.local_shard_size_and_offset(
+                    piece.shape[d], mesh.size(dim), mesh.get_local_rank(dim)
+                )
+                piece = piece.narrow(d, off, size)
+        return DTensor.from_local(
+            piece.clone(), mesh, list(placements), run_check=False, shape=t.shape, stride=t.stride()
+        )
     if any(isinstance(pl, Shard) and pl.dim != 0 for pl in placements):
-        # Declared placements (DTensorExpandMode) may shard any dim: DTensor's own even chunks,
-        # cut from the local full value without communication.
+        # Declared placements (DTensorExpandMode, tensor parallelism) may shard any dim: DTensor's
+        # own chunks, cut from the local full value without communication.
         return distribute_tensor(t.detach(), mesh, placements, src_data_rank=None)
     piece = t.detach()
     for dim, pl in enumerate(placements):
