@@ -405,7 +405,7 @@ class DataParallel(ParallelMode):
             return {}
         from spmd.parallel.tensor_parallel import resolve_plan
 
-        return resolve_plan(module, self.tp_plan or {})
+        return resolve_plan(module, self.tp_plan or {}).params
 
     def _ignored_names(self, module: nn.Module, styles: dict[str, str] | None = None) -> set[str]:
         """Fqns of the ignored parameters and of the buffers of ignored modules (both rank-local)."""
@@ -527,7 +527,7 @@ class DataParallel(ParallelMode):
         if plan.tp_dim(mesh) is not None:
             from spmd.parallel.tensor_parallel import expand_tp
 
-            gm = expand_tp(gm, state, args, mesh)  # step 1: the tensor-parallel piece of the step
+            gm = expand_tp(gm, state, args, mesh, self.tp_plan or {})  # step 1: the tensor-parallel piece of the step
         return _partition(gm, state, args, mesh, self)
 
 

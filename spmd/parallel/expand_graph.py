@@ -88,11 +88,15 @@ class _Expander(fx.Interpreter):
         regions: dict[str, Any],
         view: _LocalView,
         reduce_local: bool = True,
+        boundaries: dict[str, Any] | None = None,
     ):
         super().__init__(gm)
         self.mesh = mesh
         self.view = view
         self.reduce_local = reduce_local
+        # module fqn -> (placements its forward inputs take, placements its outputs take; None: any)
+        self.boundaries = boundaries or {}
+        self._bounded: dict[tuple[fx.Node, Any], Any] = {}
         self.param_pl = param_pl
         self.regions = regions
         self.placements: dict[str, Any] = {}
@@ -132,7 +136,41 @@ class _Expander(fx.Interpreter):
             return self._into_region(a, v, region)
         if region is None and src_region is not None:
             return self._out_of_region(a, v, consumer, src_region)
+        if self.boundaries and isinstance(v, DTensor):
+            want = self._boundary_layout(a, consumer)
+            if want is not None:
+                want = tuple(Shard(p.dim % v.ndim) if isinstance(p, Shard) else p for p in want)
+            if want is not None and tuple(v.placements) != want:
+                key = (a, want)
+                if key not in self._bounded:
+                    self._bounded[key] = v.redistribute(self.mesh, want)
+                return self._bounded[key]
         return v
+
+    def _boundary_layout(self, a: fx.Node, consumer: fx.Node) -> tuple[Placement, ...] | None:
+        """The placements a forward value takes where it crosses a planned module's boundary:
+        leaving the innermost planned module that computes it (its output layout), else entering
+        the innermost planned module that reads it (its input layout). Parameters and state never
+        cross: they are placed by the plan. A backward node reading a forward value reads what its
+        forward module read (the value saved for backward is the redistributed one)."""
+        if a.meta.get(PHASE) is not Phase.FORWARD or consumer.meta.get(PHASE) is Phase.OPTIMIZER:
+            return None
+        if a.op == "placeholder" and a.meta.get(ROLE) is not Role.INPUT:
+            return None
+        src, dst = a.meta.get(MODULE, ""), consumer.meta.get(MODULE, "")
+
+        def inside(mod: str, b: str) -> bool:
+            return mod == b or mod.startswith(b + ".")
+
+        for b in sorted(self.boundaries, key=len, reverse=True):
+            out_pl = self.boundaries[b][1]
+            if out_pl is not None and a.op != "placeholder" and inside(src, b) and not inside(dst, b):
+                return out_pl
+        for b in sorted(self.boundaries, key=len, reverse=True):
+            in_pl = self.boundaries[b][0]
+            if in_pl is not None and inside(dst, b) and (a.op == "placeholder" or not inside(src, b)):
+                return in_pl
+        return None
 
     def _into_region(self, a: fx.Node, v: Any, region: str) -> Any:
         in_pl, out_pl = self.regions[region]
@@ -338,6 +376,7 @@ def expand_graph(
     local_dims: Sequence[int] = (),
     *,
     reduce_local: bool = True,
+    boundaries: dict[str, Any] | None = None,
 ) -> fx.GraphModule:
     """The graph one rank runs: ``gm`` (global semantics) expanded on ``mesh``.
 
@@ -348,8 +387,11 @@ def expand_graph(
     is its own batch, DTensor never communicates over them (see :class:`_LocalView`), and
     every gradient is averaged over them at its tag, unless ``reduce_local`` is False: then
     every gradient keeps its tag, unreduced over the local dimensions, for a data-parallel
-    partitioner to reduce (FSDP x TP, :mod:`spmd.parallel.tensor_parallel`). ``in_specs``,
-    ``param_pl`` and ``regions`` are given on the full mesh.
+    partitioner to reduce (FSDP x TP, :mod:`spmd.parallel.tensor_parallel`). ``boundaries``:
+    module fqn -> (input placements, output placements) a forward value is redistributed to where
+    it enters or leaves that module (a tensor-parallel plan's layouts), given on the mesh DTensor
+    expands on (the sub-mesh without local dimensions). ``in_specs``, ``param_pl`` and
+    ``regions`` are given on the full mesh.
     """
     expand_rules.register()
     old_nodes = {n.name: n for n in gm.graph.nodes}
@@ -364,7 +406,7 @@ def expand_graph(
     inner_specs = [view.inner(pl) for pl in in_specs]
     inner_regions = {fqn: tuple(view.inner(x) for x in pls) for fqn, pls in (regions or {}).items()}
     inner_params = {name: view.inner(pl) for name, pl in param_pl.items()}
-    expander = _Expander(gm, view.mesh, inner_params, inner_regions, view, reduce_local)
+    expander = _Expander(gm, view.mesh, inner_params, inner_regions, view, reduce_local, boundaries)
 
     def run(*locals_: torch.Tensor) -> list[Any]:
         ins: list[Any] = []

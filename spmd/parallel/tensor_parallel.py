@@ -35,6 +35,7 @@ what that means for sequence parallelism).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 import logging
@@ -115,7 +116,31 @@ def _module_placements(fqn: str, m: nn.Module, kind: str, style: Any) -> dict[st
     )
 
 
-def resolve_plan(module: nn.Module, tp_plan: Mapping[str, Any]) -> dict[str, Placement]:
+def _module_layouts(m: nn.Module, kind: str, style: Any) -> tuple[Placement | None, Placement | None]:
+    """(input, output) layout on tp of a module under ``style``: what a forward value is
+    redistributed to where it enters or leaves the module (None: whatever DTensor propagates)."""
+    from torch.distributed.tensor import parallel as tpar
+
+    if isinstance(style, tpar.ColwiseParallel):
+        return style.desired_input_layouts[0], style.output_layouts[0]
+    if isinstance(style, tpar.RowwiseParallel):
+        rows = Replicate() if isinstance(m, nn.Embedding) else Shard(-1)
+        return rows, style.output_layouts[0]
+    if isinstance(style, tpar.SequenceParallel):
+        return style.sequence_sharding[0], style.sequence_sharding[0]
+    return None, None  # PrepareModuleInput/Output: positional layouts; propagation decides
+
+
+@dataclasses.dataclass(frozen=True)
+class TPPlan:
+    """A plan resolved on one model: each placed parameter's placement on tp (the others
+    replicate), and the activation layouts at the planned modules' boundaries."""
+
+    params: dict[str, Placement]
+    layouts: dict[str, tuple[Placement | None, Placement | None]]
+
+
+def resolve_plan(module: nn.Module, tp_plan: Mapping[str, Any]) -> TPPlan:
     """Every parameter fqn the plan places -> its placement on tp (the others replicate).
 
     Keys are ``fnmatch`` patterns. A key matching module fqns takes a
@@ -128,12 +153,22 @@ def resolve_plan(module: nn.Module, tp_plan: Mapping[str, Any]) -> dict[str, Pla
     fqns takes a ``Placement`` (``Shard(d)`` or ``Replicate()``). The first matching key wins; a
     key that matches nothing is an error (a typo would silently replicate). A tied parameter
     must get one placement under all its names.
+
+    A style's activation layouts hold at the module's boundary in forward: a value entering the
+    module is redistributed to its ``desired_input_layouts`` (``ColwiseParallel``: replicated;
+    ``RowwiseParallel``: split on the last dimension, or replicated token ids for an embedding;
+    ``SequenceParallel``: split on the sequence), a value leaving it to its ``output_layouts``
+    (``RowwiseParallel``'s default ``Replicate()`` is Megatron's all-reduce; ``Shard(1)`` a
+    reduce-scatter into sequence parallelism). ``input_layouts`` and ``use_local_output`` have
+    no meaning in a whole-step graph (values carry their layouts), and ``PrepareModuleInput``/
+    ``PrepareModuleOutput`` add none.
     """
     from torch.distributed.tensor.parallel import ParallelStyle
 
     modules = dict(module.named_modules())
     params = dict(module.named_parameters(remove_duplicate=False))
     out: dict[str, Placement] = {}
+    layouts: dict[str, tuple[Placement | None, Placement | None]] = {}
     for pattern, value in tp_plan.items():
         if not isinstance(pattern, str):
             raise ConfigError(f"spmd tp_plan: keys are module or parameter name patterns, got {pattern!r}.")
@@ -166,6 +201,8 @@ def resolve_plan(module: nn.Module, tp_plan: Mapping[str, Any]) -> dict[str, Pla
                     matched = True
                     for n, pl in _module_placements(fqn, m, kind, value).items():
                         out.setdefault(f"{fqn}.{n}", pl)
+                    if fqn not in layouts and any(x is not None for x in _module_layouts(m, kind, value)):
+                        layouts[fqn] = _module_layouts(m, kind, value)
         else:
             raise ConfigError(
                 f"spmd tp_plan[{pattern!r}] = {value!r}: give a torch.distributed.tensor.parallel style "
@@ -180,7 +217,7 @@ def resolve_plan(module: nn.Module, tp_plan: Mapping[str, Any]) -> dict[str, Pla
                 f"{'parameter' if isinstance(value, Placement) else 'module'} of the model.{hint}"
             )
     _check_tied(module, out)
-    return out
+    return TPPlan(out, layouts)
 
 
 def _check_tied(module: nn.Module, placed: dict[str, Placement]) -> None:
@@ -229,7 +266,9 @@ def _tp_piece(t: torch.Tensor, mesh: DeviceMesh, tp: int, fake: FakeTensorMode) 
         return torch.empty(shape, dtype=t.dtype, device=t._local_tensor.device)
 
 
-def expand_tp(gm: fx.GraphModule, state: LiftedState, args: StepArgs, mesh: DeviceMesh) -> fx.GraphModule:
+def expand_tp(
+    gm: fx.GraphModule, state: LiftedState, args: StepArgs, mesh: DeviceMesh, tp_plan: Mapping[str, Any]
+) -> fx.GraphModule:
     """Step 1 of an FSDP x TP partition: ``gm`` expanded over the mesh's ``tp`` dimension.
 
     Returns the graph of one tensor-parallel piece of the step on this rank's batch: parameter
@@ -253,7 +292,19 @@ def expand_tp(gm: fx.GraphModule, state: LiftedState, args: StepArgs, mesh: Devi
                 "(Override.placements), which only DTensorExpandMode reads. Return None from placements() "
                 "and place the stand-in's parameters with tp_plan."
             )
+    layouts = {
+        fqn: tuple((x,) if x is not None else None for x in pls)
+        for fqn, pls in resolve_plan(args.module, tp_plan).layouts.items()
+    }
     log.info("spmd: tensor parallelism over %d ranks, data dimensions %s", mesh.size(tp), plan.data_dims(mesh))
     return expand_graph(
-        gm, mesh, reals, specs, param_pl, regions, plan.data_dims(mesh), reduce_local=False
+        gm,
+        mesh,
+        reals,
+        specs,
+        param_pl,
+        regions,
+        plan.data_dims(mesh),
+        reduce_local=False,
+        boundaries=layouts,
     )

@@ -1,0 +1,55 @@
+"""Ready-made tensor-parallel plans, in torchtitan's form (module patterns to parallel styles).
+
+Each function returns a fresh dict for ``DataParallel(..., tp_plan=...)``; edit it freely.
+The plans are Megatron's layout, as torchtitan writes it for Llama: the first projection of
+attention (q, k, v) and of the MLP (gate, up) column-parallel, the second (o, down)
+row-parallel, the token embedding and the head split on the vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _styles() -> tuple[Any, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return ColwiseParallel, RowwiseParallel
+
+
+def llama(*, prefix: str = "model.", head: str = "lm_head") -> dict[str, Any]:
+    """Hugging Face Llama-family naming (Llama, Mistral, Qwen2/Qwen3, Mixtral's attention):
+    ``{prefix}layers.*.self_attn.{q,k,v,o}_proj``, ``{prefix}layers.*.mlp.{gate,up,down}_proj``,
+    ``{prefix}embed_tokens`` and ``lm_head``. Grouped-query attention shards the key/value heads
+    like the query heads (``num_key_value_heads`` should be a multiple of the tp size; otherwise
+    DTensor redistributes around attention, correct but with more communication). Mixtral's
+    experts (``block_sparse_moe``) are not named here and replicate over tp.
+    """
+    col, row = _styles()
+    return {
+        f"{prefix}embed_tokens": row(),  # vocabulary-parallel embedding
+        f"{prefix}layers.*.self_attn.q_proj": col(),
+        f"{prefix}layers.*.self_attn.k_proj": col(),
+        f"{prefix}layers.*.self_attn.v_proj": col(),
+        f"{prefix}layers.*.self_attn.o_proj": row(),
+        f"{prefix}layers.*.mlp.gate_proj": col(),
+        f"{prefix}layers.*.mlp.up_proj": col(),
+        f"{prefix}layers.*.mlp.down_proj": row(),
+        head: col(),  # vocabulary-parallel head
+    }
+
+
+def gpt() -> dict[str, Any]:
+    """spmd's built-in GPT (:mod:`spmd.models`): ``blocks.*.qkv`` and ``blocks.*.fc``
+    column-parallel, ``blocks.*.proj`` and ``blocks.*.out`` row-parallel, the token embedding
+    (tied to the head) on the vocabulary. ``qkv`` is one fused projection whose rows are q, k, v
+    in turn: an even split of it does not give each rank whole heads, so DTensor redistributes
+    its output around attention (correct; more communication than separate q, k, v)."""
+    col, row = _styles()
+    return {
+        "tok": row(),
+        "blocks.*.qkv": col(),
+        "blocks.*.fc": col(),
+        "blocks.*.proj": row(),
+        "blocks.*.out": row(),
+    }

@@ -1,0 +1,187 @@
+"""Per-rank bodies of the FSDP x TP tests (module level, so forked ranks can import them).
+
+Each model is a tiny configuration built in code (no download, no dropout: tensor-parallel ranks
+draw their own random numbers, the single-device reference one stream) with a torchtitan-style
+plan (``spmd.parallel.tp_plans``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import spmd
+from spmd.parallel import tp_plans
+from tests.dist.workers_expand import _masked_diff
+
+V, T, B = 64, 8, 2  # vocabulary, sequence length, local batch
+_LLAMA = dict(
+    vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0, use_cache=False,
+)  # fmt: skip
+
+
+def build(name: str) -> tuple[nn.Module, dict[str, Any], bool]:
+    """(model, tp plan, whether the model returns HF outputs) for a test model name."""
+    if name == "gpt":
+        from spmd.models import CONFIGS, GPT
+
+        return GPT(CONFIGS["tiny"]), tp_plans.gpt(), False
+    import transformers as tf
+
+    if name == "hf_llama":  # grouped-query attention: 4 query heads, 2 key/value heads
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**_LLAMA)), tp_plans.llama(), True
+    if name == "hf_qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**_LLAMA)), tp_plans.llama(), True
+    if name == "hf_mixtral":  # experts replicated over tp (the plan does not name them)
+        cfg = tf.MixtralConfig(**_LLAMA, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0)
+        return tf.MixtralForCausalLM(cfg), tp_plans.llama(), True
+    raise ValueError(name)
+
+
+def _loss(model: nn.Module, hf: bool, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if hf:
+        return model(input_ids=ids, labels=labels).loss
+    logits = model(ids)
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def make_step(hf: bool, clip: bool) -> Any:
+    def train_step(model, optim, ids, labels):
+        loss = _loss(model, hf, ids, labels)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    return train_step
+
+
+def batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    return ids, ids.roll(-1, dims=1)
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def vs_single_device(
+    rank: int,
+    world: int,
+    name: str,
+    style: str = "fully_shard",
+    tp: int = 2,
+    steps: int = 5,
+    optim: str = "adamw",
+    **compile_kw: Any,
+) -> dict[str, Any]:
+    """FSDP x TP (``style`` on the data dimension, ``tp`` ranks per tensor-parallel group) against
+    one device training on the global batch (every data rank's batch), fused AdamW and
+    ``clip_grad_norm_``. Returns the largest loss and parameter differences and each parameter's
+    placements and local shape."""
+    torch.manual_seed(0)  # the same initial values on every rank
+    model, plan, hf = build(name)
+    ref = copy.deepcopy(model)
+    if optim == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, fused=True)
+    fn = make_step(hf, clip=True)
+    mode = spmd.DataParallel(style, tp_size=tp, tp_plan=plan)
+    step = spmd.compile(parallel_mode=mode, check_invariants=True, **compile_kw)(fn)
+    dp = world // tp
+    dp_rank = rank // tp  # the default mesh: the ranks of one tensor-parallel group are consecutive
+    initial = [p.detach().clone() for p in ref.parameters()]
+    loss_diff = 0.0
+    for i in range(steps):
+        batches = [batch(i, r) for r in range(dp)]
+        loss = step(model, opt, *batches[dp_rank])
+        want = fn(ref, ref_opt, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+        got = loss.detach().clone()
+        dist.all_reduce(got)  # the mean of the data ranks' local losses (each tp rank holds it too)
+        loss_diff = max(loss_diff, (got / world - want).abs().item())
+    diffs = {
+        n: _masked_diff(n, _full(p), q)
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())
+    }
+    return {
+        "loss_diff": loss_diff,
+        "param_diff": max(diffs.values()),
+        "worst": max(diffs, key=diffs.__getitem__),
+        "moved": max((q - p0).abs().max().item() for q, p0 in zip(ref.parameters(), initial)),
+        "placements": {n: tuple(map(str, p.placements)) for n, p in model.named_parameters()},
+        "local_shapes": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()},
+        "collectives": {k: v.count for k, v in step.report().collectives.items()},
+    }
+
+
+def vs_fsdp2(rank: int, world: int, name: str, tp: int = 2, steps: int = 4) -> dict[str, Any]:
+    """The same step against FSDP2 ``fully_shard`` composed with ``parallelize_module`` by hand,
+    with the same plan on the same 2-D mesh, different data on each data rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.manual_seed(0)
+    model, plan, hf = build(name)
+    ref = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp_shard", "tp"))
+    parallelize_module(ref, mesh["tp"], {k: v for k, v in tp_plans_for_fsdp2(plan).items()})
+    for m in ref.modules():
+        if type(m).__name__.endswith("DecoderLayer") or type(m).__name__ == "Block":
+            fully_shard(m, mesh=mesh["dp_shard"])
+    fully_shard(ref, mesh=mesh["dp_shard"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    fn = make_step(hf, clip=False)
+    step = spmd.compile(parallel_mode=spmd.DataParallel("fully_shard", mesh=mesh, tp_plan=plan))(fn)
+    ids_rank = rank // tp
+    loss_diff = 0.0
+    for i in range(steps):
+        ids, labels = batch(i, ids_rank)
+        got = step(model, opt, ids, labels)
+        want = fn(ref, ref_opt, ids, labels)
+        loss_diff = max(loss_diff, (got.detach() - _full(want.detach())).abs().item())
+    diffs = {
+        n: _masked_diff(n, _full(p), _full(q.detach()))
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())
+    }
+    same_placements = all(
+        tuple(p.placements) == tuple(q.placements)
+        for p, q in zip(model.parameters(), ref.parameters())
+        if isinstance(q, DTensor)
+    )
+    return {
+        "loss_diff": loss_diff,
+        "param_diff": max(diffs.values()),
+        "worst": max(diffs, key=diffs.__getitem__),
+        "same_placements": same_placements,
+    }
+
+
+def tp_plans_for_fsdp2(plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan as ``parallelize_module`` takes it: the embedding's output and the head's input
+    replicated (what spmd's whole-step propagation gives), and the head's output gathered for
+    the plain loss. ``fnmatch`` patterns are ``parallelize_module``'s own syntax too."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    out = dict(plan)
+    for k, v in plan.items():
+        if k in ("tok", "model.embed_tokens"):
+            out[k] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if k == "lm_head":
+            out[k] = ColwiseParallel(output_layouts=Replicate())
+        del v
+    return out
