@@ -89,8 +89,12 @@ class _Expander(fx.Interpreter):
         view: _LocalView,
         reduce_local: bool = True,
         boundaries: dict[str, Any] | None = None,
+        replicate_unknown: bool = False,
     ):
         super().__init__(gm)
+        # Ops without a sharding strategy run replicated (tensor parallelism), instead of failing.
+        self.replicate_unknown = replicate_unknown
+        self._unknown: set[Any] = set()
         self.mesh = mesh
         self.view = view
         self.reduce_local = reduce_local
@@ -226,7 +230,32 @@ class _Expander(fx.Interpreter):
         q_at = expand_rules.ATTENTION_Q.get(target)
         if q_at is not None and kwargs.get("attn_mask") is not None:
             kwargs = {**kwargs, "attn_mask": self._place_mask(args[q_at], kwargs["attn_mask"])}
-        return super().call_function(target, args, kwargs)
+        if self.replicate_unknown and target in self._unknown:
+            return self._replicated_call(target, args, kwargs)
+        try:
+            return super().call_function(target, args, kwargs)
+        except NotImplementedError as exc:
+            if not (self.replicate_unknown and "sharding strategy" in str(exc)):
+                raise
+            self._unknown.add(target)
+            log.info("spmd: %s has no sharding strategy: computed on replicated inputs", target)
+            return self._replicated_call(target, args, kwargs)
+
+    def _replicated_call(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``target`` on replicated local tensors, its outputs replicated: correct for any op
+        (each rank computes the whole value), at the price of gathering its sharded inputs."""
+        rep = (Replicate(),) * self.mesh.ndim
+
+        def to_local(x: Any) -> Any:
+            if not isinstance(x, DTensor):
+                return x
+            if tuple(x.placements) != rep:
+                x = x.redistribute(self.mesh, rep)
+            return x._local_tensor
+
+        largs, lkwargs = pytree.tree_map(to_local, (args, kwargs))
+        out = target(*largs, **lkwargs)
+        return pytree.tree_map(lambda t: _wrap(t, self.mesh, rep, t) if isinstance(t, torch.Tensor) else t, out)
 
     def _average_local_dims(self, g: torch.Tensor) -> torch.Tensor:
         """Average a gradient over the mesh dimensions of local batch semantics, as DDP does.
@@ -377,6 +406,7 @@ def expand_graph(
     *,
     reduce_local: bool = True,
     boundaries: dict[str, Any] | None = None,
+    replicate_unknown: bool = False,
 ) -> fx.GraphModule:
     """The graph one rank runs: ``gm`` (global semantics) expanded on ``mesh``.
 
@@ -390,7 +420,9 @@ def expand_graph(
     partitioner to reduce (FSDP x TP, :mod:`spmd.parallel.tensor_parallel`). ``boundaries``:
     module fqn -> (input placements, output placements) a forward value is redistributed to where
     it enters or leaves that module (a tensor-parallel plan's layouts), given on the mesh DTensor
-    expands on (the sub-mesh without local dimensions). ``in_specs``, ``param_pl`` and
+    expands on (the sub-mesh without local dimensions). ``replicate_unknown``: an op DTensor
+    has no sharding strategy for runs on replicated inputs (gathered first) instead of failing.
+    ``in_specs``, ``param_pl`` and
     ``regions`` are given on the full mesh.
     """
     expand_rules.register()
@@ -406,7 +438,9 @@ def expand_graph(
     inner_specs = [view.inner(pl) for pl in in_specs]
     inner_regions = {fqn: tuple(view.inner(x) for x in pls) for fqn, pls in (regions or {}).items()}
     inner_params = {name: view.inner(pl) for name, pl in param_pl.items()}
-    expander = _Expander(gm, view.mesh, inner_params, inner_regions, view, reduce_local, boundaries)
+    expander = _Expander(
+        gm, view.mesh, inner_params, inner_regions, view, reduce_local, boundaries, replicate_unknown
+    )
 
     def run(*locals_: torch.Tensor) -> list[Any]:
         ins: list[Any] = []

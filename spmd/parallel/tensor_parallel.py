@@ -307,4 +307,5 @@ def expand_tp(
         plan.data_dims(mesh),
         reduce_local=False,
         boundaries=layouts,
+        replicate_unknown=True,
     )

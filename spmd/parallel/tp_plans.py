@@ -17,26 +17,29 @@ def _styles() -> tuple[Any, Any]:
     return ColwiseParallel, RowwiseParallel
 
 
-def llama(*, prefix: str = "model.", head: str = "lm_head") -> dict[str, Any]:
+def llama(*, prefix: str = "model.", head: str = "lm_head", mlp: bool = True) -> dict[str, Any]:
     """Hugging Face Llama-family naming (Llama, Mistral, Qwen2/Qwen3, Mixtral's attention):
     ``{prefix}layers.*.self_attn.{q,k,v,o}_proj``, ``{prefix}layers.*.mlp.{gate,up,down}_proj``,
     ``{prefix}embed_tokens`` and ``lm_head``. Grouped-query attention shards the key/value heads
     like the query heads (``num_key_value_heads`` should be a multiple of the tp size; otherwise
-    DTensor redistributes around attention, correct but with more communication). Mixtral's
-    experts (``block_sparse_moe``) are not named here and replicate over tp.
+    DTensor redistributes around attention, correct but with more communication). ``mlp=False``
+    leaves the MLP out (a mixture of experts such as Mixtral's: its experts and router replicate
+    over tp).
     """
     col, row = _styles()
-    return {
+    plan = {
         f"{prefix}embed_tokens": row(),  # vocabulary-parallel embedding
         f"{prefix}layers.*.self_attn.q_proj": col(),
         f"{prefix}layers.*.self_attn.k_proj": col(),
         f"{prefix}layers.*.self_attn.v_proj": col(),
         f"{prefix}layers.*.self_attn.o_proj": row(),
-        f"{prefix}layers.*.mlp.gate_proj": col(),
-        f"{prefix}layers.*.mlp.up_proj": col(),
-        f"{prefix}layers.*.mlp.down_proj": row(),
         head: col(),  # vocabulary-parallel head
     }
+    if mlp:
+        plan[f"{prefix}layers.*.mlp.gate_proj"] = col()
+        plan[f"{prefix}layers.*.mlp.up_proj"] = col()
+        plan[f"{prefix}layers.*.mlp.down_proj"] = row()
+    return plan
 
 
 def gpt() -> dict[str, Any]:

@@ -40,7 +40,7 @@ def build(name: str) -> tuple[nn.Module, dict[str, Any], bool]:
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**_LLAMA)), tp_plans.llama(), True
     if name == "hf_mixtral":  # experts replicated over tp (the plan does not name them)
         cfg = tf.MixtralConfig(**_LLAMA, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0)
-        return tf.MixtralForCausalLM(cfg), tp_plans.llama(), True
+        return tf.MixtralForCausalLM(cfg), tp_plans.llama(mlp=False), True
     raise ValueError(name)
 
 
