@@ -374,6 +374,12 @@ def _explain(n: fx.Node, env: dict[fx.Node, Any], exc: BaseException) -> str:
     module = n.meta.get(MODULE) or "<root>"
     line = _user_line(n.meta.get("stack_trace") or "")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "unevenly sharded" in str(exc):
+        first += (
+            " (a dimension split over the tensor-parallel ranks is not a multiple of their number, e.g. "
+            "fewer key/value heads than tp ranks: use a tp size that divides it, or leave that "
+            "projection out of the plan so it replicates)"
+        )
     return (
         f"spmd.DTensorExpandMode: DTensor cannot propagate the declared placements through op {n.target} "
         f"(node {n.name}) in module {module!r}{line}; its inputs are {'; '.join(ins) or 'none'}. "

@@ -157,16 +157,16 @@ def vs_fsdp2(rank: int, world: int, name: str, tp: int = 2, steps: int = 4) -> d
         n: _masked_diff(n, _full(p), _full(q.detach()))
         for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())
     }
-    same_placements = all(
-        tuple(p.placements) == tuple(q.placements)
-        for p, q in zip(model.parameters(), ref.parameters())
-        if isinstance(q, DTensor)
-    )
+    placement_diffs = [
+        f"{n}: {tuple(p.placements)} vs FSDP2 {tuple(q.placements)}"
+        for (n, p), q in zip(model.named_parameters(), ref.parameters())
+        if tuple(p.placements) != tuple(q.placements)
+    ]
     return {
         "loss_diff": loss_diff,
         "param_diff": max(diffs.values()),
         "worst": max(diffs, key=diffs.__getitem__),
-        "same_placements": same_placements,
+        "placement_diffs": placement_diffs,
     }
 
 
@@ -185,3 +185,74 @@ def tp_plans_for_fsdp2(plan: dict[str, Any]) -> dict[str, Any]:
             out[k] = ColwiseParallel(output_layouts=Replicate())
         del v
     return out
+
+
+def _mesh_mode(shape: tuple[int, int], plan: dict[str, Any]) -> spmd.DataParallel:
+    """fully_shard on a (dp_shard, tp) mesh of ``shape``; tp 1 is plain fully_shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if shape[1] == 1:
+        return spmd.DataParallel("fully_shard")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_shard", "tp"))
+    return spmd.DataParallel("fully_shard", mesh=mesh, tp_plan=plan)
+
+
+def resume_other_mesh(
+    rank: int, world: int, name: str, save: tuple[int, int], load: tuple[int, int], ckpt_dir: str
+) -> list[str]:
+    """Train 2 steps on the ``save`` mesh, save with DCP; a fresh model on the ``load`` mesh loads
+    it. The loaded parameters and optimizer state must equal the saved ones bit for bit (full
+    values), and the next step must train on (its loss within the tensor-parallel tolerance of the
+    saving run's next loss, on the same global batch)."""
+    import torch.distributed.checkpoint as dcp
+
+    problems: list[str] = []
+    fn = make_step(*build(name)[2:], clip=True)
+
+    def fresh(shape: tuple[int, int]) -> tuple[nn.Module, Any, Any, spmd.DataParallel]:
+        torch.manual_seed(0)
+        model, plan, _ = build(name)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        mode = _mesh_mode(shape, plan)
+        return model, opt, spmd.compile(parallel_mode=mode)(fn), mode
+
+    def global_batch(i: int, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        # The same global batch of 4 sequences whatever the mesh: split over the data ranks.
+        ids, labels = batch(i, 0)
+        ids, labels = torch.cat([ids, batch(i, 1)[0]]), torch.cat([labels, batch(i, 1)[1]])
+        dp, dp_rank = shape[0], rank // shape[1]
+        n = ids.shape[0] // dp
+        return ids[dp_rank * n : (dp_rank + 1) * n], labels[dp_rank * n : (dp_rank + 1) * n]
+
+    model, opt, step, _ = fresh(save)
+    for i in range(2):
+        step(model, opt, *global_batch(i, save))
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt_dir)
+    saved = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+    saved_state = [
+        {k: _full(v).clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+        for p in model.parameters()
+    ]
+    next_loss = step(model, opt, *global_batch(2, save)).detach().clone()
+    dist.all_reduce(next_loss)
+    next_loss /= world
+
+    model2, opt2, step2, mode2 = fresh(load)
+    mode2.distribute(model2, opt2)
+    sd = {"model": model2.state_dict(), "optim": opt2.state_dict()}
+    dcp.load(sd, checkpoint_id=ckpt_dir)
+    model2.load_state_dict(sd["model"])
+    opt2.load_state_dict(sd["optim"])
+    for n, p in model2.named_parameters():
+        if not torch.equal(_full(p), saved[n]):
+            problems.append(f"{save}->{load}: loaded {n} differs from the saved value")
+    for p, want in zip(model2.parameters(), saved_state):
+        for k, v in want.items():
+            if not torch.equal(_full(opt2.state[p][k]), v):
+                problems.append(f"{save}->{load}: loaded optimizer state {k} differs")
+    loss = step2(model2, opt2, *global_batch(2, load)).detach().clone()
+    dist.all_reduce(loss)
+    loss /= world
+    if (loss - next_loss).abs().item() > 1e-5:
+        problems.append(f"{save}->{load}: resumed loss {loss.item()} vs {next_loss.item()}")
+    return problems
