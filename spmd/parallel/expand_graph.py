@@ -413,6 +413,7 @@ def expand_graph(
     reduce_local: bool = True,
     boundaries: dict[str, Any] | None = None,
     replicate_unknown: bool = False,
+    vocab_parallel_loss: bool = False,
 ) -> fx.GraphModule:
     """The graph one rank runs: ``gm`` (global semantics) expanded on ``mesh``.
 
@@ -428,6 +429,8 @@ def expand_graph(
     it enters or leaves that module (a tensor-parallel plan's layouts), given on the mesh DTensor
     expands on (the sub-mesh without local dimensions). ``replicate_unknown``: an op DTensor
     has no sharding strategy for runs on replicated inputs (gathered first) instead of failing.
+    ``vocab_parallel_loss``: a log-softmax and cross-entropy over logits split on their class
+    dimension run split (torch's ``loss_parallel``), instead of gathering the logits first.
     ``in_specs``, ``param_pl`` and
     ``regions`` are given on the full mesh.
     """
@@ -455,7 +458,7 @@ def expand_graph(
                 ins.append(t)
                 continue
             ins.append(_wrap(t, view.mesh, pl, ph.meta["val"]))
-        with implicit_replication():
+        with implicit_replication(), _loss_parallel(vocab_parallel_loss):
             outs = expander.run(*ins)
         return [o._local_tensor if isinstance(o, DTensor) else o for o in pytree.tree_leaves(outs)]
 
@@ -480,6 +483,16 @@ def expand_graph(
 
 
 _COPIED = (ROLE, PHASE, MODULE, MICROBATCH, GRAD_OF, CAST_OF)
+
+
+def _loss_parallel(on: bool) -> Any:
+    import contextlib
+
+    if not on:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def _check_replicated_on_local(view: _LocalView, param_pl: dict[str, Any]) -> None:

@@ -308,4 +308,5 @@ def expand_tp(
         reduce_local=False,
         boundaries=layouts,
         replicate_unknown=True,
+        vocab_parallel_loss=True,
     )

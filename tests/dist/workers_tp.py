@@ -91,9 +91,10 @@ def vs_single_device(
     torch.manual_seed(0)  # the same initial values on every rank
     model, plan, hf = build(name)
     ref = copy.deepcopy(model)
-    if optim == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    if optim.startswith("adamw"):
+        eps = float(optim.split(":")[1]) if ":" in optim else 1e-8
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=eps, fused=True)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=eps, fused=True)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, fused=True)
