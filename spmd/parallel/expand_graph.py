@@ -90,8 +90,10 @@ class _Expander(fx.Interpreter):
         reduce_local: bool = True,
         boundaries: dict[str, Any] | None = None,
         replicate_unknown: bool = False,
+        vocab_parallel_loss: bool = False,
     ):
         super().__init__(gm)
+        self.vocab_parallel_loss = vocab_parallel_loss
         # Ops without a sharding strategy run replicated (tensor parallelism), instead of failing.
         self.replicate_unknown = replicate_unknown
         self._unknown: set[Any] = set()
@@ -230,6 +232,11 @@ class _Expander(fx.Interpreter):
         q_at = expand_rules.ATTENTION_Q.get(target)
         if q_at is not None and kwargs.get("attn_mask") is not None:
             kwargs = {**kwargs, "attn_mask": self._place_mask(args[q_at], kwargs["attn_mask"])}
+        if self.vocab_parallel_loss and target in _LOSS_OPS and _class_split(args):
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            with loss_parallel():
+                return super().call_function(target, args, kwargs)
         if self.replicate_unknown and target in self._unknown:
             return self._replicated_call(target, args, kwargs)
         try:
@@ -429,7 +436,7 @@ def expand_graph(
     it enters or leaves that module (a tensor-parallel plan's layouts), given on the mesh DTensor
     expands on (the sub-mesh without local dimensions). ``replicate_unknown``: an op DTensor
     has no sharding strategy for runs on replicated inputs (gathered first) instead of failing.
-    ``vocab_parallel_loss``: a log-softmax and cross-entropy over logits split on their class
+    ``vocab_parallel_loss``: a log-softmax and cross-entropy over 2-D logits split on their class
     dimension run split (torch's ``loss_parallel``), instead of gathering the logits first.
     ``in_specs``, ``param_pl`` and
     ``regions`` are given on the full mesh.
@@ -448,7 +455,15 @@ def expand_graph(
     inner_regions = {fqn: tuple(view.inner(x) for x in pls) for fqn, pls in (regions or {}).items()}
     inner_params = {name: view.inner(pl) for name, pl in param_pl.items()}
     expander = _Expander(
-        gm, view.mesh, inner_params, inner_regions, view, reduce_local, boundaries, replicate_unknown
+        gm,
+        view.mesh,
+        inner_params,
+        inner_regions,
+        view,
+        reduce_local,
+        boundaries,
+        replicate_unknown,
+        vocab_parallel_loss,
     )
 
     def run(*locals_: torch.Tensor) -> list[Any]:
@@ -458,7 +473,7 @@ def expand_graph(
                 ins.append(t)
                 continue
             ins.append(_wrap(t, view.mesh, pl, ph.meta["val"]))
-        with implicit_replication(), _loss_parallel(vocab_parallel_loss):
+        with implicit_replication():
             outs = expander.run(*ins)
         return [o._local_tensor if isinstance(o, DTensor) else o for o in pytree.tree_leaves(outs)]
 
@@ -485,14 +500,20 @@ def expand_graph(
 _COPIED = (ROLE, PHASE, MODULE, MICROBATCH, GRAD_OF, CAST_OF)
 
 
-def _loss_parallel(on: bool) -> Any:
-    import contextlib
+_LOSS_OPS = {
+    torch.ops.aten._log_softmax.default,
+    torch.ops.aten._log_softmax_backward_data.default,
+    torch.ops.aten.nll_loss_forward.default,
+    torch.ops.aten.nll_loss_backward.default,
+}
 
-    if not on:
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
 
-    return loss_parallel()
+def _class_split(args: tuple[Any, ...]) -> bool:
+    """Whether a loss op's logits (or log-probabilities) are split on their class dimension (1)."""
+    return any(
+        isinstance(a, DTensor) and a.ndim == 2 and any(isinstance(p, Shard) and p.dim % 2 == 1 for p in a.placements)
+        for a in args
+    )
 
 
 def _check_replicated_on_local(view: _LocalView, param_pl: dict[str, Any]) -> None:

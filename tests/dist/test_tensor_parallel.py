@@ -36,11 +36,12 @@ def _check(results: list[dict], name: str) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["gpt", "hf_llama", "hf_qwen2", "hf_mixtral"])
+@pytest.mark.parametrize("name", ["gpt", "hf_llama", "hf_qwen2", "hf_mixtral", "hf_gpt2"])
 def test_fsdp_x_tp_matches_one_device(name: str) -> None:
     """HF Llama and Qwen2 with grouped-query attention (4 query, 2 key/value heads: one of each per
     tp rank), Mixtral with its experts replicated over tp (HF's grouped_mm op has no sharding rule:
-    it runs on replicated inputs), the built-in GPT with its fused qkv and tied head."""
+    it runs on replicated inputs), GPT-2 with its transposed Conv1D projections and fused qkv, the
+    built-in GPT with its fused qkv and tied head."""
     optim = "adamw:1e-6" if name == "gpt" else "adamw"
     results = run_ranks(workers_tp.vs_single_device, 4, name, "fully_shard", 2, 5, optim, timeout=280)
     _check(results, name)
@@ -50,6 +51,10 @@ def test_fsdp_x_tp_matches_one_device(name: str) -> None:
         assert pl["blocks.0.out.weight"] == ROW and shapes["blocks.0.out.weight"] == (16, 64)
         assert pl["tok.weight"] == COL  # vocabulary-parallel embedding, tied to the head
         assert pl["ln_f.weight"] == ("S(0)", "R")
+    elif name == "hf_gpt2":  # Conv1D stores (in, out): column-parallel splits dim 1
+        assert pl["transformer.h.0.attn.c_attn.weight"] == ("S(0)", "S(1)")
+        assert shapes["transformer.h.0.attn.c_attn.weight"] == (16, 48)
+        assert pl["transformer.h.0.attn.c_proj.weight"] == COL
     else:
         attn = "model.layers.0.self_attn"
         assert pl[f"{attn}.k_proj.weight"] == COL and shapes[f"{attn}.k_proj.weight"] == (4, 32)

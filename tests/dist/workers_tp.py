@@ -41,6 +41,12 @@ def build(name: str) -> tuple[nn.Module, dict[str, Any], bool]:
     if name == "hf_mixtral":  # experts replicated over tp (the plan does not name them)
         cfg = tf.MixtralConfig(**_LLAMA, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0)
         return tf.MixtralForCausalLM(cfg), tp_plans.llama(mlp=False), True
+    if name == "hf_gpt2":  # transposed Conv1D weights
+        cfg = tf.GPT2Config(
+            vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4, use_cache=False,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        return tf.GPT2LMHeadModel(cfg), gpt2_plan(), True
     raise ValueError(name)
 
 
@@ -257,3 +263,16 @@ def resume_other_mesh(
     if (loss - next_loss).abs().item() > 1e-5:
         problems.append(f"{save}->{load}: resumed loss {loss.item()} vs {next_loss.item()}")
     return problems
+
+
+def gpt2_plan() -> dict[str, Any]:
+    """GPT-2's transposed ``Conv1D`` projections: ``c_attn`` (fused q, k, v) and ``mlp.c_fc``
+    column-parallel, the two ``c_proj`` row-parallel."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "transformer.h.*.attn.c_attn": ColwiseParallel(),
+        "transformer.h.*.attn.c_proj": RowwiseParallel(),
+        "transformer.h.*.mlp.c_fc": ColwiseParallel(),
+        "transformer.h.*.mlp.c_proj": RowwiseParallel(),
+    }
