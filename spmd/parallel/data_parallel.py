@@ -266,19 +266,24 @@ class DataParallel(ParallelMode):
         if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
             raise ConfigError(
                 "spmd.DataParallel: tp_plan must be a dict {module or parameter name pattern: "
-                f"ColwiseParallel()/RowwiseParallel()/... or a Placement}}, got {type(self.tp_plan).__name__}."
+                "ColwiseParallel()/RowwiseParallel()/... or a Placement}, got "
+                f"{type(self.tp_plan).__name__}."
             )
         mesh_tp = self.mesh is not None and plan.tp_dim(self.mesh) is not None
-        if self.tp_size is not None and self.mesh is not None:
-            if not mesh_tp or self.mesh.size(plan.tp_dim(self.mesh)) != self.tp_size:
-                raise ConfigError(
-                    "spmd.DataParallel: give either tp_size or a mesh with a 'tp' dimension, not both "
-                    "(they disagree)."
-                )
+        if (
+            self.tp_size is not None
+            and self.mesh is not None
+            and (not mesh_tp or self.mesh.size(plan.tp_dim(self.mesh)) != self.tp_size)
+        ):
+            raise ConfigError(
+                "spmd.DataParallel: give either tp_size or a mesh with a 'tp' dimension, not both "
+                "(they disagree)."
+            )
         if self.tp_plan is not None and not (mesh_tp or (self.tp_size or 1) > 1):
             raise ConfigError(
-                "spmd.DataParallel: tp_plan needs tensor-parallel ranks: tp_size=N (N > 1) or a mesh with a "
-                "dimension named 'tp', e.g. init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp_shard', 'tp'))."
+                "spmd.DataParallel: tp_plan needs tensor-parallel ranks: tp_size=N (N > 1) or a mesh with "
+                "a dimension named 'tp', e.g. init_device_mesh('cpu', (2, 2), "
+                "mesh_dim_names=('dp_shard', 'tp'))."
             )
         if (mesh_tp or (self.tp_size or 1) > 1) and self.tp_plan is None:
             raise ConfigError(
@@ -527,7 +532,9 @@ class DataParallel(ParallelMode):
         if plan.tp_dim(mesh) is not None:
             from spmd.parallel.tensor_parallel import expand_tp
 
-            gm = expand_tp(gm, state, args, mesh, self.tp_plan or {})  # step 1: the tensor-parallel piece of the step
+            gm = expand_tp(
+                gm, state, args, mesh, self.tp_plan or {}
+            )  # step 1: the tensor-parallel piece of the step
         return _partition(gm, state, args, mesh, self)
 
 

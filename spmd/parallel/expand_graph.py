@@ -262,7 +262,9 @@ class _Expander(fx.Interpreter):
 
         largs, lkwargs = pytree.tree_map(to_local, (args, kwargs))
         out = target(*largs, **lkwargs)
-        return pytree.tree_map(lambda t: _wrap(t, self.mesh, rep, t) if isinstance(t, torch.Tensor) else t, out)
+        return pytree.tree_map(
+            lambda t: _wrap(t, self.mesh, rep, t) if isinstance(t, torch.Tensor) else t, out
+        )
 
     def _average_local_dims(self, g: torch.Tensor) -> torch.Tensor:
         """Average a gradient over the mesh dimensions of local batch semantics, as DDP does.
@@ -511,7 +513,9 @@ _LOSS_OPS = {
 def _class_split(args: tuple[Any, ...]) -> bool:
     """Whether a loss op's logits (or log-probabilities) are split on their class dimension (1)."""
     return any(
-        isinstance(a, DTensor) and a.ndim == 2 and any(isinstance(p, Shard) and p.dim % 2 == 1 for p in a.placements)
+        isinstance(a, DTensor)
+        and a.ndim == 2
+        and any(isinstance(p, Shard) and p.dim % 2 == 1 for p in a.placements)
         for a in args
     )
 

@@ -338,7 +338,8 @@ def comm_plan(p: torch.Tensor, mesh: DeviceMesh) -> ParamComm:
     reduce = _group(data_group(mesh, rep_dims)) if rep_dims else None
     rows = p.shape[0] if p.dim() else 0
     t = tp_dim(mesh)
-    if t is not None and isinstance(placements[t], Shard) and placements[t].dim in (0, -p.dim()):
+    tp_pl = placements[t] if t is not None else None
+    if t is not None and isinstance(tp_pl, Shard) and tp_pl.dim in (0, -p.dim()):
         rows = Shard.local_shard_size_and_offset(rows, mesh.size(t), mesh.get_local_rank(t))[0]
     layout = ShardLayout(rows, shard.size, shard.rank) if shard is not None else None
     return ParamComm(shard=shard, reduce=reduce, layout=layout)

@@ -62,7 +62,9 @@ def default_mesh(
             _DEFAULT_MESHES.clear()  # meshes of earlier groups are dead
         if names is None:
             names = ("replicate", "shard") if len(shape) == 2 else None
-        _DEFAULT_MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        _DEFAULT_MESHES[key] = init_device_mesh(
+            device_type, shape, mesh_dim_names=tuple(names) if names is not None else None
+        )
     return _DEFAULT_MESHES[key]
 
 

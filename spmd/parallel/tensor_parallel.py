@@ -86,7 +86,11 @@ def _kind_of(style: Any) -> str | None:
 
 def _is_conv1d(m: nn.Module) -> bool:
     """GPT-2's ``Conv1D``: a linear layer whose weight is stored transposed, ``(in, out)``."""
-    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and isinstance(getattr(m, "weight", None), torch.Tensor)
+    return (
+        type(m).__name__ == "Conv1D"
+        and hasattr(m, "nf")
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+    )
 
 
 def _module_placements(fqn: str, m: nn.Module, kind: str, style: Any) -> dict[str, Placement]:
@@ -95,6 +99,7 @@ def _module_placements(fqn: str, m: nn.Module, kind: str, style: Any) -> dict[st
     if kind == "replicate" or not own:
         return {n: Replicate() for n in own}
     col = kind == "colwise"
+    out: dict[str, Placement]
     if isinstance(m, nn.Linear):
         out = {"weight": Shard(0) if col else Shard(1)}
         if "bias" in own:
@@ -296,7 +301,9 @@ def expand_tp(
         fqn: tuple((x,) if x is not None else None for x in pls)
         for fqn, pls in resolve_plan(args.module, tp_plan).layouts.items()
     }
-    log.info("spmd: tensor parallelism over %d ranks, data dimensions %s", mesh.size(tp), plan.data_dims(mesh))
+    log.info(
+        "spmd: tensor parallelism over %d ranks, data dimensions %s", mesh.size(tp), plan.data_dims(mesh)
+    )
     return expand_graph(
         gm,
         mesh,

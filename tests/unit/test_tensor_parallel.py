@@ -1,0 +1,139 @@
+"""The tensor-parallel plan (spmd.parallel.tensor_parallel.resolve_plan), the 2-D placements
+(spmd.parallel.plan) and DataParallel's tp configuration errors; a 2-D step under the fake
+process group. The multi-process parity tests are tests/dist/test_tensor_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import spmd
+from spmd.models import CONFIGS, GPT, train_step
+from spmd.parallel import plan, tp_plans
+from spmd.parallel.tensor_parallel import resolve_plan
+from tests.unit.fake_pg import fake_process_group
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.up = nn.Linear(8, 32)
+        self.down = nn.Linear(32, 8)
+        self.norm = nn.LayerNorm(8)
+        self.conv = nn.Conv1d(8, 8, 1)
+
+
+def test_styles_place_parameters_and_layouts() -> None:
+    m = Block()
+    tp = resolve_plan(
+        m,
+        {
+            "emb": RowwiseParallel(),
+            "up": ColwiseParallel(),
+            "down": RowwiseParallel(output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "conv.weight": Shard(0),
+        },
+    )
+    assert tp.params == {
+        "emb.weight": Shard(0),  # vocabulary-parallel embedding
+        "up.weight": Shard(0),
+        "up.bias": Shard(0),
+        "down.weight": Shard(1),
+        "down.bias": Replicate(),
+        "norm.weight": Replicate(),
+        "norm.bias": Replicate(),
+        "conv.weight": Shard(0),
+    }
+    # input, output layouts at each planned module's boundary
+    assert tp.layouts["emb"] == (Replicate(), Replicate())
+    assert tp.layouts["up"] == (Replicate(), Shard(-1))
+    assert tp.layouts["down"] == (Shard(-1), Shard(1))  # reduce-scatter into sequence parallelism
+    assert tp.layouts["norm"] == (Shard(1), Shard(1))
+
+
+def test_plan_errors_name_the_fix() -> None:
+    m = Block()
+    with pytest.raises(spmd.ConfigError, match="'upp' matches no module.*Did you mean 'up'"):
+        resolve_plan(m, {"upp": ColwiseParallel()})
+    with pytest.raises(spmd.ConfigError, match="Conv1d.*conv.weight': Shard"):
+        resolve_plan(m, {"conv": ColwiseParallel()})
+    with pytest.raises(spmd.ConfigError, match="has no dimension 2"):
+        resolve_plan(m, {"up.weight": Shard(2)})
+    with pytest.raises(spmd.ConfigError, match="give a torch.distributed.tensor.parallel style"):
+        resolve_plan(m, {"up": "colwise"})
+    # PrepareModuleInput adds no layouts and replicates its module's own parameters.
+    assert resolve_plan(m, {"norm": PrepareModuleInput()}).params == {
+        "norm.weight": Replicate(),
+        "norm.bias": Replicate(),
+    }
+
+
+def test_tied_parameters_have_one_placement() -> None:
+    gpt = GPT(CONFIGS["tiny"])  # head tied to the token embedding
+    tp = resolve_plan(gpt, tp_plans.gpt())
+    assert tp.params["tok.weight"] == tp.params["head.weight"] == Shard(0)
+    with pytest.raises(spmd.ConfigError, match="tied.*place both names alike"):
+        resolve_plan(gpt, {"tok": RowwiseParallel(), "head": RowwiseParallel()})
+
+
+def test_mode_configuration_errors() -> None:
+    with pytest.raises(spmd.ConfigError, match="tp_plan needs tensor-parallel ranks"):
+        spmd.DataParallel("fully_shard", tp_plan=tp_plans.gpt())
+    with pytest.raises(spmd.ConfigError, match="needs tp_plan"):
+        spmd.DataParallel("fully_shard", tp_size=2)
+    with pytest.raises(spmd.ConfigError, match="tp_size must be an int"):
+        spmd.DataParallel("fully_shard", tp_size=0, tp_plan={})
+
+
+def test_two_d_placements_follow_fsdp2() -> None:
+    """Column-parallel pieces are split again on rows over dp (_StridedShard, as FSDP2 on a
+    parallelize_module parameter); row-parallel ones are (Shard(0), Shard(1))."""
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        w = torch.empty(8, 4)
+        assert plan.placements_for("fully_shard", mesh, w, Shard(0)) == (
+            _StridedShard(0, split_factor=2),
+            Shard(0),
+        )
+        assert plan.placements_for("fully_shard", mesh, w, Shard(1)) == (Shard(0), Shard(1))
+        assert plan.placements_for("replicate", mesh, w, Shard(0)) == (Replicate(), Shard(0))
+        assert plan.placements_for("fully_shard", mesh, w, None) == (Shard(0), Replicate())
+        plan.check_mesh(mesh, "fully_shard")
+        with pytest.raises(spmd.ConfigError, match="needs 2 data dimensions"):
+            plan.check_mesh(mesh, "hybrid_shard")
+
+
+def test_two_d_step_under_the_fake_process_group() -> None:
+    """A GPT step on a (dp_shard 2, tp 2) mesh: parameters hold half of their tensor-parallel piece,
+    the graph has collectives over the tp groups (activations) and the dp groups (parameters)."""
+    torch.manual_seed(0)
+    model = GPT(CONFIGS["tiny"])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    idx = torch.randint(0, 64, (2, 16))
+    step = spmd.compile(parallel_mode=spmd.DataParallel("fully_shard", tp_size=2, tp_plan=tp_plans.gpt()))(
+        train_step
+    )
+    with fake_process_group(4):
+        step(model, optim, idx, idx.roll(-1, 1))
+        assert tuple(model.blocks[0].fc.weight.to_local().shape) == (32, 32)  # (128 / 2 / 2, 32)
+        assert tuple(model.blocks[0].out.weight.to_local().shape) == (16, 64)  # (32 / 2, 128 / 2)
+        gm = step.graphs["final"]
+        groups = {
+            n.args[-1]
+            for n in gm.graph.nodes
+            if "_c10d_functional" in str(n.target) and "wait" not in str(n.target)
+        }
+        mesh = model.blocks[0].fc.weight.device_mesh
+        assert {mesh.get_group("tp").group_name, mesh.get_group("dp_shard").group_name} <= groups
