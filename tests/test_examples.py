@@ -102,6 +102,18 @@ def test_override_moe(tmp_path):
     assert float(m[2]) < float(m[1]), "the loss should fall"
 
 
+@pytest.mark.timeout(DEADLINE_S + 30)
+def test_train_gpt_tp_smoke_on_four_ranks(tmp_path):
+    """examples/train_gpt_tp.py --smoke: fully_shard x TP 2 on a 2 x 2 mesh of gloo ranks."""
+    args = [*TORCHRUN[:-1], "--nproc_per_node=4", str(EXAMPLES / "train_gpt_tp.py"), "--smoke"]
+    out = run_example(args, tmp_path)
+    assert "2 data ranks x 2 tensor-parallel ranks (fully_shard)" in out
+    m = re.search(r"loss (\d+\.\d+) -> (\d+\.\d+); blocks.0.fc.weight \(128, 32\) is \(_StridedShard", out)
+    assert m, out
+    assert float(m[2]) < float(m[1]), "the loss should fall"
+    assert "local (32, 32)" in out  # 128 rows / 2 tp ranks / 2 data ranks
+
+
 def test_every_torchrun_script_destroys_its_group_on_every_exit_path() -> None:
     """A gloo rank that leaves the interpreter with its process group alive can abort at exit:
     gloo's worker thread drops a finished collective's tensor while the interpreter finalizes,
