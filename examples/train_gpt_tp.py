@@ -12,7 +12,6 @@ printed after the first step lists the collectives of each mesh dimension.
 
 import argparse
 import math
-import os
 import time
 
 import torch
@@ -74,7 +73,8 @@ def main() -> None:
 
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"{n_params / 1e6:.2f}M params; {dp} data ranks x {args.tp} tensor-parallel ranks ({args.style})")
+        mesh = f"{dp} data ranks x {args.tp} tensor-parallel ranks ({args.style})"
+        print(f"{n_params / 1e6:.2f}M params; {mesh}")
     t0, tokens, first = time.perf_counter(), 0, None
     for step in range(1, steps + 1):
         for g in optim.param_groups:
@@ -91,8 +91,10 @@ def main() -> None:
             print(f"step {step}: loss {loss:.3f}, {tps:,.0f} tok/s")
     if rank == 0:
         w = model.blocks[0].fc.weight
-        print(f"loss {first:.3f} -> {loss:.3f}; blocks.0.fc.weight {tuple(w.shape)} is {w.placements}, "
-              f"local {tuple(w.to_local().shape)}")
+        print(
+            f"loss {first:.3f} -> {loss:.3f}; blocks.0.fc.weight {tuple(w.shape)} is {w.placements}, "
+            f"local {tuple(w.to_local().shape)}"
+        )
 
 
 if __name__ == "__main__":

@@ -155,7 +155,10 @@ def test_ignored_and_module_styles_graph(world4, style) -> None:
     "kwargs,match",
     [
         ({"parallel_style": "hybrid_shard", "mesh": "m1"}, "needs 2 data dimensions"),
-        ({"parallel_style": "fully_shard", "mesh": "m2"}, "needs one data dimension.*hybrid_shard.*name the model dimension .tp."),
+        (
+            {"parallel_style": "fully_shard", "mesh": "m2"},
+            "needs one data dimension.*hybrid_shard.*name the model dimension .tp.",
+        ),
         ({"module_styles": {"head": "hybrid_shard"}}, r"module_styles\['head'\]"),
         ({"ignored_modules": "expert"}, "must be a list"),
     ],
