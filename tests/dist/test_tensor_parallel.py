@@ -64,12 +64,12 @@ def test_fsdp_x_tp_matches_one_device(name: str) -> None:
 
 @pytest.mark.timeout(400)
 def test_replicate_x_tp_remat_and_chunked_head() -> None:
-    """DDP-like data dimension with TP (built-in GPT), and fully_shard x TP with full remat and the
-    chunked loss head (HF Llama)."""
+    """DDP-like data dimension with TP (built-in GPT), and fully_shard x TP with full remat, the
+    chunked loss head and gradient accumulation over two micro-batches (HF Llama)."""
     results = run_ranks(workers_tp.vs_single_device, 4, "gpt", "replicate", 2, 5, "adamw:1e-6", timeout=280)
     _check(results, "gpt")
     assert results[0]["placements"]["blocks.0.qkv.weight"] == ("R", "S(0)")
-    for kw in ({"remat": "full"}, {"chunked_loss": True}):
+    for kw in ({"remat": "full"}, {"chunked_loss": True}, {"accumulate": 2}):
         results = run_ranks(_with_options, 4, "hf_llama", kw, timeout=280)
         _check(results, f"hf_llama {kw}")
 

@@ -57,10 +57,13 @@ def _loss(model: nn.Module, hf: bool, ids: torch.Tensor, labels: torch.Tensor) -
     return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def make_step(hf: bool, clip: bool) -> Any:
+def make_step(hf: bool, clip: bool, accumulate: int = 1) -> Any:
     def train_step(model, optim, ids, labels):
-        loss = _loss(model, hf, ids, labels)
-        loss.backward()
+        loss = 0
+        for i, t in zip(ids.chunk(accumulate), labels.chunk(accumulate)):  # gradient accumulation
+            micro = _loss(model, hf, i, t) / accumulate
+            micro.backward()
+            loss = loss + micro.detach()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
@@ -88,6 +91,7 @@ def vs_single_device(
     tp: int = 2,
     steps: int = 5,
     optim: str = "adamw",
+    accumulate: int = 1,
     **compile_kw: Any,
 ) -> dict[str, Any]:
     """FSDP x TP (``style`` on the data dimension, ``tp`` ranks per tensor-parallel group) against
@@ -104,7 +108,7 @@ def vs_single_device(
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, fused=True)
-    fn = make_step(hf, clip=True)
+    fn = make_step(hf, clip=True, accumulate=accumulate)
     mode = spmd.DataParallel(style, tp_size=tp, tp_plan=plan)
     step = spmd.compile(parallel_mode=mode, check_invariants=True, **compile_kw)(fn)
     dp = world // tp
