@@ -74,6 +74,16 @@ def test_replicate_x_tp_remat_and_chunked_head() -> None:
         _check(results, f"hf_llama {kw}")
 
 
+@pytest.mark.timeout(400)
+def test_hybrid_shard_x_tp_on_eight_ranks() -> None:
+    """3-D: replicate 2 x shard 2 x tp 2 (HSDP x TP) from an explicit DeviceMesh, HF Llama."""
+    results = run_ranks(
+        _with_options, 8, "hf_llama", {"style": "hybrid_shard", "mesh_shape": (2, 2, 2)}, timeout=380
+    )
+    _check(results, "hf_llama hybrid")
+    assert results[0]["placements"]["model.layers.0.self_attn.q_proj.weight"] == ("R", "_S(0, 2)", "S(0)")
+
+
 def _with_options(rank: int, world: int, name: str, kw: dict) -> dict:
     return workers_tp.vs_single_device(rank, world, name, **kw)
 

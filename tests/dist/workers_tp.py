@@ -92,6 +92,7 @@ def vs_single_device(
     steps: int = 5,
     optim: str = "adamw",
     accumulate: int = 1,
+    mesh_shape: tuple[int, ...] | None = None,
     **compile_kw: Any,
 ) -> dict[str, Any]:
     """FSDP x TP (``style`` on the data dimension, ``tp`` ranks per tensor-parallel group) against
@@ -109,10 +110,17 @@ def vs_single_device(
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, fused=True)
     fn = make_step(hf, clip=True, accumulate=accumulate)
-    mode = spmd.DataParallel(style, tp_size=tp, tp_plan=plan)
+    if mesh_shape is None:
+        mode = spmd.DataParallel(style, tp_size=tp, tp_plan=plan)
+    else:  # an explicit mesh, e.g. (dp_replicate, dp_shard, tp) for hybrid_shard
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = ("dp_replicate", "dp_shard", "tp")[-len(mesh_shape) :]
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+        mode = spmd.DataParallel(style, mesh=mesh, tp_plan=plan)
     step = spmd.compile(parallel_mode=mode, check_invariants=True, **compile_kw)(fn)
     dp = world // tp
-    dp_rank = rank // tp  # the default mesh: the ranks of one tensor-parallel group are consecutive
+    dp_rank = rank // tp  # row-major meshes: the ranks of one tensor-parallel group are consecutive
     initial = [p.detach().clone() for p in ref.parameters()]
     loss_diff = 0.0
     for i in range(steps):
