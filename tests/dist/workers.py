@@ -362,9 +362,7 @@ def gloo_threads_step(rank: int, world: int, style: str, knobs: dict[str, Any]) 
 
     carry_model = pm.build("tinygpt")
     carry_opt = shared.make_optimizer("adamw_fused", carry_model)
-    carry = spmd.compile(parallel_mode=spmd.DataParallel(style, **knobs), cross_step_prefetch=True)(
-        train_step
-    )
+    carry = spmd.compile(parallel_mode=spmd.DataParallel(style, **knobs), cross_step_prefetch=True)(train_step)
     carry(carry_model, carry_opt, *pm.batch("tinygpt", 0, rank))
     carried = any(CARRIED in n.meta for n in carry.graphs["final"].graph.nodes)
     return {
