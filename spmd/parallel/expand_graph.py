@@ -102,7 +102,7 @@ class _Expander(fx.Interpreter):
         self.reduce_local = reduce_local
         # module fqn -> (placements its forward inputs take, placements its outputs take; None: any)
         self.boundaries = boundaries or {}
-        self._bounded: dict[tuple[fx.Node, Any], Any] = {}
+        self._bounded: dict[tuple[Any, ...], Any] = {}
         self.param_pl = param_pl
         self.regions = regions
         self.placements: dict[str, Any] = {}
@@ -143,40 +143,56 @@ class _Expander(fx.Interpreter):
         if region is None and src_region is not None:
             return self._out_of_region(a, v, consumer, src_region)
         if self.boundaries and isinstance(v, DTensor):
-            want = self._boundary_layout(a, consumer)
-            if want is not None:
+            # Leaving a planned module, then entering another: each layout in turn, as eager
+            # parallelize_module redistributes at the output of one module and the input of the next.
+            for want in self._boundary_layouts(a, consumer):
                 want = tuple(Shard(p.dim % v.ndim) if isinstance(p, Shard) else p for p in want)
-            if want is not None and tuple(v.placements) != want:
-                key = (a, want)
-                if key not in self._bounded:
-                    self._bounded[key] = v.redistribute(self.mesh, want)
-                return self._bounded[key]
+                if tuple(v.placements) != want:
+                    key = (a, tuple(v.placements), want)
+                    if key not in self._bounded:
+                        self._bounded[key] = v.redistribute(self.mesh, want)
+                    v = self._bounded[key]
         return v
 
-    def _boundary_layout(self, a: fx.Node, consumer: fx.Node) -> tuple[Placement, ...] | None:
-        """The placements a forward value takes where it crosses a planned module's boundary:
-        leaving the innermost planned module that computes it (its output layout), else entering
-        the innermost planned module that reads it (its input layout). Parameters and state never
-        cross: they are placed by the plan. A backward node reading a forward value reads what its
-        forward module read (the value saved for backward is the redistributed one)."""
-        if a.meta.get(PHASE) is not Phase.FORWARD or consumer.meta.get(PHASE) is Phase.OPTIMIZER:
-            return None
-        if a.op == "placeholder" and a.meta.get(ROLE) is not Role.INPUT:
-            return None
+    def _boundary_layouts(self, a: fx.Node, consumer: fx.Node) -> list[tuple[Placement, ...]]:
+        """The placements a value takes, in turn, where it crosses planned modules' boundaries.
+
+        A forward value: leaving the innermost planned module that computes it (its output
+        layout), then entering the innermost planned module that reads it (its input layout). A
+        backward node reading a forward value reads what its forward module read (the value saved
+        for backward is the redistributed one). A gradient entering a planned module's backward:
+        its output-gradient layout. Parameters and state never cross: the plan places them."""
         src, dst = a.meta.get(MODULE, ""), consumer.meta.get(MODULE, "")
 
         def inside(mod: str, b: str) -> bool:
             return mod == b or mod.startswith(b + ".")
 
-        for b in sorted(self.boundaries, key=len, reverse=True):
+        out: list[tuple[Placement, ...]] = []
+        ordered = sorted(self.boundaries, key=len, reverse=True)
+        if a.meta.get(PHASE) is Phase.BACKWARD and consumer.meta.get(PHASE) is Phase.BACKWARD:
+            # A gradient entering a planned module's backward (the gradient of its output) takes
+            # the layout eager's autograd gives it: the gradient of the output before the output
+            # was redistributed (row-parallel: of a partial sum, so replicated).
+            for b in ordered:
+                grad_pl = self.boundaries[b][2] if len(self.boundaries[b]) > 2 else None
+                if grad_pl is not None and inside(dst, b) and not inside(src, b):
+                    return [grad_pl]
+            return []
+        if a.meta.get(PHASE) is not Phase.FORWARD or consumer.meta.get(PHASE) is Phase.OPTIMIZER:
+            return []
+        if a.op == "placeholder" and a.meta.get(ROLE) is not Role.INPUT:
+            return []
+        for b in ordered:
             out_pl = self.boundaries[b][1]
             if out_pl is not None and a.op != "placeholder" and inside(src, b) and not inside(dst, b):
-                return out_pl
-        for b in sorted(self.boundaries, key=len, reverse=True):
+                out.append(out_pl)
+                break
+        for b in ordered:
             in_pl = self.boundaries[b][0]
             if in_pl is not None and inside(dst, b) and (a.op == "placeholder" or not inside(src, b)):
-                return in_pl
-        return None
+                out.append(in_pl)
+                break
+        return out
 
     def _into_region(self, a: fx.Node, v: Any, region: str) -> Any:
         in_pl, out_pl = self.regions[region]
@@ -434,8 +450,10 @@ def expand_graph(
     every gradient is averaged over them at its tag, unless ``reduce_local`` is False: then
     every gradient keeps its tag, unreduced over the local dimensions, for a data-parallel
     partitioner to reduce (FSDP x TP, :mod:`spmd.parallel.tensor_parallel`). ``boundaries``:
-    module fqn -> (input placements, output placements) a forward value is redistributed to where
-    it enters or leaves that module (a tensor-parallel plan's layouts), given on the mesh DTensor
+    module fqn -> (input placements, output placements, output-gradient placements): a forward
+    value is redistributed to the first where it enters that module, to the second where it
+    leaves it, and a gradient entering the module's backward to the third (a tensor-parallel
+    plan's layouts; None: as DTensor propagates), given on the mesh DTensor
     expands on (the sub-mesh without local dimensions). ``replicate_unknown``: an op DTensor
     has no sharding strategy for runs on replicated inputs (gathered first) instead of failing.
     ``vocab_parallel_loss``: a log-softmax and cross-entropy over 2-D logits split on their class

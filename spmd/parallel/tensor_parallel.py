@@ -121,19 +121,22 @@ def _module_placements(fqn: str, m: nn.Module, kind: str, style: Any) -> dict[st
     )
 
 
-def _module_layouts(m: nn.Module, kind: str, style: Any) -> tuple[Placement | None, Placement | None]:
-    """(input, output) layout on tp of a module under ``style``: what a forward value is
-    redistributed to where it enters or leaves the module (None: whatever DTensor propagates)."""
+def _module_layouts(m: nn.Module, style: Any) -> tuple[Placement | None, ...]:
+    """(input, output, output gradient) layouts on tp of a module under ``style``: what a forward
+    value is redistributed to where it enters or leaves the module, and what the gradient of its
+    output takes where it enters the module's backward (None: whatever DTensor propagates)."""
     from torch.distributed.tensor import parallel as tpar
 
     if isinstance(style, tpar.ColwiseParallel):
-        return style.desired_input_layouts[0], style.output_layouts[0]
+        return style.desired_input_layouts[0], style.output_layouts[0], Shard(-1)
     if isinstance(style, tpar.RowwiseParallel):
         rows = Replicate() if isinstance(m, nn.Embedding) else Shard(-1)
-        return rows, style.output_layouts[0]
+        # The output is a partial sum before its redistribution: its gradient is replicated.
+        return rows, style.output_layouts[0], Replicate()
     if isinstance(style, tpar.SequenceParallel):
-        return style.sequence_sharding[0], style.sequence_sharding[0]
-    return None, None  # PrepareModuleInput/Output: positional layouts; propagation decides
+        seq = style.sequence_sharding[0]
+        return seq, seq, seq
+    return None, None, None  # PrepareModuleInput/Output: positional layouts; propagation decides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +145,7 @@ class TPPlan:
     replicate), and the activation layouts at the planned modules' boundaries."""
 
     params: dict[str, Placement]
-    layouts: dict[str, tuple[Placement | None, Placement | None]]
+    layouts: dict[str, tuple[Placement | None, ...]]
 
 
 def resolve_plan(module: nn.Module, tp_plan: Mapping[str, Any]) -> TPPlan:
@@ -173,7 +176,7 @@ def resolve_plan(module: nn.Module, tp_plan: Mapping[str, Any]) -> TPPlan:
     modules = dict(module.named_modules())
     params = dict(module.named_parameters(remove_duplicate=False))
     out: dict[str, Placement] = {}
-    layouts: dict[str, tuple[Placement | None, Placement | None]] = {}
+    layouts: dict[str, tuple[Placement | None, ...]] = {}
     for pattern, value in tp_plan.items():
         if not isinstance(pattern, str):
             raise ConfigError(f"spmd tp_plan: keys are module or parameter name patterns, got {pattern!r}.")
@@ -206,8 +209,8 @@ def resolve_plan(module: nn.Module, tp_plan: Mapping[str, Any]) -> TPPlan:
                     matched = True
                     for n, pl in _module_placements(fqn, m, kind, value).items():
                         out.setdefault(f"{fqn}.{n}", pl)
-                    if fqn not in layouts and any(x is not None for x in _module_layouts(m, kind, value)):
-                        layouts[fqn] = _module_layouts(m, kind, value)
+                    if fqn not in layouts and any(x is not None for x in _module_layouts(m, value)):
+                        layouts[fqn] = _module_layouts(m, value)
         else:
             raise ConfigError(
                 f"spmd tp_plan[{pattern!r}] = {value!r}: give a torch.distributed.tensor.parallel style "

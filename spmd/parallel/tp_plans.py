@@ -17,16 +17,23 @@ def _styles() -> tuple[Any, Any]:
     return ColwiseParallel, RowwiseParallel
 
 
-def llama(*, prefix: str = "model.", head: str = "lm_head", mlp: bool = True) -> dict[str, Any]:
+def llama(
+    *, prefix: str = "model.", head: str = "lm_head", mlp: bool = True, sequence_parallel: bool = False
+) -> dict[str, Any]:
     """Hugging Face Llama-family naming (Llama, Mistral, Qwen2/Qwen3, Mixtral's attention):
     ``{prefix}layers.*.self_attn.{q,k,v,o}_proj``, ``{prefix}layers.*.mlp.{gate,up,down}_proj``,
     ``{prefix}embed_tokens`` and ``lm_head``. Grouped-query attention shards the key/value heads
     like the query heads (``num_key_value_heads`` should be a multiple of the tp size; otherwise
     DTensor redistributes around attention, correct but with more communication). ``mlp=False``
     leaves the MLP out (a mixture of experts such as Mixtral's: its experts and router replicate
-    over tp).
+    over tp). ``sequence_parallel=True`` is torchtitan's sequence parallelism: the norms and the
+    residual stream between the tensor-parallel regions split on the sequence (``Shard(1)``), the
+    row-parallel outputs reduce-scattered into it and the column-parallel inputs all-gathered
+    from it, so activations outside attention and the MLP take 1/tp of the memory.
     """
     col, row = _styles()
+    if sequence_parallel:
+        return _llama_sp(prefix, head, mlp)
     plan = {
         f"{prefix}embed_tokens": row(),  # vocabulary-parallel embedding
         f"{prefix}layers.*.self_attn.q_proj": col(),
@@ -56,3 +63,27 @@ def gpt() -> dict[str, Any]:
         "blocks.*.proj": row(),
         "blocks.*.out": row(),
     }
+
+
+def _llama_sp(prefix: str, head: str, mlp: bool) -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    col, row = _styles()
+    layer = f"{prefix}layers.*"
+    plan = {
+        f"{prefix}embed_tokens": row(input_layouts=Replicate(), output_layouts=Shard(1)),
+        f"{prefix}norm": SequenceParallel(),
+        head: col(input_layouts=Shard(1), output_layouts=Shard(-1)),
+        f"{layer}.input_layernorm": SequenceParallel(),
+        f"{layer}.self_attn.q_proj": col(),
+        f"{layer}.self_attn.k_proj": col(),
+        f"{layer}.self_attn.v_proj": col(),
+        f"{layer}.self_attn.o_proj": row(output_layouts=Shard(1)),
+        f"{layer}.post_attention_layernorm": SequenceParallel(),
+    }
+    if mlp:
+        plan[f"{layer}.mlp.gate_proj"] = col()
+        plan[f"{layer}.mlp.up_proj"] = col()
+        plan[f"{layer}.mlp.down_proj"] = row(output_layouts=Shard(1))
+    return plan

@@ -36,12 +36,13 @@ def _check(results: list[dict], name: str) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["gpt", "hf_llama", "hf_qwen2", "hf_mixtral", "hf_gpt2"])
+@pytest.mark.parametrize("name", ["gpt", "hf_llama", "hf_llama_sp", "hf_qwen2", "hf_mixtral", "hf_gpt2"])
 def test_fsdp_x_tp_matches_one_device(name: str) -> None:
     """HF Llama and Qwen2 with grouped-query attention (4 query, 2 key/value heads: one of each per
     tp rank), Mixtral with its experts replicated over tp (HF's grouped_mm op has no sharding rule:
     it runs on replicated inputs), GPT-2 with its transposed Conv1D projections and fused qkv, the
-    built-in GPT with its fused qkv and tied head."""
+    built-in GPT with its fused qkv and tied head; ``hf_llama_sp`` is Llama with torchtitan's
+    sequence-parallel plan (norms and residuals split on the sequence)."""
     optim = "adamw:1e-6" if name == "gpt" else "adamw"
     results = run_ranks(workers_tp.vs_single_device, 4, name, "fully_shard", 2, 5, optim, timeout=280)
     _check(results, name)

@@ -36,6 +36,8 @@ def build(name: str) -> tuple[nn.Module, dict[str, Any], bool]:
 
     if name == "hf_llama":  # grouped-query attention: 4 query heads, 2 key/value heads
         return tf.LlamaForCausalLM(tf.LlamaConfig(**_LLAMA)), tp_plans.llama(), True
+    if name == "hf_llama_sp":  # torchtitan's sequence parallelism
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**_LLAMA)), tp_plans.llama(sequence_parallel=True), True
     if name == "hf_qwen2":
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**_LLAMA)), tp_plans.llama(), True
     if name == "hf_mixtral":  # experts replicated over tp (the plan does not name them)

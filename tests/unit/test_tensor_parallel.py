@@ -56,11 +56,15 @@ def test_styles_place_parameters_and_layouts() -> None:
         "norm.bias": Replicate(),
         "conv.weight": Shard(0),
     }
-    # input, output layouts at each planned module's boundary
-    assert tp.layouts["emb"] == (Replicate(), Replicate())
-    assert tp.layouts["up"] == (Replicate(), Shard(-1))
-    assert tp.layouts["down"] == (Shard(-1), Shard(1))  # reduce-scatter into sequence parallelism
-    assert tp.layouts["norm"] == (Shard(1), Shard(1))
+    # (input, output, output gradient) at each planned module's boundary
+    assert tp.layouts["emb"] == (Replicate(), Replicate(), Replicate())
+    assert tp.layouts["up"] == (Replicate(), Shard(-1), Shard(-1))
+    assert tp.layouts["down"] == (
+        Shard(-1),
+        Shard(1),
+        Replicate(),
+    )  # reduce-scatter into sequence parallelism
+    assert tp.layouts["norm"] == (Shard(1), Shard(1), Shard(1))
 
 
 def test_plan_errors_name_the_fix() -> None:
