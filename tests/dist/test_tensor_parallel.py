@@ -90,18 +90,19 @@ def _with_options(rank: int, world: int, name: str, kw: dict) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_matches_fsdp2_with_parallelize_module() -> None:
+def test_matches_fsdp2_with_parallelize_module(tmp_path) -> None:
     """The same plan by hand (``parallelize_module`` on the tp sub-mesh, FSDP2 per decoder layer on
     the data one), same data per data rank. Losses equal; parameters within TOL (eager DTensor and
     the whole-step expansion sum partial products in other orders); every tensor-parallel
     parameter has FSDP2's placements (FSDP2 keeps the others 1-D on the data mesh, which DCP
-    treats as the same sharding)."""
-    results = run_ranks(workers_tp.vs_fsdp2, 4, "hf_llama", timeout=280)
+    treats as the same sharding); FSDP2's DCP checkpoint loads into spmd's state bit for bit."""
+    results = run_ranks(workers_tp.vs_fsdp2, 4, "hf_llama", 2, 4, str(tmp_path), timeout=280)
     for rank, r in enumerate(results):
         assert r["loss_diff"] < TOL, f"rank {rank}: loss differs by {r['loss_diff']}"
         assert r["param_diff"] < TOL, f"rank {rank}: {r['worst']} differs by {r['param_diff']}"
         tp_diffs = [d for d in r["placement_diffs"] if "layernorm" not in d and "model.norm" not in d]
         assert not tp_diffs, tp_diffs
+        assert not r["loaded_diffs"], f"rank {rank}: FSDP2's checkpoint loaded wrong: {r['loaded_diffs']}"
 
 
 @pytest.mark.timeout(400)

@@ -147,9 +147,12 @@ def vs_single_device(
     }
 
 
-def vs_fsdp2(rank: int, world: int, name: str, tp: int = 2, steps: int = 4) -> dict[str, Any]:
+def vs_fsdp2(
+    rank: int, world: int, name: str, tp: int = 2, steps: int = 4, ckpt_dir: str | None = None
+) -> dict[str, Any]:
     """The same step against FSDP2 ``fully_shard`` composed with ``parallelize_module`` by hand,
-    with the same plan on the same 2-D mesh, different data on each data rank."""
+    with the same plan on the same 2-D mesh, different data on each data rank. With ``ckpt_dir``:
+    FSDP2's model and optimizer state saved with DCP loads into a fresh spmd model."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -183,11 +186,32 @@ def vs_fsdp2(rank: int, world: int, name: str, tp: int = 2, steps: int = 4) -> d
         for (n, p), q in zip(model.named_parameters(), ref.parameters())
         if tuple(p.placements) != tuple(q.placements)
     ]
+    loaded_diffs: list[str] = []
+    if ckpt_dir is not None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": ref.state_dict(), "optim": ref_opt.state_dict()}, checkpoint_id=ckpt_dir)
+        torch.manual_seed(1)  # other initial values: the load must overwrite them
+        fresh, _, _ = build(name)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3, fused=True)
+        mode = spmd.DataParallel("fully_shard", mesh=mesh, tp_plan=plan)
+        mode.distribute(fresh, fresh_opt)
+        sd = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}
+        dcp.load(sd, checkpoint_id=ckpt_dir)
+        fresh.load_state_dict(sd["model"])
+        fresh_opt.load_state_dict(sd["optim"])
+        for (n, p), q in zip(fresh.named_parameters(), ref.parameters()):
+            if not torch.equal(_full(p), _full(q.detach())):
+                loaded_diffs.append(f"parameter {n}")
+            for k, v in ref_opt.state[q].items():
+                if isinstance(v, torch.Tensor) and not torch.equal(_full(fresh_opt.state[p][k]), _full(v)):
+                    loaded_diffs.append(f"optimizer state {k} of {n}")
     return {
         "loss_diff": loss_diff,
         "param_diff": max(diffs.values()),
         "worst": max(diffs, key=diffs.__getitem__),
         "placement_diffs": placement_diffs,
+        "loaded_diffs": loaded_diffs,
     }
 
 
