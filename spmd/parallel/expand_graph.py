@@ -35,10 +35,11 @@ from passes.meta import (
     Phase,
     Role,
 )
+from passes.linear_cross_entropy import LINEAR_CROSS_ENTROPY
 from passes.ops import TAG_GRAD
 from spmd.errors import ShardingPropagationError
 from spmd.frontend.kernel_layouts import KernelLayoutFakeMode
-from spmd.parallel import expand_rules
+from spmd.parallel import expand_rules, tp_loss
 
 if TYPE_CHECKING:
     pass
@@ -248,6 +249,10 @@ class _Expander(fx.Interpreter):
         q_at = expand_rules.ATTENTION_Q.get(target)
         if q_at is not None and kwargs.get("attn_mask") is not None:
             kwargs = {**kwargs, "attn_mask": self._place_mask(args[q_at], kwargs["attn_mask"])}
+        if self.vocab_parallel_loss and target is LINEAR_CROSS_ENTROPY and tp_loss.applies(self.mesh, args):
+            return tp_loss.vocab_parallel_head(
+                self.mesh, args, lambda t, pl, like: _wrap(t, self.mesh, pl, like)
+            )
         if self.vocab_parallel_loss and target in _LOSS_OPS and _class_split(args):
             from torch.distributed.tensor.parallel import loss_parallel
 

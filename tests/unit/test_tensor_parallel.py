@@ -141,3 +141,61 @@ def test_two_d_step_under_the_fake_process_group() -> None:
         }
         mesh = model.blocks[0].fc.weight.device_mesh
         assert {mesh.get_group("tp").group_name, mesh.get_group("dp_shard").group_name} <= groups
+
+
+def test_vocab_parallel_head_ops_match_the_chunked_head() -> None:
+    """passes.vocab_parallel_loss on two halves of the vocabulary, combined as the graph combines
+    them (max, rescaled sum, sum), against spmd::linear_cross_entropy on the whole head: several
+    chunks, an ignored target, mean reduction. Equal up to float rounding (the log-sum-exp is
+    combined from per-half maxima)."""
+    from passes.linear_cross_entropy import LINEAR_CROSS_ENTROPY
+    from passes.vocab_parallel_loss import VP_LCE_GRADS, VP_LSE_STATS
+
+    torch.manual_seed(0)
+    n, d, v = 10, 8, 12
+    x, w = torch.randn(n, d), torch.randn(v, d)
+    target = torch.randint(0, v, (n,))
+    target[3] = -100
+    grad_loss = torch.tensor(0.5)
+    loss, total, gx, gw = LINEAR_CROSS_ENTROPY(x, w, target, grad_loss, 4, 1, -100, None)
+    halves = [(w[:6], 0), (w[6:], 6)]
+    stats = [VP_LSE_STATS(x, wl, target, 3, start, -100, None) for wl, start in halves]
+    top = torch.maximum(stats[0][0], stats[1][0])
+    lse = top + torch.log(sum(s[1] * torch.exp(s[0] - top) for s in stats))
+    t_logit = stats[0][2] + stats[1][2]
+    keep = target != -100
+    assert torch.allclose((lse - t_logit)[keep].sum() / keep.sum(), loss, atol=1e-6)
+    scale = grad_loss * keep.float() / keep.sum()
+    grads = [VP_LCE_GRADS(x, wl, target, lse, scale, 3, start, None) for wl, start in halves]
+    assert torch.allclose(grads[0][0] + grads[1][0], gx, atol=1e-6)
+    assert torch.allclose(torch.cat([grads[0][1], grads[1][1]]), gw, atol=1e-6)
+
+
+def test_chunked_head_is_vocabulary_parallel_under_tp() -> None:
+    """With chunked_loss and a vocabulary-split head (HF Llama, lm_head column-parallel), the step
+    runs the two vocabulary-parallel passes and never gathers the head weight or its gradient.
+    Without the vocabulary-parallel rule the op has no sharding rule and runs on the gathered head."""
+    from tests.dist.workers_tp import build
+
+    torch.manual_seed(0)
+    model, plan_, _ = build("hf_llama")
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    ids = torch.randint(0, 64, (2, 8))
+
+    def step_fn(model, optim, ids, labels):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    mode = spmd.DataParallel("replicate", tp_size=2, tp_plan=plan_)
+    step = spmd.compile(parallel_mode=mode, chunked_loss=True)(step_fn)
+    with fake_process_group(2):
+        step(model, optim, ids, ids.clone())
+        gm = step.graphs["final"]
+        targets = {str(n.target) for n in gm.graph.nodes}
+        assert "spmd.vp_lse_stats.default" in targets and "spmd.vp_lce_grads.default" in targets
+        assert "spmd.linear_cross_entropy.default" not in targets
+        gathered = [tuple(n.meta["val"].shape) for n in gm.graph.nodes if "all_gather" in str(n.target)]
+        assert (64, 32) not in gathered, "the head weight (or its gradient) was gathered"
