@@ -22,6 +22,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from passes import collectives as C
+from passes.linear_cross_entropy import LINEAR_CROSS_ENTROPY
 from passes.meta import (
     CAST_OF,
     GRAD_OF,
@@ -35,7 +36,6 @@ from passes.meta import (
     Phase,
     Role,
 )
-from passes.linear_cross_entropy import LINEAR_CROSS_ENTROPY
 from passes.ops import TAG_GRAD
 from spmd.errors import ShardingPropagationError
 from spmd.frontend.kernel_layouts import KernelLayoutFakeMode
