@@ -19,10 +19,10 @@ import json
 import statistics
 import time
 
+import rank_main
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from rank_main import run
 from torch.distributed.tensor import Replicate
 
 import spmd
@@ -103,4 +103,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run(main)
+    rank_main.run(main)
