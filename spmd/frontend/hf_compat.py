@@ -22,16 +22,14 @@ runs on that concrete value, as eager's does, and a row of one sequence gives ea
 user), and a 2-D ``attention_mask`` passed to the step (padded or not: its values are
 data), keep Hugging Face's mask path, so padding is always masked.
 
-The second decision, ``masking_utils._ignore_causal_mask_sdpa`` (may SDPA take ``is_causal=True``
-instead of a mask), reads no values when there is no padding mask, but releases of
-``transformers`` before 5.2x (5.17 was measured) first return "keep the mask" whenever
-``is_tracing(padding_mask)`` is true, and with no padding mask that asks only
-``torch.compiler.is_compiling()`` -- which spmd's trace sets for the whole step
-(:func:`spmd.frontend.optim.traceable_optimizers`). Later releases skip that check when the
-padding mask is ``None``. :func:`hf_static_masks` runs the check with ``is_compiling()`` false
-when there is no padding mask and no traced offset, so every release decides from the shapes
-alone, as eager does. Nothing else in ``transformers`` is changed; without ``transformers``
-imported this is a no-op.
+Why this is still needed now that ``torch.compiler.is_compiling()`` is false outside
+``optimizer.step()`` (:func:`spmd.frontend.optim.traceable_optimizers`): ``is_tracing(t)``
+asks ``isinstance(t, FakeTensor)`` as well, and every tensor of the trace is one, so
+``find_packed_sequence_indices`` would still skip its check on the fake value. The other
+question a mask builder asks, ``_ignore_causal_mask_sdpa`` (may SDPA take ``is_causal=True``),
+reads only ``is_compiling()`` when there is no padding mask (releases before 5.2x) or nothing
+at all (later ones): with eager's answer from the flag, it needs no shim. Nothing else in
+``transformers`` is changed; without ``transformers`` imported this is a no-op.
 """
 
 from __future__ import annotations
@@ -48,7 +46,6 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot
 
-from spmd.frontend.optim import not_compiling
 
 log = logging.getLogger("spmd")
 
@@ -105,9 +102,8 @@ def _static_packed_check(original: Callable[[torch.Tensor], Any]) -> Callable[[t
     def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
         value = constant_value(position_ids)
         if value is not None:
-            # On the real value, as eager: outside the trace, and with is_compiling() false
-            # (spmd.frontend.optim sets it for the whole trace; transformers' is_tracing() reads it).
-            with disable_proxy_modes_tracing(), unset_fake_temporarily(), not_compiling():
+            # On the real value, as eager: outside the trace (is_tracing() is then false).
+            with disable_proxy_modes_tracing(), unset_fake_temporarily():
                 packed = original(value)
         if value is not None and packed is None:
             log.debug("spmd: position ids are constants of one sequence per row: no packed-sequence mask")
@@ -118,29 +114,15 @@ def _static_packed_check(original: Callable[[torch.Tensor], Any]) -> Callable[[t
     return find_packed_sequence_indices
 
 
-def _shape_only_sdpa_skip(original: Callable[..., bool]) -> Callable[..., bool]:
-    @functools.wraps(original)
-    def _ignore_causal_mask_sdpa(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
-        if padding_mask is None and not any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
-            # Only shapes and Python ints are read: decide as eager does.
-            with not_compiling():
-                return original(padding_mask, *args, **kwargs)
-        return original(padding_mask, *args, **kwargs)
-
-    _ignore_causal_mask_sdpa.__spmd_shim__ = True  # type: ignore[attr-defined]
-    return _ignore_causal_mask_sdpa
-
-
 _SHIMS = {
     "find_packed_sequence_indices": _static_packed_check,
-    "_ignore_causal_mask_sdpa": _shape_only_sdpa_skip,
 }
 
 
 @contextlib.contextmanager
 def hf_static_masks() -> Iterator[None]:
     """For the duration of a trace, let ``transformers`` decide from position ids whose values
-    are known at trace time, and from shapes, as eager does (see the module docstring)."""
+    are known at trace time, as eager does (see the module docstring)."""
     masking = sys.modules.get("transformers.masking_utils")
     originals = {}
     for name, wrap in _SHIMS.items():

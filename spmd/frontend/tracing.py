@@ -403,7 +403,7 @@ def trace_step(
     inputs = [_trace_input(t, fake_mode) for t in state.tensors(optimizer) + step_args.tensors]
     t0 = time.perf_counter()
     try:
-        with fx_traceback.preserve_node_meta(), optim_utils.traceable_optimizers():
+        with fx_traceback.preserve_node_meta(), optim_utils.traceable_optimizers(optimizer):
             gm = make_fx(step, tracing_mode="fake", record_stack_traces=stack_traces)(*inputs)
     except SpmdError:
         raise
