@@ -10,6 +10,7 @@ from spmd.api import CompiledStep, Override, compile
 from spmd.backend.gloo_threads import gloo_threads
 from spmd.errors import (
     CacheLimitError,
+    CapturedTensorError,
     CollectiveError,
     ConfigError,
     DataDependentControlFlowError,
@@ -38,6 +39,7 @@ logging.getLogger("spmd").addHandler(logging.NullHandler())
 __all__ = [
     "CPUOffloadPolicy",
     "CacheLimitError",
+    "CapturedTensorError",
     "CollectiveError",
     "CompiledStep",
     "ConfigError",

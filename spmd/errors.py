@@ -42,6 +42,11 @@ class HostRandomError(TraceError):
     would replay that one draw at every step (``spmd.frontend.host_random``)."""
 
 
+class CapturedTensorError(TraceError):
+    """The step read a tensor from outside (a global, a closure variable, a module attribute
+    that is not a buffer): names it and the fix (pass it as an argument, or register a buffer)."""
+
+
 class UntraceableOpError(TraceError):
     """An operation has no meta/fake implementation or a data-dependent output shape."""
 

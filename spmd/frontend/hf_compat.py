@@ -46,7 +46,6 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot
 
-
 log = logging.getLogger("spmd")
 
 # A value computed from more nodes than this is not an index tensor; leave it traced.
@@ -137,12 +136,26 @@ def hf_static_masks() -> Iterator[None]:
             setattr(masking, name, original)
 
 
+def _is_experts_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face experts module: its class went through
+    ``transformers.integrations.moe.use_experts_implementation`` (the decorator that dispatches
+    on ``config._experts_implementation``), or, for releases without it, is named ``*Experts``."""
+    forward = getattr(type(module), "forward", None)
+    code = getattr(forward, "__code__", None)
+    filename = getattr(code, "co_filename", "").replace("\\", "/")
+    return filename.endswith("transformers/integrations/moe.py") or type(module).__name__.endswith("Experts")
+
+
 def hf_data_dependent_hint(module: torch.nn.Module | None) -> str:
-    """What to change when a Hugging Face module fails the trace with a data-dependent shape
-    (``nonzero``): its mixture-of-experts layer in the ``"eager"`` experts implementation loops
-    over the experts the routing hit. Empty for any other module."""
+    """What to change when a Hugging Face experts module fails the trace with a data-dependent
+    shape (``nonzero``): in the ``"eager"`` experts implementation it loops over the experts the
+    routing hit. Empty for any other module: ``transformers`` sets
+    ``config._experts_implementation == "eager"`` on every model, MoE or not, so the config alone
+    does not say that the refusing module has experts."""
     config = getattr(module, "config", None)
-    if getattr(config, "_experts_implementation", None) != "eager":
+    if module is None or getattr(config, "_experts_implementation", None) != "eager":
+        return ""
+    if not _is_experts_module(module):
         return ""
     return (
         " This is a Hugging Face experts module in its 'eager' implementation (a loop over the experts "

@@ -21,6 +21,9 @@ alike, where torch's fake kernels follow the input's strides (forward) or the ou
 (backward). Fake tensors on other devices keep torch's rule (their kernels have their own, and
 ``fix_layouts`` checks the first real run wherever the graph runs). Only spmd's traces use this
 mode; torch's own fake tensors elsewhere in the process are untouched.
+
+One rule is about dtypes, not layouts: ``aten._grouped_mm`` in float32/float16, which torch's
+meta kernel refuses and the CPU kernel computes (:meth:`KernelLayoutFakeMode._grouped_mm`).
 """
 
 from __future__ import annotations
@@ -69,13 +72,15 @@ class KernelLayoutFakeMode(FakeTensorMode):
     ) -> Any:
         # torch's dispatch cache is shared by every fake mode in the process and knows nothing
         # of this one's rule: these ops bypass it both ways.
-        if func in BATCH_NORM_OPS and KernelLayoutFakeMode.rules_on:
+        if (func in BATCH_NORM_OPS and KernelLayoutFakeMode.rules_on) or func is aten._grouped_mm.default:
             return self._dispatch_impl(func, types, args, kwargs)
         return super()._cached_dispatch_impl(func, types, args, kwargs)
 
     def _dispatch_impl(
         self, func: Any, types: Sequence[type], args: Sequence[object], kwargs: Mapping[str, object]
     ) -> Any:
+        if func is aten._grouped_mm.default:
+            return self._grouped_mm(func, types, args, kwargs)
         out: Any = super()._dispatch_impl(func, types, args, kwargs)
         which = BATCH_NORM_OPS.get(func)
         if which is None or not KernelLayoutFakeMode.rules_on:
@@ -90,6 +95,33 @@ class KernelLayoutFakeMode(FakeTensorMode):
         with self:
             first = torch.empty(first.shape, dtype=first.dtype, device=first.device, memory_format=fmt)
         return (first, *out[1:])
+
+    def _grouped_mm(
+        self, func: Any, types: Sequence[type], args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> Any:
+        """``aten._grouped_mm`` in float32/float16: torch's meta kernel accepts only bfloat16
+        (the check of the CUDA kernel of an earlier release), while the CPU kernel computes in any
+        floating dtype, and Hugging Face's ``grouped_mm`` experts call it in float32 on the CPU
+        when not compiling (eager's path, which the trace now takes). The shape and layout are
+        the bfloat16 ones; the dtype is the inputs'. A kernel that refuses the dtype refuses it
+        in eager as well (and at the first run here: ``KernelError``)."""
+        a, b = args[0], args[1]
+        out_dtype = kwargs.get("out_dtype", args[4] if len(args) > 4 else None)
+        if not (
+            isinstance(a, FakeTensor)
+            and isinstance(b, FakeTensor)
+            and a.dtype == b.dtype
+            and a.dtype in (torch.float32, torch.float16)
+            and out_dtype in (None, a.dtype)
+        ):
+            return super()._dispatch_impl(func, types, args, kwargs)
+        with self:
+            a16 = torch.empty_strided(a.shape, a.stride(), dtype=torch.bfloat16, device=a.device)
+            b16 = torch.empty_strided(b.shape, b.stride(), dtype=torch.bfloat16, device=b.device)
+        rest = {k: v for k, v in kwargs.items() if k != "out_dtype"}
+        out: Any = super()._dispatch_impl(func, types, (a16, b16, *args[2:4]), rest)
+        with self:
+            return torch.empty_strided(out.shape, out.stride(), dtype=a.dtype, device=out.device)
 
 
 @contextlib.contextmanager

@@ -52,6 +52,7 @@ from spmd.errors import (
 )
 from spmd.frontend import kernel_layouts
 from spmd.frontend import optim as optim_utils
+from spmd.frontend.captured import captured_tensor_error, is_captured_tensor_failure
 from spmd.frontend.hf_compat import hf_data_dependent_hint, hf_static_masks
 from spmd.frontend.host_random import refuse_host_random
 from spmd.frontend.step_inputs import (
@@ -208,6 +209,8 @@ def _cudnn_rnn(exc: BaseException) -> bool:
 
 def _raise_trace_error(exc: BaseException, module: nn.Module) -> None:
     data_dependent, untraceable = _trace_error_types()
+    if is_captured_tensor_failure(exc):
+        raise captured_tensor_error(exc, module) from exc
     frame = _user_frame(exc)
     where = f" at {frame.filename}:{frame.lineno} ({frame.line!r})" if frame else ""
     lib = _library_frame(exc)
@@ -241,15 +244,16 @@ def _raise_trace_error(exc: BaseException, module: nn.Module) -> None:
                 "own kernels; eager under the same flags matches bit for bit), or"
             )
         elif isinstance(exc, DynamicOutputShapeException):
+            experts = hf_data_dependent_hint(found[1] if found else None)
             hint = (
-                " Its output shape depends on the values of its input (e.g. which tokens are routed to "
-                "which expert), and a graph is traced once, for fixed shapes: compute it over fixed shapes "
-                "instead (masks, one_hot, a matmul over every expert)."
-                + hf_data_dependent_hint(found[1] if found else None)
+                " Its output shape depends on the values of its input (nonzero, boolean-mask indexing, "
+                "unique and the like return as many elements as the data selects), and a graph is "
+                "traced once, for fixed shapes: compute it over fixed shapes instead (torch.where with "
+                "a mask, a weighted sum, one_hot)." + experts
             )
             fix = (
                 " Or wrap this submodule with an spmd.Override (module_override=[...]) whose replacement "
-                "has fixed shapes (examples/override_moe.py)."
+                "has fixed shapes" + (" (examples/override_moe.py)." if experts else ".")
             )
         else:
             hint = " It has no fake/meta implementation."

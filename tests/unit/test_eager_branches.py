@@ -9,7 +9,6 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import spmd
 
@@ -29,10 +28,10 @@ class AsksIfCompiling(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.answers: list[tuple[bool, bool, bool]] = []
+        self.answers: list[tuple[bool, bool]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        answers = (torch.compiler.is_compiling(), torch._dynamo.is_compiling(), torch._utils.is_compiling())
+        answers = (torch.compiler.is_compiling(), torch._dynamo.is_compiling())
         self.answers.append(answers)
         h = self.lin(x)
         return h * 2 if any(answers) else h
@@ -57,7 +56,7 @@ def test_forward_sees_eagers_is_compiling() -> None:
     x = torch.randn(3, 4)
     for i in range(2):
         assert torch.equal(compiled(model, opt, x), _step(ref, ref_opt, x)), f"call {i}"
-    assert model.answers == [(False, False, False)]  # one trace, eager's answers
+    assert model.answers == [(False, False)]  # one trace, eager's answers
     _assert_same(model, ref, "after 2 calls")
 
 
@@ -86,3 +85,79 @@ def test_hf_mamba_default_is_bit_for_bit() -> None:
         ids = torch.randint(0, 64, (2, 8), generator=g)
         assert torch.equal(compiled(model, opt, ids), step(ref, ref_opt, ids)), f"call {i}"
     _assert_same(model, ref, "after 3 calls")
+
+
+def test_hf_non_moe_refusal_gives_no_experts_advice() -> None:
+    """DeBERTa-v2's sequence classifier with ``problem_type=None`` selects labels with
+    ``(labels >= 0).nonzero()``: rightly refused, but transformers sets
+    ``config._experts_implementation == "eager"`` on every model, and the message used to advise
+    ``experts_implementation='grouped_mm'``. The MoE case keeps it
+    (``test_foreign_models.py::test_hf_moe_eager_experts_refused_with_the_fix``)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.DebertaV2Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, num_labels=3,
+    )  # fmt: skip
+    model = transformers.DebertaV2ForSequenceClassification(config)
+    assert model.config.problem_type is None and model.config._experts_implementation == "eager"
+    opt = _fused_adamw(model)
+
+    def step(model, opt, ids, labels):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    ids, labels = torch.randint(0, 64, (2, 6)), torch.tensor([[0], [2]])
+    with pytest.raises(spmd.UntraceableOpError) as info:
+        spmd.compile()(step)(model, opt, ids, labels)
+    msg = str(info.value)
+    assert "nonzero" in msg and "modeling_deberta_v2.py:" in msg and "fixed shapes" in msg, msg
+    assert "expert" not in msg, msg
+
+
+_GLOBAL_MASK = torch.ones(4)
+
+
+class PlainAttribute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = torch.full((4,), 2.0)  # a plain attribute, not a buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def test_captured_tensors_are_refused_by_name() -> None:
+    """A tensor read from a global, a closure or a module's plain attribute is refused naming it
+    and the fixes. Before: a TraceError wrapping fake mode's "Please convert all Tensors to
+    FakeTensors" assertion."""
+    closure_mask = torch.ones(4)
+
+    def global_step(model, opt, x):
+        loss = (model(x) * _GLOBAL_MASK).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    def closure_step(model, opt, x):
+        loss = (model(x) * closure_mask).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    cases = [
+        (nn.Linear(4, 4), global_step, "`_GLOBAL_MASK` (a global of test_eager_branches.py)"),
+        (nn.Linear(4, 4), closure_step, "`closure_mask` (a closure variable)"),
+        (PlainAttribute(), _step, "`self.scale` (a plain tensor attribute of module 'PlainAttribute'"),
+    ]
+    for model, fn, named in cases:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(spmd.CapturedTensorError) as info:
+            spmd.compile()(fn)(model, opt, torch.randn(2, 4))
+        msg = str(info.value)
+        assert named in msg and "as an argument" in msg and "register_buffer" in msg, msg
+        assert "test_eager_branches.py:" in msg, msg
