@@ -22,8 +22,9 @@ alike, where torch's fake kernels follow the input's strides (forward) or the ou
 ``fix_layouts`` checks the first real run wherever the graph runs). Only spmd's traces use this
 mode; torch's own fake tensors elsewhere in the process are untouched.
 
-One rule is about dtypes, not layouts: ``aten._grouped_mm`` in float32/float16, which torch's
-meta kernel refuses and the CPU kernel computes (:meth:`KernelLayoutFakeMode._grouped_mm`).
+Rules about other things than layouts: ``aten._grouped_mm`` in float32/float16, which torch's
+meta kernel refuses and the CPU kernel computes (:meth:`KernelLayoutFakeMode._grouped_mm`), and
+the CTC loss's forward and backward, which have no fake kernel (:mod:`spmd.frontend.ctc`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from typing import Any
 import torch
 from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from spmd.frontend import ctc
 
 aten = torch.ops.aten
 
@@ -48,6 +51,9 @@ BATCH_NORM_OPS: dict[torch._ops.OpOverload, int] = {
     aten._native_batch_norm_legit_functional.default: 0,
     aten.native_batch_norm_backward.default: 1,  # (grad_out, input, ...)
 }
+
+# Ops with a rule of this mode that is not about layouts (dtype, shapes: the docstring's end).
+_OTHER_RULES = frozenset({aten._grouped_mm.default, aten._ctc_loss.Tensor, aten._ctc_loss_backward.Tensor})
 
 
 class KernelLayoutFakeMode(FakeTensorMode):
@@ -72,7 +78,7 @@ class KernelLayoutFakeMode(FakeTensorMode):
     ) -> Any:
         # torch's dispatch cache is shared by every fake mode in the process and knows nothing
         # of this one's rule: these ops bypass it both ways.
-        if (func in BATCH_NORM_OPS and KernelLayoutFakeMode.rules_on) or func is aten._grouped_mm.default:
+        if (func in BATCH_NORM_OPS and KernelLayoutFakeMode.rules_on) or func in _OTHER_RULES:
             return self._dispatch_impl(func, types, args, kwargs)
         return super()._cached_dispatch_impl(func, types, args, kwargs)
 
@@ -81,6 +87,12 @@ class KernelLayoutFakeMode(FakeTensorMode):
     ) -> Any:
         if func is aten._grouped_mm.default:
             return self._grouped_mm(func, types, args, kwargs)
+        if func is aten._ctc_loss.Tensor:
+            with self:
+                return ctc.fake_ctc_loss(args[0], args[1])  # type: ignore[arg-type]
+        if func is aten._ctc_loss_backward.Tensor:
+            with self:
+                return ctc.fake_ctc_loss_backward(args[1])  # type: ignore[arg-type]
         out: Any = super()._dispatch_impl(func, types, args, kwargs)
         which = BATCH_NORM_OPS.get(func)
         if which is None or not KernelLayoutFakeMode.rules_on:

@@ -53,6 +53,7 @@ from spmd.errors import (
 from spmd.frontend import kernel_layouts
 from spmd.frontend import optim as optim_utils
 from spmd.frontend.captured import captured_tensor_error, is_captured_tensor_failure
+from spmd.frontend.ctc import fixed_shape_ctc
 from spmd.frontend.hf_compat import hf_data_dependent_hint, hf_static_masks
 from spmd.frontend.host_random import refuse_host_random
 from spmd.frontend.step_inputs import (
@@ -454,6 +455,7 @@ def _finish_metadata(gm: fx.GraphModule, slots: list[Slot]) -> None:
         if n.op == "call_function" and str(n.target).rsplit(".default", 1)[0] in _PROFILER_OPS:
             graph.erase_node(n)
     keep_rnn_workspaces(graph)  # the graph runs under no_grad (passes.ops)
+    fixed_shape_ctc(graph)  # the CTC loss's fixed-shape kernels (spmd.frontend.ctc)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(slots), (len(placeholders), len(slots))
     prefixes = {

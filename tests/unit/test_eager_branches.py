@@ -161,3 +161,47 @@ def test_captured_tensors_are_refused_by_name() -> None:
         msg = str(info.value)
         assert named in msg and "as an argument" in msg and "register_buffer" in msg, msg
         assert "test_eager_branches.py:" in msg, msg
+
+
+class CTCHead(nn.Module):
+    def __init__(self, classes: int = 6) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).log_softmax(-1)
+
+
+def ctc_step(model, opt, x, targets, input_lengths, target_lengths):
+    loss = torch.nn.functional.ctc_loss(model(x), targets, input_lengths, target_lengths, zero_infinity=True)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def ctc_batch(g: torch.Generator, t: int = 12, b: int = 3, s: int = 5, classes: int = 6) -> tuple:
+    """Padded targets ``(b, s)``, lengths that differ per sample and per call."""
+    x = torch.randn(t, b, 4, generator=g)
+    targets = torch.randint(1, classes, (b, s), generator=g)
+    input_lengths = torch.randint(2 * s, t + 1, (b,), generator=g)
+    target_lengths = torch.randint(1, s + 1, (b,), generator=g)
+    return x, targets, input_lengths, target_lengths
+
+
+def test_ctc_loss_is_bit_for_bit() -> None:
+    """``F.ctc_loss`` with tensor lengths traces (spmd.frontend.ctc: bounded fake shapes, torch's
+    kernels at run time) and equals eager bit for bit over calls with other lengths, in one graph.
+    Before: refused, ``aten._ctc_loss.Tensor`` has no fake kernel."""
+    torch.manual_seed(0)
+    model = CTCHead()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _fused_adamw(model), _fused_adamw(ref)
+    compiled = spmd.compile()(ctc_step)
+    g = torch.Generator().manual_seed(1)
+    for i in range(3):
+        batch = ctc_batch(g)
+        assert torch.equal(compiled(model, opt, *batch), ctc_step(ref, ref_opt, *batch)), f"call {i}"
+    _assert_same(model, ref, "after 3 calls")
+    assert compiled.num_graphs == 1
+    assert "spmd.ctc_loss_backward" in compiled.graphs["final"].code
