@@ -51,6 +51,12 @@ class UntraceableOpError(TraceError):
     """An operation has no meta/fake implementation or a data-dependent output shape."""
 
 
+class DataCheckError(SpmdError):
+    """A batch would take another side of a Python branch on the step's data (``if labels.max() >=
+    vocab:``) than the graph traced on the first call; raised on every rank before the step runs
+    (``spmd.frontend.data_checks``)."""
+
+
 class CacheLimitError(SpmdError):
     """Too many distinct input signatures were traced for one compiled step."""
 

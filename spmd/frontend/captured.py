@@ -37,7 +37,9 @@ def _real(v: object) -> bool:
     return isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor)
 
 
-def _skipped(filename: str) -> bool:
+def is_internal_file(filename: str) -> bool:
+    """Whether ``filename`` is torch's, spmd's or the standard library's (not the user's, nor a
+    model library's such as ``transformers``)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     skip = (
         os.path.dirname(torch.__file__),
@@ -74,7 +76,7 @@ def captured_tensor_error(exc: BaseException, module: nn.Module) -> CapturedTens
     tb = exc.__traceback__
     frames = []
     while tb is not None:
-        if not _skipped(tb.tb_frame.f_code.co_filename):
+        if not is_internal_file(tb.tb_frame.f_code.co_filename):
             frames.append((tb.tb_frame, tb.tb_lineno))
         tb = tb.tb_next
     for frame, lineno in reversed(frames):  # innermost first
@@ -100,4 +102,4 @@ def captured_tensor_error(exc: BaseException, module: nn.Module) -> CapturedTens
     )
 
 
-__all__ = ["captured_tensor_error", "is_captured_tensor_failure"]
+__all__ = ["captured_tensor_error", "is_captured_tensor_failure", "is_internal_file"]

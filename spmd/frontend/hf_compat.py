@@ -1,4 +1,4 @@
-"""Compatibility with Hugging Face ``transformers`` under spmd's trace: the one shim.
+"""Compatibility with Hugging Face ``transformers`` under spmd's trace: two shims.
 
 ``transformers.utils.is_tracing(t)`` is true for any ``FakeTensor``, and spmd traces the
 step under fake tensors. Where Hugging Face decides from a tensor's *values* whether it
@@ -28,8 +28,15 @@ asks ``isinstance(t, FakeTensor)`` as well, and every tensor of the trace is one
 ``find_packed_sequence_indices`` would still skip its check on the fake value. The other
 question a mask builder asks, ``_ignore_causal_mask_sdpa`` (may SDPA take ``is_causal=True``),
 reads only ``is_compiling()`` when there is no padding mask (releases before 5.2x) or nothing
-at all (later ones): with eager's answer from the flag, it needs no shim. Nothing else in
-``transformers`` is changed; without ``transformers`` imported this is a no-op.
+at all (later ones): with eager's answer from the flag, it needs no shim.
+
+The second shim is the CTC loss of ``*ForCTC`` models (``loss_type="ForCTC"``: Wav2Vec2, HuBERT,
+WavLM...). Hugging Face concatenates each sample's labels with ``labels.masked_select(mask)``,
+whose length is the number of kept labels: a value, not a shape a graph can hold. Under the
+trace, ``LOSS_MAPPING["ForCTC"]`` keeps the targets as ``(batch, U)`` rows with the kept labels
+first (:func:`_padded_ctc_targets`), which ``F.ctc_loss`` reads the same way: the loss and the
+gradients are eager's bit for bit. Nothing else in ``transformers`` is changed; without
+``transformers`` imported this is a no-op.
 """
 
 from __future__ import annotations
@@ -118,6 +125,69 @@ _SHIMS = {
 }
 
 
+def _padded_ctc_targets(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def ForCTCLoss(  # noqa: N802 - Hugging Face's name
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        logit_lengths: torch.Tensor,
+        blank_token_id: int,
+        reduction: str = "mean",
+        zero_infinity: bool = False,
+        ignore_index: int = -100,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if not isinstance(labels, FakeTensor) or labels.dim() != 2:
+            return original(
+                logits,
+                labels,
+                logit_lengths,
+                blank_token_id,
+                reduction,
+                zero_infinity,
+                ignore_index,
+                **kwargs,
+            )
+        # transformers' ForCTCLoss, but the targets stay (batch, U): each row's kept labels first,
+        # in order (a stable sort on "dropped"), where Hugging Face concatenates them with
+        # masked_select (a shape that depends on the labels' values). The CTC kernel reads each
+        # sample's first target_length labels either way: the same loss and gradient, bit for bit.
+        labels = labels.to(logits.device)
+        labels_mask = (labels != ignore_index) & (labels != blank_token_id)
+        target_lengths = labels_mask.sum(-1)
+        order = torch.argsort((~labels_mask).to(torch.int8), dim=1, stable=True)
+        targets = labels.gather(1, order)
+        log_probs = torch.nn.functional.log_softmax(logits, dim=-1, dtype=torch.float32).transpose(0, 1)
+        with torch.backends.cudnn.flags(enabled=False):
+            return torch.nn.functional.ctc_loss(
+                log_probs,
+                targets,
+                logit_lengths,
+                target_lengths,
+                blank=blank_token_id,
+                reduction=reduction,
+                zero_infinity=zero_infinity,
+            )
+
+    ForCTCLoss.__spmd_shim__ = True  # type: ignore[attr-defined]
+    return ForCTCLoss
+
+
+@contextlib.contextmanager
+def _ctc_loss_shim() -> Iterator[None]:
+    losses = sys.modules.get("transformers.loss.loss_utils")
+    mapping = getattr(losses, "LOSS_MAPPING", None)
+    original = mapping.get("ForCTC") if isinstance(mapping, dict) else None
+    if original is None or getattr(original, "__spmd_shim__", False):
+        yield
+        return
+    mapping["ForCTC"] = _padded_ctc_targets(original)  # type: ignore[index]
+    try:
+        yield
+    finally:
+        mapping["ForCTC"] = original  # type: ignore[index]
+
+
 @contextlib.contextmanager
 def hf_static_masks() -> Iterator[None]:
     """For the duration of a trace, let ``transformers`` decide from position ids whose values
@@ -130,7 +200,8 @@ def hf_static_masks() -> Iterator[None]:
             originals[name] = original
             setattr(masking, name, wrap(original))
     try:
-        yield
+        with _ctc_loss_shim():
+            yield
     finally:
         for name, original in originals.items():
             setattr(masking, name, original)

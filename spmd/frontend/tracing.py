@@ -54,6 +54,7 @@ from spmd.frontend import kernel_layouts
 from spmd.frontend import optim as optim_utils
 from spmd.frontend.captured import captured_tensor_error, is_captured_tensor_failure
 from spmd.frontend.ctc import fixed_shape_ctc
+from spmd.frontend.data_checks import DataChecks, build_checks, data_branches
 from spmd.frontend.hf_compat import hf_data_dependent_hint, hf_static_masks
 from spmd.frontend.host_random import refuse_host_random
 from spmd.frontend.step_inputs import (
@@ -103,6 +104,8 @@ class TracedStep:
     # own outputs, in this order), and those that had a gradient and end without one.
     grad_outs: list[str] = dataclasses.field(default_factory=list)
     grad_cleared: list[str] = dataclasses.field(default_factory=list)
+    # Conditions of Python branches on the step's data, checked before every run (data_checks).
+    data_checks: DataChecks | None = None
 
 
 def copy_graph_module(gm: fx.GraphModule, *, lazy: bool = False) -> fx.GraphModule:
@@ -406,9 +409,15 @@ def trace_step(
     # graph whose shapes no partitioner can reason about (tests/unit/test_errors.py).
     fake_mode = kernel_layouts.KernelLayoutFakeMode()
     inputs = [_trace_input(t, fake_mode) for t in state.tensors(optimizer) + step_args.tensors]
+    first_input = len(inputs) - len(step_args.tensors)
+    real_inputs = {first_input + i: t for i, t in enumerate(step_args.tensors)}
     t0 = time.perf_counter()
     try:
-        with fx_traceback.preserve_node_meta(), optim_utils.traceable_optimizers(optimizer):
+        with (
+            fx_traceback.preserve_node_meta(),
+            optim_utils.traceable_optimizers(optimizer),
+            data_branches(real_inputs) as branches,
+        ):
             gm = make_fx(step, tracing_mode="fake", record_stack_traces=stack_traces)(*inputs)
     except SpmdError:
         raise
@@ -416,6 +425,7 @@ def trace_step(
         _raise_trace_error(exc, module)
         raise  # unreachable
     trace_s = time.perf_counter() - t0
+    checks = build_checks(branches, first_input)  # before dead code goes: the conditions have no users
 
     input_slots = [Slot(Role.INPUT, f"input.{i}") for i in range(len(step_args.tensor_positions))]
     slots = state_slots + input_slots
@@ -433,6 +443,7 @@ def trace_step(
         trace_s=trace_s,
         grad_outs=out_box["grad_outs"],
         grad_cleared=out_box["grad_cleared"],
+        data_checks=checks,
     )
 
 
