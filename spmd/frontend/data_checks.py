@@ -175,7 +175,7 @@ def data_branches(inputs: dict[int, torch.Tensor]) -> Iterator[list[_Recorded]]:
                 return result
         return own(self) if own is not None else base(self)
 
-    torch.Tensor.__bool__ = __bool__  # type: ignore[method-assign]
+    torch.Tensor.__bool__ = __bool__  # type: ignore[method-assign,assignment]
     try:
         yield recorded
     finally:

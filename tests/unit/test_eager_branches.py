@@ -205,3 +205,118 @@ def test_ctc_loss_is_bit_for_bit() -> None:
     _assert_same(model, ref, "after 3 calls")
     assert compiled.num_graphs == 1
     assert "spmd.ctc_loss_backward" in compiled.graphs["final"].code
+
+
+class ChecksItsData(nn.Module):
+    """Two Python branches on the batch: a check that raises, and a branch both of whose sides go on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if y.max() >= 5:  # marker: check
+            raise ValueError("label out of range")
+        h = self.lin(x)
+        if mask.any():  # marker: branch
+            h = h * 2
+        return torch.nn.functional.cross_entropy(h, y)
+
+
+def data_step(model, opt, x, y, mask):
+    loss = model(x, y, mask)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def data_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        torch.randn(3, 4, generator=g),
+        torch.randint(0, 5, (3,), generator=g),
+        torch.tensor([False, True, False]),
+    )
+
+
+def test_branches_on_data_take_eagers_side_and_are_checked() -> None:
+    """Traced on the side the first call's values take (bit for bit with eager, one graph); a
+    later batch that would take the other side raises DataCheckError naming the line, before the
+    step changes anything. Before: refused as DataDependentControlFlowError."""
+    import inspect
+
+    torch.manual_seed(0)
+    model = ChecksItsData()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    compiled = spmd.compile()(data_step)
+    g = torch.Generator().manual_seed(1)
+    for i in range(3):
+        batch = data_batch(g)
+        assert torch.equal(compiled(model, opt, *batch), data_step(ref, ref_opt, *batch)), f"call {i}"
+    _assert_same(model, ref, "after 3 calls")
+    assert compiled.num_graphs == 1
+    source, first = inspect.getsourcelines(ChecksItsData.forward)
+    lines = {m: first + i for i, s in enumerate(source) for m in ("check", "branch") if f"marker: {m}" in s}
+    x, y, mask = data_batch(g)
+    for bad, marker in [
+        ((x, torch.tensor([0, 5, 1]), mask), "check"),
+        ((x, y, torch.zeros(3, dtype=torch.bool)), "branch"),
+    ]:
+        with pytest.raises(spmd.DataCheckError) as info:
+            compiled(model, opt, *bad)
+        assert f"test_eager_branches.py:{lines[marker]}" in str(info.value), str(info.value)
+        _assert_same(model, ref, f"after the refused {marker} batch")
+
+
+def tiny_wav2vec2_ctc() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(
+        vocab_size=12, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2, apply_spec_augment=False, layerdrop=0.0, pad_token_id=0,
+        ctc_zero_infinity=True,
+    )  # fmt: skip
+    return transformers.Wav2Vec2ForCTC(config)
+
+
+def wav2vec2_step(model, opt, x, labels):
+    loss = model(input_values=x, labels=labels).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def wav2vec2_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded labels (-100), another number of them per sample and per call."""
+    x, labels = torch.randn(2, 400, generator=g), torch.randint(1, 12, (2, 6), generator=g)
+    labels[0, int(torch.randint(2, 6, (), generator=g)) :] = -100
+    return x, labels
+
+
+def test_hf_wav2vec2_ctc_is_bit_for_bit_and_checks_labels() -> None:
+    """HF Wav2Vec2ForCTC with labels: its ``if labels.max() >= vocab_size: raise`` becomes a check
+    and its CTC loss traces (the ForCTC shim keeps the targets 2-D): bit for bit with eager over
+    calls with other label lengths (dropout on); a label out of range raises DataCheckError.
+    Before: refused (DataDependentControlFlowError at that line)."""
+    model = tiny_wav2vec2_ctc()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _fused_adamw(model), _fused_adamw(ref)
+    compiled = spmd.compile()(wav2vec2_step)
+    g = torch.Generator().manual_seed(1)
+    for i in range(3):
+        batch = wav2vec2_batch(g)
+        torch.manual_seed(10 + i)
+        got = compiled(model, opt, *batch)
+        torch.manual_seed(10 + i)
+        assert torch.equal(got, wav2vec2_step(ref, ref_opt, *batch)), f"call {i}"
+    _assert_same(model, ref, "after 3 calls")
+    assert compiled.num_graphs == 1
+    x, labels = wav2vec2_batch(g)
+    labels[1, 0] = 12
+    with pytest.raises(
+        spmd.DataCheckError, match=r"modeling_wav2vec2.py:\d+ \('if labels is not None and labels.max"
+    ):
+        compiled(model, opt, x, labels)
