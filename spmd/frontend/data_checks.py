@@ -58,8 +58,9 @@ class DataChecks:
         with torch.no_grad():
             values = self.gm(*[tensors[i] for i in self.positions])
         bad = [bool(v) != e for v, e in zip(values, self.expected)]
-        counts = [int(b) for b in bad]
+        counts, world = [int(b) for b in bad], 1
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            world = dist.get_world_size()
             device = values[0].device if values and values[0].device.type != "cpu" else torch.device("cpu")
             if dist.get_backend() == "nccl" and device.type == "cpu":
                 device = torch.device("cuda", torch.cuda.current_device())
@@ -69,10 +70,10 @@ class DataChecks:
         failing = [i for i, n in enumerate(counts) if n]
         if not failing:
             return
+        where = "this call" if world == 1 else f"{{n}} of {world} rank(s), this one {{mine}}"
         lines = "; ".join(
-            f"{self.where[i]} was {self.expected[i]} when the step was traced and is "
-            f"{(not self.expected[i]) if bad[i] else self.expected[i]} on this rank"
-            + (f" ({counts[i]} rank(s) differ)" if counts[i] > int(bad[i]) or counts[i] > 1 else "")
+            f"{self.where[i]} was {self.expected[i]} when the step was traced and is not on "
+            + where.format(n=counts[i], mine="included" if bad[i] else "not")
             for i in failing
         )
         raise DataCheckError(

@@ -44,3 +44,54 @@ def ctc_parity(rank: int, world: int, steps: int) -> list[str]:
                 out.append(f"{style}: step {i} loss {loss.item()!r} != {want.item()!r}")
         _compare(style, model, ref.module, out)
     return out
+
+
+def data_checks_on_ranks(rank: int, world: int, steps: int) -> list[str]:
+    """Branches on data (ChecksItsData) in replicate and fully_shard against DDP for ``steps``
+    steps, then a batch whose labels are out of range on rank 1 only: every rank must raise
+    DataCheckError (and none hang in the step's collectives). Returns mismatches and one
+    ``"raised <style> <rank count>"`` line per style."""
+    out: list[str] = []
+    for style in ("replicate", "fully_shard"):
+        torch.manual_seed(0)
+        model = U.ChecksItsData()
+        ref = DDP(copy.deepcopy(model))
+        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        step = spmd.compile(parallel_mode=spmd.DataParallel(style))(U.data_step)
+        g = torch.Generator().manual_seed(100 + rank)
+        for i in range(steps):
+            batch = U.data_batch(g)
+            loss, want = step(model, opt, *batch), U.data_step(ref, ref_opt, *batch)
+            if not torch.equal(loss, want):
+                out.append(f"{style}: step {i} loss {loss.item()!r} != {want.item()!r}")
+        x, y, mask = U.data_batch(g)
+        if rank == 1:
+            y = torch.tensor([0, 5, 1])
+        try:
+            step(model, opt, x, y, mask)
+            out.append(f"{style}: no error on rank {rank}")
+        except spmd.DataCheckError as exc:
+            out.append(f"raised {style} {'on 1 of 2 rank(s)' in str(exc)} {'y.max() >= 5' in str(exc)}")
+        _compare(style, model, ref.module, out)  # the refused batch changed nothing
+    return out
+
+
+def wav2vec2_parity(rank: int, world: int, steps: int) -> list[str]:
+    """HF Wav2Vec2ForCTC with labels (dropout on) in replicate and fully_shard against DDP."""
+    out: list[str] = []
+    for style in ("replicate", "fully_shard"):
+        model = U.tiny_wav2vec2_ctc()
+        ref = DDP(copy.deepcopy(model), find_unused_parameters=True)  # masked_spec_embed: SpecAugment is off
+        opt, ref_opt = U._fused_adamw(model), U._fused_adamw(ref)
+        step = spmd.compile(parallel_mode=spmd.DataParallel(style))(U.wav2vec2_step)
+        g = torch.Generator().manual_seed(100 + rank)
+        for i in range(steps):
+            batch = U.wav2vec2_batch(g)
+            torch.manual_seed(10 + i)
+            loss = step(model, opt, *batch)
+            torch.manual_seed(10 + i)
+            want = U.wav2vec2_step(ref, ref_opt, *batch)
+            if not torch.equal(loss, want):
+                out.append(f"{style}: step {i} loss {loss.item()!r} != {want.item()!r}")
+        _compare(style, model, ref.module, out)
+    return out
