@@ -84,6 +84,16 @@ class DataChecks:
         )
 
 
+def data_checks_collective(checks: DataChecks | None) -> list[tuple[Any, str]]:
+    """The all-reduce :meth:`DataChecks.verify` issues before the step, for the ranks' agreement
+    (:func:`spmd.parallel.agreement.check_rank_agreement`): ranks whose first batches took other
+    sides may have read other conditions, and their checks' all-reduces would not match."""
+    if checks is None:
+        return []
+    n = len(checks.expected)
+    return [(("data_checks", "all_reduce", n), f"the all-reduce of {n} data check flag(s) before the step")]
+
+
 def _evaluate(t: FakeTensor, inputs: dict[int, torch.Tensor]) -> tuple[torch.Tensor, list[fx.Node]] | None:
     """The real value of ``t`` from the real step inputs (``inputs``: placeholder position -> real
     tensor), and the nodes that compute it in order; None when it depends on anything else."""
@@ -102,7 +112,10 @@ def _evaluate(t: FakeTensor, inputs: dict[int, torch.Tensor]) -> tuple[torch.Ten
             return True
         seen.add(node)
         if node.op == "placeholder":
-            if placeholders.get(node) not in inputs:
+            real = inputs.get(placeholders.get(node, -1))
+            fake = node.meta.get("val")
+            # The real batch must be what the trace sees (not a shard of a global DTensor input).
+            if real is None or not isinstance(fake, torch.Tensor) or real.shape != fake.shape:
                 return False
             order.append(node)
             return True
@@ -214,4 +227,4 @@ def build_checks(recorded: list[_Recorded], first_input: int) -> DataChecks | No
     )
 
 
-__all__ = ["DataChecks", "build_checks", "data_branches"]
+__all__ = ["DataChecks", "build_checks", "data_branches", "data_checks_collective"]

@@ -410,7 +410,7 @@ def trace_step(
     fake_mode = kernel_layouts.KernelLayoutFakeMode()
     inputs = [_trace_input(t, fake_mode) for t in state.tensors(optimizer) + step_args.tensors]
     first_input = len(inputs) - len(step_args.tensors)
-    real_inputs = {first_input + i: t for i, t in enumerate(step_args.tensors)}
+    real_inputs = {first_input + i: t for i, t in enumerate(step_args.tensors) if not isinstance(t, DTensor)}
     t0 = time.perf_counter()
     try:
         with (

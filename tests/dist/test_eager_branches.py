@@ -34,3 +34,11 @@ def test_hf_wav2vec2_ctc_matches_ddp() -> None:
     results = run_ranks(w.wav2vec2_parity, 2, 3, timeout=350)
     for rank, problems in enumerate(results):
         assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+
+
+@pytest.mark.timeout(200)
+def test_ranks_reading_other_checks_diverge_instead_of_hanging() -> None:
+    """Ranks whose first batches took other sides of a branch and so read other conditions would
+    all-reduce different check vectors before every step: refused at compile on both ranks."""
+    results = run_ranks(w.ranks_read_other_checks, 2, timeout=150)
+    assert results == [["diverged True"], ["diverged True"]], results

@@ -95,3 +95,32 @@ def wav2vec2_parity(rank: int, world: int, steps: int) -> list[str]:
                 out.append(f"{style}: step {i} loss {loss.item()!r} != {want.item()!r}")
         _compare(style, model, ref.module, out)
     return out
+
+
+class NestedChecks(nn.Module):
+    """A check read only on one side of a branch on the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if mask.any() and y.max() >= 5:  # the second condition is read only when the first holds
+            raise ValueError("label out of range")
+        return torch.nn.functional.cross_entropy(self.lin(x), y)
+
+
+def ranks_read_other_checks(rank: int, world: int) -> list[str]:
+    """Rank 0's first mask is all False (one condition read), rank 1's is not (two): the ranks'
+    checks differ, and so would their all-reduces; compiling must raise RankDivergenceError on both."""
+    torch.manual_seed(0)
+    model = NestedChecks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd.compile()(U.data_step)
+    x, y = torch.randn(3, 4), torch.tensor([0, 1, 2])
+    mask = torch.tensor([False, rank == 1, False])
+    try:
+        step(model, opt, x, y, mask)
+    except spmd.RankDivergenceError as exc:
+        return [f"diverged {'data check' in str(exc)}"]
+    return ["no error"]
