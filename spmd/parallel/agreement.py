@@ -95,7 +95,12 @@ def _post_abort(store: dist.Store, abort: str, msg: str, rank: int, world: int, 
     store.set(abort, msg)
     seen = [f"{abort}/seen/{r}" for r in range(world) if r != rank]
     deadline = time.monotonic() + wait_s
-    while not store.check(seen) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        try:
+            if store.check(seen):
+                return
+        except dist.DistError:  # the store's host read the abort, raised and exited: it has seen it
+            return
         time.sleep(0.05)
 
 
