@@ -70,10 +70,14 @@ class DataChecks:
         failing = [i for i, n in enumerate(counts) if n]
         if not failing:
             return
-        where = "this call" if world == 1 else f"{{n}} of {world} rank(s), this one {{mine}}"
+
+        def differs(i: int) -> str:
+            if world == 1:
+                return f"this batch makes it {not self.expected[i]}"
+            return f"it differs on {counts[i]} of {world} ranks (this one: {'yes' if bad[i] else 'no'})"
+
         lines = "; ".join(
-            f"{self.where[i]} was {self.expected[i]} when the step was traced and is not on "
-            + where.format(n=counts[i], mine="included" if bad[i] else "not")
+            f"{self.where[i]} was {self.expected[i]} on the batch the step was traced with, and {differs(i)}"
             for i in failing
         )
         raise DataCheckError(
