@@ -191,7 +191,8 @@ def _ctc_loss_shim() -> Iterator[None]:
 @contextlib.contextmanager
 def hf_static_masks() -> Iterator[None]:
     """For the duration of a trace, let ``transformers`` decide from position ids whose values
-    are known at trace time, as eager does (see the module docstring)."""
+    are known at trace time, as eager does, and give its ``ForCTC`` loss fixed-shape targets
+    (see the module docstring)."""
     masking = sys.modules.get("transformers.masking_utils")
     originals = {}
     for name, wrap in _SHIMS.items():
