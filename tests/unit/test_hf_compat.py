@@ -54,3 +54,13 @@ def test_the_shim_lives_only_for_the_block() -> None:
         with hf_static_masks():  # nested (a trace inside a trace): wrapped once
             assert masking.find_packed_sequence_indices.__wrapped__ is original
     assert masking.find_packed_sequence_indices is original
+
+
+def test_the_ctc_shim_lives_only_for_the_block() -> None:
+    losses = pytest.importorskip("transformers.loss.loss_utils")
+    original = losses.LOSS_MAPPING["ForCTC"]
+    with hf_static_masks():
+        assert losses.LOSS_MAPPING["ForCTC"].__wrapped__ is original
+        with hf_static_masks():  # nested (a trace inside a trace): wrapped once
+            assert losses.LOSS_MAPPING["ForCTC"].__wrapped__ is original
+    assert losses.LOSS_MAPPING["ForCTC"] is original
