@@ -10,8 +10,10 @@ from spmd.api import CompiledStep, Override, compile
 from spmd.backend.gloo_threads import gloo_threads
 from spmd.errors import (
     CacheLimitError,
+    CapturedTensorError,
     CollectiveError,
     ConfigError,
+    DataCheckError,
     DataDependentControlFlowError,
     HostRandomError,
     InvalidArgumentsError,
@@ -38,9 +40,11 @@ logging.getLogger("spmd").addHandler(logging.NullHandler())
 __all__ = [
     "CPUOffloadPolicy",
     "CacheLimitError",
+    "CapturedTensorError",
     "CollectiveError",
     "CompiledStep",
     "ConfigError",
+    "DataCheckError",
     "DataDependentControlFlowError",
     "DTensorExpandMode",
     "DataParallel",

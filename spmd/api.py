@@ -40,6 +40,7 @@ from spmd.backend.teardown import warn_at_exit_if_alive
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.frontend import guards, step_inputs, tracing
 from spmd.frontend import optim as optim_utils
+from spmd.frontend.data_checks import data_checks_collective
 from spmd.frontend.signature import same_trace, signature
 from spmd.options import OPTIONS, check_chunked_loss
 from spmd.parallel import DataParallel, ParallelMode
@@ -409,7 +410,7 @@ class CompiledStep:
             graphs.record("gm_transformation", gm)
         graphs["final"] = gm
         check_final_graph(gm, "the pass pipeline" if self.gm_transformation is None else "gm_transformation")
-        check_rank_agreement(gm, step_name=self.__name__)
+        check_rank_agreement(gm, step_name=self.__name__, before=data_checks_collective(traced.data_checks))
         exe = make_executable(gm, traced, state)
         exe.carry = self._carry
         lowered = None

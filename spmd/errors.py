@@ -42,8 +42,19 @@ class HostRandomError(TraceError):
     would replay that one draw at every step (``spmd.frontend.host_random``)."""
 
 
+class CapturedTensorError(TraceError):
+    """The step read a tensor from outside (a global, a closure variable, a module attribute
+    that is not a buffer): names it and the fix (pass it as an argument, or register a buffer)."""
+
+
 class UntraceableOpError(TraceError):
     """An operation has no meta/fake implementation or a data-dependent output shape."""
+
+
+class DataCheckError(SpmdError):
+    """A batch would take another side of a Python branch on the step's data (``if labels.max() >=
+    vocab:``) than the graph traced on the first call; raised on every rank before the step runs
+    (``spmd.frontend.data_checks``)."""
 
 
 class CacheLimitError(SpmdError):

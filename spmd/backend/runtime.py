@@ -37,6 +37,7 @@ from spmd.backend.carry import CarriedGathers
 from spmd.backend.step_aside import EAGER, INDUCTOR, StepAside, deciding_groups
 from spmd.errors import CollectiveError, KernelError, ModelChangedError, PassError, SpmdError
 from spmd.frontend import step_inputs, tracing
+from spmd.frontend.data_checks import DataChecks
 from spmd.parallel.agreement import check_rank_agreement
 from spmd.parallel.sharding import local
 
@@ -106,6 +107,8 @@ class Executable:
     carry: CarriedGathers | None = None
     issue: fx.GraphModule | None = None
     carry_sources: list[int] = dataclasses.field(default_factory=list)
+    # Python branches on the step's data the trace followed: checked before every run.
+    data_checks: DataChecks | None = None
 
     def inputs(self, step_args: step_inputs.StepArgs) -> list[torch.Tensor]:
         module, optimizer = step_args.module, step_args.optimizer
@@ -153,6 +156,8 @@ class Executable:
 
     def run(self, step_args: step_inputs.StepArgs) -> Any:
         self.check_structure(step_args.module)
+        if self.data_checks is not None:
+            self.data_checks.verify(step_args.tensors)
         flat = [local(t) for t in self.inputs(step_args)]
         grad_params: list[torch.Tensor] = []
         cleared: list[torch.Tensor] = []
@@ -163,6 +168,10 @@ class Executable:
             cleared = [params[n] for n in self.grad_cleared]
             carry_params = [params[n] for n in self.carry_param_names()]
         return self.call(flat, grad_params, cleared, carry_params)
+
+    def step_arguments(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The step's tensor arguments among the graph's inputs ``flat``, in argument order."""
+        return [t for t, slot in zip(flat, self.slots) if slot.role is Role.INPUT]
 
     def carry_param_names(self) -> list[str]:
         """The parameters whose shards the carried gathers read (``carry_sources``' slots)."""
@@ -178,6 +187,8 @@ class Executable:
         """Run the graph on its local inputs; set ``.grad`` of ``grad_params`` (``grad_outs``
         order) from its gradient outputs and clear that of ``cleared``. ``carry_params``: the
         parameters of :meth:`carry_param_names` (with ``cross_step_prefetch``)."""
+        if self.data_checks is not None:  # before anything runs: a failing check changes nothing
+            self.data_checks.verify(self.step_arguments(flat))
         if self.n_carried:
             assert self.carry is not None and self.issue is not None and carry_params is not None
             flat = [*flat, *self.carry.take(self, flat, carry_params, self.carry_sources, self.issue)]
@@ -448,6 +459,7 @@ def make_executable(
         out_constants=traced.out_constants,
         grad_outs=list(traced.grad_outs),
         grad_cleared=list(traced.grad_cleared),
+        data_checks=traced.data_checks,
     )
 
 

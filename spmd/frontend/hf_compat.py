@@ -1,4 +1,4 @@
-"""Compatibility with Hugging Face ``transformers`` under spmd's trace: the one shim.
+"""Compatibility with Hugging Face ``transformers`` under spmd's trace: two shims.
 
 ``transformers.utils.is_tracing(t)`` is true for any ``FakeTensor``, and spmd traces the
 step under fake tensors. Where Hugging Face decides from a tensor's *values* whether it
@@ -22,16 +22,21 @@ runs on that concrete value, as eager's does, and a row of one sequence gives ea
 user), and a 2-D ``attention_mask`` passed to the step (padded or not: its values are
 data), keep Hugging Face's mask path, so padding is always masked.
 
-The second decision, ``masking_utils._ignore_causal_mask_sdpa`` (may SDPA take ``is_causal=True``
-instead of a mask), reads no values when there is no padding mask, but releases of
-``transformers`` before 5.2x (5.17 was measured) first return "keep the mask" whenever
-``is_tracing(padding_mask)`` is true, and with no padding mask that asks only
-``torch.compiler.is_compiling()`` -- which spmd's trace sets for the whole step
-(:func:`spmd.frontend.optim.traceable_optimizers`). Later releases skip that check when the
-padding mask is ``None``. :func:`hf_static_masks` runs the check with ``is_compiling()`` false
-when there is no padding mask and no traced offset, so every release decides from the shapes
-alone, as eager does. Nothing else in ``transformers`` is changed; without ``transformers``
-imported this is a no-op.
+Why this is still needed now that ``torch.compiler.is_compiling()`` is false outside
+``optimizer.step()`` (:func:`spmd.frontend.optim.traceable_optimizers`): ``is_tracing(t)``
+asks ``isinstance(t, FakeTensor)`` as well, and every tensor of the trace is one, so
+``find_packed_sequence_indices`` would still skip its check on the fake value. The other
+question a mask builder asks, ``_ignore_causal_mask_sdpa`` (may SDPA take ``is_causal=True``),
+reads only ``is_compiling()`` when there is no padding mask (releases before 5.2x) or nothing
+at all (later ones): with eager's answer from the flag, it needs no shim.
+
+The second shim is the CTC loss of ``*ForCTC`` models (``loss_type="ForCTC"``: Wav2Vec2, HuBERT,
+WavLM...). Hugging Face concatenates each sample's labels with ``labels.masked_select(mask)``,
+whose length is the number of kept labels: a value, not a shape a graph can hold. Under the
+trace, ``LOSS_MAPPING["ForCTC"]`` keeps the targets as ``(batch, U)`` rows with the kept labels
+first (:func:`_padded_ctc_targets`), which ``F.ctc_loss`` reads the same way: the loss and the
+gradients are eager's bit for bit. Nothing else in ``transformers`` is changed; without
+``transformers`` imported this is a no-op.
 """
 
 from __future__ import annotations
@@ -47,8 +52,6 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot
-
-from spmd.frontend.optim import not_compiling
 
 log = logging.getLogger("spmd")
 
@@ -105,9 +108,8 @@ def _static_packed_check(original: Callable[[torch.Tensor], Any]) -> Callable[[t
     def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
         value = constant_value(position_ids)
         if value is not None:
-            # On the real value, as eager: outside the trace, and with is_compiling() false
-            # (spmd.frontend.optim sets it for the whole trace; transformers' is_tracing() reads it).
-            with disable_proxy_modes_tracing(), unset_fake_temporarily(), not_compiling():
+            # On the real value, as eager: outside the trace (is_tracing() is then false).
+            with disable_proxy_modes_tracing(), unset_fake_temporarily():
                 packed = original(value)
         if value is not None and packed is None:
             log.debug("spmd: position ids are constants of one sequence per row: no packed-sequence mask")
@@ -118,29 +120,79 @@ def _static_packed_check(original: Callable[[torch.Tensor], Any]) -> Callable[[t
     return find_packed_sequence_indices
 
 
-def _shape_only_sdpa_skip(original: Callable[..., bool]) -> Callable[..., bool]:
-    @functools.wraps(original)
-    def _ignore_causal_mask_sdpa(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
-        if padding_mask is None and not any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
-            # Only shapes and Python ints are read: decide as eager does.
-            with not_compiling():
-                return original(padding_mask, *args, **kwargs)
-        return original(padding_mask, *args, **kwargs)
-
-    _ignore_causal_mask_sdpa.__spmd_shim__ = True  # type: ignore[attr-defined]
-    return _ignore_causal_mask_sdpa
-
-
 _SHIMS = {
     "find_packed_sequence_indices": _static_packed_check,
-    "_ignore_causal_mask_sdpa": _shape_only_sdpa_skip,
 }
+
+
+def _padded_ctc_targets(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def ForCTCLoss(  # noqa: N802 - Hugging Face's name
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        logit_lengths: torch.Tensor,
+        blank_token_id: int,
+        reduction: str = "mean",
+        zero_infinity: bool = False,
+        ignore_index: int = -100,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if not isinstance(labels, FakeTensor) or labels.dim() != 2:
+            return original(
+                logits,
+                labels,
+                logit_lengths,
+                blank_token_id,
+                reduction,
+                zero_infinity,
+                ignore_index,
+                **kwargs,
+            )
+        # transformers' ForCTCLoss, but the targets stay (batch, U): each row's kept labels first,
+        # in order (a stable sort on "dropped"), where Hugging Face concatenates them with
+        # masked_select (a shape that depends on the labels' values). The CTC kernel reads each
+        # sample's first target_length labels either way: the same loss and gradient, bit for bit.
+        labels = labels.to(logits.device)
+        labels_mask = (labels != ignore_index) & (labels != blank_token_id)
+        target_lengths = labels_mask.sum(-1)
+        order = torch.argsort((~labels_mask).to(torch.int8), dim=1, stable=True)
+        targets = labels.gather(1, order)
+        log_probs = torch.nn.functional.log_softmax(logits, dim=-1, dtype=torch.float32).transpose(0, 1)
+        with torch.backends.cudnn.flags(enabled=False):
+            return torch.nn.functional.ctc_loss(
+                log_probs,
+                targets,
+                logit_lengths,
+                target_lengths,
+                blank=blank_token_id,
+                reduction=reduction,
+                zero_infinity=zero_infinity,
+            )
+
+    ForCTCLoss.__spmd_shim__ = True  # type: ignore[attr-defined]
+    return ForCTCLoss
+
+
+@contextlib.contextmanager
+def _ctc_loss_shim() -> Iterator[None]:
+    losses = sys.modules.get("transformers.loss.loss_utils")
+    mapping = getattr(losses, "LOSS_MAPPING", None)
+    original = mapping.get("ForCTC") if isinstance(mapping, dict) else None
+    if original is None or getattr(original, "__spmd_shim__", False):
+        yield
+        return
+    mapping["ForCTC"] = _padded_ctc_targets(original)  # type: ignore[index]
+    try:
+        yield
+    finally:
+        mapping["ForCTC"] = original  # type: ignore[index]
 
 
 @contextlib.contextmanager
 def hf_static_masks() -> Iterator[None]:
     """For the duration of a trace, let ``transformers`` decide from position ids whose values
-    are known at trace time, and from shapes, as eager does (see the module docstring)."""
+    are known at trace time, as eager does, and give its ``ForCTC`` loss fixed-shape targets
+    (see the module docstring)."""
     masking = sys.modules.get("transformers.masking_utils")
     originals = {}
     for name, wrap in _SHIMS.items():
@@ -149,18 +201,33 @@ def hf_static_masks() -> Iterator[None]:
             originals[name] = original
             setattr(masking, name, wrap(original))
     try:
-        yield
+        with _ctc_loss_shim():
+            yield
     finally:
         for name, original in originals.items():
             setattr(masking, name, original)
 
 
+def _is_experts_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face experts module: its class went through
+    ``transformers.integrations.moe.use_experts_implementation`` (the decorator that dispatches
+    on ``config._experts_implementation``), or, for releases without it, is named ``*Experts``."""
+    forward = getattr(type(module), "forward", None)
+    code = getattr(forward, "__code__", None)
+    filename = getattr(code, "co_filename", "").replace("\\", "/")
+    return filename.endswith("transformers/integrations/moe.py") or type(module).__name__.endswith("Experts")
+
+
 def hf_data_dependent_hint(module: torch.nn.Module | None) -> str:
-    """What to change when a Hugging Face module fails the trace with a data-dependent shape
-    (``nonzero``): its mixture-of-experts layer in the ``"eager"`` experts implementation loops
-    over the experts the routing hit. Empty for any other module."""
+    """What to change when a Hugging Face experts module fails the trace with a data-dependent
+    shape (``nonzero``): in the ``"eager"`` experts implementation it loops over the experts the
+    routing hit. Empty for any other module: ``transformers`` sets
+    ``config._experts_implementation == "eager"`` on every model, MoE or not, so the config alone
+    does not say that the refusing module has experts."""
     config = getattr(module, "config", None)
-    if getattr(config, "_experts_implementation", None) != "eager":
+    if module is None or getattr(config, "_experts_implementation", None) != "eager":
+        return ""
+    if not _is_experts_module(module):
         return ""
     return (
         " This is a Hugging Face experts module in its 'eager' implementation (a loop over the experts "

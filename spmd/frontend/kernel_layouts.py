@@ -21,6 +21,10 @@ alike, where torch's fake kernels follow the input's strides (forward) or the ou
 (backward). Fake tensors on other devices keep torch's rule (their kernels have their own, and
 ``fix_layouts`` checks the first real run wherever the graph runs). Only spmd's traces use this
 mode; torch's own fake tensors elsewhere in the process are untouched.
+
+Rules about other things than layouts: ``aten._grouped_mm`` in float32/float16, which torch's
+meta kernel refuses and the CPU kernel computes (:meth:`KernelLayoutFakeMode._grouped_mm`), and
+the CTC loss's forward and backward, which have no fake kernel (:mod:`spmd.frontend.ctc`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from typing import Any
 import torch
 from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from spmd.frontend import ctc
 
 aten = torch.ops.aten
 
@@ -45,6 +51,9 @@ BATCH_NORM_OPS: dict[torch._ops.OpOverload, int] = {
     aten._native_batch_norm_legit_functional.default: 0,
     aten.native_batch_norm_backward.default: 1,  # (grad_out, input, ...)
 }
+
+# Ops with a rule of this mode that is not about layouts (dtype, shapes: the docstring's end).
+_OTHER_RULES = frozenset({aten._grouped_mm.default, aten._ctc_loss.Tensor, aten._ctc_loss_backward.Tensor})
 
 
 class KernelLayoutFakeMode(FakeTensorMode):
@@ -69,13 +78,21 @@ class KernelLayoutFakeMode(FakeTensorMode):
     ) -> Any:
         # torch's dispatch cache is shared by every fake mode in the process and knows nothing
         # of this one's rule: these ops bypass it both ways.
-        if func in BATCH_NORM_OPS and KernelLayoutFakeMode.rules_on:
+        if (func in BATCH_NORM_OPS and KernelLayoutFakeMode.rules_on) or func in _OTHER_RULES:
             return self._dispatch_impl(func, types, args, kwargs)
         return super()._cached_dispatch_impl(func, types, args, kwargs)
 
     def _dispatch_impl(
         self, func: Any, types: Sequence[type], args: Sequence[object], kwargs: Mapping[str, object]
     ) -> Any:
+        if func is aten._grouped_mm.default:
+            return self._grouped_mm(func, types, args, kwargs)
+        if func is aten._ctc_loss.Tensor:
+            with self:
+                return ctc.fake_ctc_loss(args[0], args[1])  # type: ignore[arg-type]
+        if func is aten._ctc_loss_backward.Tensor:
+            with self:
+                return ctc.fake_ctc_loss_backward(args[1])  # type: ignore[arg-type]
         out: Any = super()._dispatch_impl(func, types, args, kwargs)
         which = BATCH_NORM_OPS.get(func)
         if which is None or not KernelLayoutFakeMode.rules_on:
@@ -90,6 +107,33 @@ class KernelLayoutFakeMode(FakeTensorMode):
         with self:
             first = torch.empty(first.shape, dtype=first.dtype, device=first.device, memory_format=fmt)
         return (first, *out[1:])
+
+    def _grouped_mm(
+        self, func: Any, types: Sequence[type], args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> Any:
+        """``aten._grouped_mm`` in float32/float16: torch's meta kernel accepts only bfloat16
+        (the check of the CUDA kernel of an earlier release), while the CPU kernel computes in any
+        floating dtype, and Hugging Face's ``grouped_mm`` experts call it in float32 on the CPU
+        when not compiling (eager's path, which the trace now takes). The shape and layout are
+        the bfloat16 ones; the dtype is the inputs'. A kernel that refuses the dtype refuses it
+        in eager as well (and at the first run here: ``KernelError``)."""
+        a, b = args[0], args[1]
+        out_dtype = kwargs.get("out_dtype", args[4] if len(args) > 4 else None)
+        if not (
+            isinstance(a, FakeTensor)
+            and isinstance(b, FakeTensor)
+            and a.dtype == b.dtype
+            and a.dtype in (torch.float32, torch.float16)
+            and out_dtype in (None, a.dtype)
+        ):
+            return super()._dispatch_impl(func, types, args, kwargs)
+        with self:
+            a16 = torch.empty_strided(a.shape, a.stride(), dtype=torch.bfloat16, device=a.device)
+            b16 = torch.empty_strided(b.shape, b.stride(), dtype=torch.bfloat16, device=b.device)
+        rest = {k: v for k, v in kwargs.items() if k != "out_dtype"}
+        out: Any = super()._dispatch_impl(func, types, (a16, b16, *args[2:4]), rest)
+        with self:
+            return torch.empty_strided(out.shape, out.stride(), dtype=a.dtype, device=out.device)
 
 
 @contextlib.contextmanager

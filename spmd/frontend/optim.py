@@ -3,7 +3,8 @@
 Three facts drive this module (measured on torch 2.13, see DESIGN.md):
 
 * The optimizers only take their tensor-valued, traceable code paths while
-  ``torch.compiler.is_compiling()`` is true; :func:`traceable_optimizers` sets it.
+  ``torch.compiler.is_compiling()`` is true; :func:`traceable_optimizers` sets it inside
+  ``optimizer.step()`` only (model code asking the same question gets eager's answer).
 * The traced step must be the steady-state step, so optimizer state has to exist
   before tracing: :func:`ensure_state` creates it exactly as a fresh optimizer's
   first step would see it.
@@ -69,31 +70,38 @@ def register_fused_meta_kernels() -> list[str]:
 
 
 @contextlib.contextmanager
-def traceable_optimizers() -> Iterator[None]:
-    """Make ``torch.optim`` take its traceable code paths (tensor ``step``, no ``.item()``).
+def traceable_optimizers(optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+    """Make ``optimizer`` take its traceable code paths (tensor ``step``, no ``.item()``).
 
-    With :func:`not_compiling`, the one place that touches the private
-    ``torch.compiler._is_compiling_flag``. Also makes
-    sure the fused kernels can be traced without running them (:func:`register_fused_meta_kernels`).
+    ``torch.optim`` takes them only while ``torch.compiler.is_compiling()`` is true. That
+    question is asked by model code too (torch's ``torch.compiler.is_compiling``, the older
+    ``torch._dynamo.is_compiling`` / ``torch._utils.is_compiling``, and ``transformers``'
+    ``is_torchdynamo_compiling``, which all read the same flag), and eager answers it "no":
+    Hugging Face's Mamba, for one, switches its scan to another algorithm (other rounding)
+    when it is true. So the flag is true only inside ``optimizer.step()``: a step pre-hook on
+    this optimizer sets it, a post-hook clears it, and forward and backward see eager's
+    answer. The one place that touches the private ``torch.compiler._is_compiling_flag``.
+    Also makes sure the fused kernels can be traced without running them
+    (:func:`register_fused_meta_kernels`).
     """
     register_fused_meta_kernels()
     old = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True
+    handles = []
+    if optimizer is not None:
+
+        def set_flag(opt: Any, args: Any, kwargs: Any) -> None:
+            torch.compiler._is_compiling_flag = True
+
+        def clear_flag(opt: Any, args: Any, kwargs: Any) -> None:
+            torch.compiler._is_compiling_flag = old
+
+        # Registered last: the user's own step pre-hooks run before, with eager's answer.
+        handles = [optimizer.register_step_pre_hook(set_flag), optimizer.register_step_post_hook(clear_flag)]
     try:
         yield
     finally:
-        torch.compiler._is_compiling_flag = old
-
-
-@contextlib.contextmanager
-def not_compiling() -> Iterator[None]:
-    """Inside :func:`traceable_optimizers`: ``torch.compiler.is_compiling()`` false again, for a
-    block that runs real (untraced) code in the middle of a trace (:mod:`spmd.frontend.hf_compat`)."""
-    old = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = False
-    try:
-        yield
-    finally:
+        for h in handles:
+            h.remove()
         torch.compiler._is_compiling_flag = old
 
 

@@ -52,6 +52,9 @@ from spmd.errors import (
 )
 from spmd.frontend import kernel_layouts
 from spmd.frontend import optim as optim_utils
+from spmd.frontend.captured import captured_tensor_error, is_captured_tensor_failure
+from spmd.frontend.ctc import fixed_shape_ctc
+from spmd.frontend.data_checks import DataChecks, build_checks, data_branches
 from spmd.frontend.hf_compat import hf_data_dependent_hint, hf_static_masks
 from spmd.frontend.host_random import refuse_host_random
 from spmd.frontend.step_inputs import (
@@ -101,6 +104,8 @@ class TracedStep:
     # own outputs, in this order), and those that had a gradient and end without one.
     grad_outs: list[str] = dataclasses.field(default_factory=list)
     grad_cleared: list[str] = dataclasses.field(default_factory=list)
+    # Conditions of Python branches on the step's data, checked before every run (data_checks).
+    data_checks: DataChecks | None = None
 
 
 def copy_graph_module(gm: fx.GraphModule, *, lazy: bool = False) -> fx.GraphModule:
@@ -208,6 +213,8 @@ def _cudnn_rnn(exc: BaseException) -> bool:
 
 def _raise_trace_error(exc: BaseException, module: nn.Module) -> None:
     data_dependent, untraceable = _trace_error_types()
+    if is_captured_tensor_failure(exc):
+        raise captured_tensor_error(exc, module) from exc
     frame = _user_frame(exc)
     where = f" at {frame.filename}:{frame.lineno} ({frame.line!r})" if frame else ""
     lib = _library_frame(exc)
@@ -241,15 +248,16 @@ def _raise_trace_error(exc: BaseException, module: nn.Module) -> None:
                 "own kernels; eager under the same flags matches bit for bit), or"
             )
         elif isinstance(exc, DynamicOutputShapeException):
+            experts = hf_data_dependent_hint(found[1] if found else None)
             hint = (
-                " Its output shape depends on the values of its input (e.g. which tokens are routed to "
-                "which expert), and a graph is traced once, for fixed shapes: compute it over fixed shapes "
-                "instead (masks, one_hot, a matmul over every expert)."
-                + hf_data_dependent_hint(found[1] if found else None)
+                " Its output shape depends on the values of its input (nonzero, boolean-mask indexing, "
+                "unique and the like return as many elements as the data selects), and a graph is "
+                "traced once, for fixed shapes: compute it over fixed shapes instead (torch.where with "
+                "a mask, a weighted sum, one_hot)." + experts
             )
             fix = (
                 " Or wrap this submodule with an spmd.Override (module_override=[...]) whose replacement "
-                "has fixed shapes (examples/override_moe.py)."
+                "has fixed shapes" + (" (examples/override_moe.py)." if experts else ".")
             )
         else:
             hint = " It has no fake/meta implementation."
@@ -401,9 +409,15 @@ def trace_step(
     # graph whose shapes no partitioner can reason about (tests/unit/test_errors.py).
     fake_mode = kernel_layouts.KernelLayoutFakeMode()
     inputs = [_trace_input(t, fake_mode) for t in state.tensors(optimizer) + step_args.tensors]
+    first_input = len(inputs) - len(step_args.tensors)
+    real_inputs = {first_input + i: t for i, t in enumerate(step_args.tensors) if not isinstance(t, DTensor)}
     t0 = time.perf_counter()
     try:
-        with fx_traceback.preserve_node_meta(), optim_utils.traceable_optimizers():
+        with (
+            fx_traceback.preserve_node_meta(),
+            optim_utils.traceable_optimizers(optimizer),
+            data_branches(real_inputs) as branches,
+        ):
             gm = make_fx(step, tracing_mode="fake", record_stack_traces=stack_traces)(*inputs)
     except SpmdError:
         raise
@@ -411,6 +425,7 @@ def trace_step(
         _raise_trace_error(exc, module)
         raise  # unreachable
     trace_s = time.perf_counter() - t0
+    checks = build_checks(branches, first_input)  # before dead code goes: the conditions have no users
 
     input_slots = [Slot(Role.INPUT, f"input.{i}") for i in range(len(step_args.tensor_positions))]
     slots = state_slots + input_slots
@@ -428,6 +443,7 @@ def trace_step(
         trace_s=trace_s,
         grad_outs=out_box["grad_outs"],
         grad_cleared=out_box["grad_cleared"],
+        data_checks=checks,
     )
 
 
@@ -450,6 +466,7 @@ def _finish_metadata(gm: fx.GraphModule, slots: list[Slot]) -> None:
         if n.op == "call_function" and str(n.target).rsplit(".default", 1)[0] in _PROFILER_OPS:
             graph.erase_node(n)
     keep_rnn_workspaces(graph)  # the graph runs under no_grad (passes.ops)
+    fixed_shape_ctc(graph)  # the CTC loss's fixed-shape kernels (spmd.frontend.ctc)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(slots), (len(placeholders), len(slots))
     prefixes = {

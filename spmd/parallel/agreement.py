@@ -18,6 +18,8 @@ import hashlib
 import logging
 import pickle
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 import torch.fx as fx
@@ -30,7 +32,9 @@ from spmd.parallel.plan import group_label
 log = logging.getLogger("spmd")
 
 
-def check_rank_agreement(gm: fx.GraphModule, *, step_name: str, timeout_s: float = 30.0) -> None:
+def check_rank_agreement(
+    gm: fx.GraphModule, *, step_name: str, timeout_s: float = 30.0, before: Sequence[tuple[Any, str]] = ()
+) -> None:
     """Raise :class:`RankDivergenceError` unless all ranks compiled the same collective sequence.
 
     Agreement is keyed by the fingerprint, not by how many graphs a rank compiled: a rank
@@ -39,14 +43,17 @@ def check_rank_agreement(gm: fx.GraphModule, *, step_name: str, timeout_s: float
     publication also takes a number from a store counter; a rank still waiting that sees
     another rank publish a *different* sequence after its own declares divergence, and
     posts it so that every waiting rank raises the same error within a poll interval.
+
+    ``before``: collectives the step issues outside the graph, before it, as (fingerprint entry,
+    description): the all-reduce of the data checks (:mod:`spmd.frontend.data_checks`).
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     if dist.get_backend() == "fake":
         return  # simulation: one process stands for every rank
     rank, world = dist.get_rank(), dist.get_world_size()
-    fp = fingerprint(gm, group_key=group_label)
-    where = [describe(c) for c in C.collectives(gm.graph)]
+    fp = [*(entry for entry, _ in before), *fingerprint(gm, group_key=group_label)]
+    where = [*(text for _, text in before), *(describe(c) for c in C.collectives(gm.graph))]
     digest = hashlib.sha256(repr(fp).encode()).hexdigest()[:32]
     store = dist.distributed_c10d._get_default_store()
     prefix = f"spmd/agree/{step_name}"
@@ -88,7 +95,12 @@ def _post_abort(store: dist.Store, abort: str, msg: str, rank: int, world: int, 
     store.set(abort, msg)
     seen = [f"{abort}/seen/{r}" for r in range(world) if r != rank]
     deadline = time.monotonic() + wait_s
-    while not store.check(seen) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        try:
+            if store.check(seen):
+                return
+        except dist.DistError:  # the store's host read the abort, raised and exited: it has seen it
+            return
         time.sleep(0.05)
 
 

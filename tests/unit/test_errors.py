@@ -197,6 +197,7 @@ def test_untraceable_op():
     msg = str(info.value)
     assert "nonzero" in msg and "'body.1'" in msg
     assert "spmd.Override" in msg and "fixed shapes" in msg
+    assert "expert" not in msg, msg  # not an experts module: no mixture-of-experts advice
     assert f"{os.path.basename(__file__)}:{_line_of(Nonzero.forward, 'torch.nonzero')}" in msg, msg
 
 

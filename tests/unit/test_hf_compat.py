@@ -56,23 +56,11 @@ def test_the_shim_lives_only_for_the_block() -> None:
     assert masking.find_packed_sequence_indices is original
 
 
-def test_the_sdpa_skip_decides_from_shapes_under_the_trace(monkeypatch) -> None:
-    """Releases of transformers before 5.2x (5.17 measured) asked ``is_tracing(padding_mask)`` first,
-    which with no padding mask reads only ``torch.compiler.is_compiling()``: true for all of spmd's
-    trace. That check (as 5.17 wrote it) must still let SDPA take ``is_causal=True``, as in eager."""
-    masking = pytest.importorskip("transformers.masking_utils")
-    from transformers.utils.import_utils import is_tracing
-
-    from spmd.frontend.optim import traceable_optimizers
-
-    def as_in_5_17(padding_mask, q_length, kv_length, *rest, **kwargs) -> bool:
-        if is_tracing(padding_mask):
-            return False
-        return padding_mask is None and q_length == kv_length
-
-    monkeypatch.setattr(masking, "_ignore_causal_mask_sdpa", as_in_5_17)
-    assert as_in_5_17(None, 8, 8, 0, 0)  # eager
-    with traceable_optimizers(), hf_static_masks():
-        assert masking._ignore_causal_mask_sdpa(None, 8, 8, 0, 0)
-        assert not masking._ignore_causal_mask_sdpa(None, 4, 8, 0, 0)
-    assert masking._ignore_causal_mask_sdpa is as_in_5_17
+def test_the_ctc_shim_lives_only_for_the_block() -> None:
+    losses = pytest.importorskip("transformers.loss.loss_utils")
+    original = losses.LOSS_MAPPING["ForCTC"]
+    with hf_static_masks():
+        assert losses.LOSS_MAPPING["ForCTC"].__wrapped__ is original
+        with hf_static_masks():  # nested (a trace inside a trace): wrapped once
+            assert losses.LOSS_MAPPING["ForCTC"].__wrapped__ is original
+    assert losses.LOSS_MAPPING["ForCTC"] is original

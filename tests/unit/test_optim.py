@@ -88,13 +88,24 @@ def test_default_cache_size_limit_is_8():
         step(model, torch.randn(9, 8))
 
 
-def test_traceable_optimizers_sets_and_restores_is_compiling():
-    assert not torch.compiler.is_compiling()
-    with optim_utils.traceable_optimizers():
-        assert torch.compiler.is_compiling()
-    assert not torch.compiler.is_compiling()
-    with pytest.raises(ValueError), optim_utils.traceable_optimizers():
-        raise ValueError("boom")
+def test_traceable_optimizers_sets_is_compiling_only_inside_step():
+    """The flag is true inside ``optimizer.step()`` (where torch.optim needs it), false around it
+    (model code gets eager's answer) and in the user's earlier step hooks, and restored after an
+    exception."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    seen = []
+    opt.register_step_pre_hook(lambda *a: seen.append(("user hook", torch.compiler.is_compiling())))
+    p.grad = torch.ones(2)
+    with optim_utils.traceable_optimizers(opt):
+        opt.register_step_pre_hook(lambda *a: seen.append(("in step", torch.compiler.is_compiling())))
+        seen.append(("before", torch.compiler.is_compiling()))
+        opt.step()
+        seen.append(("after", torch.compiler.is_compiling()))
+    assert seen == [("before", False), ("user hook", False), ("in step", True), ("after", False)]
+    with pytest.raises(ValueError), optim_utils.traceable_optimizers(opt):
+        opt.register_step_pre_hook(lambda *a: (_ for _ in ()).throw(ValueError("boom")))
+        opt.step()
     assert not torch.compiler.is_compiling()
 
 
