@@ -43,6 +43,10 @@ def build(name: str) -> tuple[nn.Module, dict[str, Any], bool]:
     if name == "hf_mixtral":  # experts replicated over tp (the plan does not name them)
         cfg = tf.MixtralConfig(**_LLAMA, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0)
         return tf.MixtralForCausalLM(cfg), tp_plans.llama(mlp=False), True
+    if name.startswith("hf:"):  # any HF causal LM with Llama's module names: "hf:Qwen3"
+        arch = name[3:]
+        cfg = getattr(tf, f"{arch}Config")(**_LLAMA)
+        return getattr(tf, f"{arch}ForCausalLM")(cfg), tp_plans.llama(), True
     if name == "hf_gpt2":  # transposed Conv1D weights
         cfg = tf.GPT2Config(
             vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4, use_cache=False,
