@@ -199,3 +199,18 @@ def test_chunked_head_is_vocabulary_parallel_under_tp() -> None:
         assert "spmd.linear_cross_entropy.default" not in targets
         gathered = [tuple(n.meta["val"].shape) for n in gm.graph.nodes if "all_gather" in str(n.target)]
         assert (64, 32) not in gathered, "the head weight (or its gradient) was gathered"
+
+
+def test_meta_device_model_is_materialised_in_tp_pieces() -> None:
+    """A model built on the meta device is materialised module by module straight into its 2-D
+    pieces (no rank holds the full model); tied weights stay tied."""
+    with torch.device("meta"):
+        model = GPT(CONFIGS["tiny"])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    mode = spmd.DataParallel("fully_shard", tp_size=2, tp_plan=tp_plans.gpt())
+    with fake_process_group(4):
+        mode.distribute(model, optim)
+        w = model.blocks[0].fc.weight
+        assert tuple(w.placements) == (_StridedShard(0, split_factor=2), Shard(0))
+        assert tuple(w.to_local().shape) == (32, 32) and not w.to_local().is_meta
+        assert model.tok.weight is model.head.weight
