@@ -22,11 +22,10 @@ import time
 import rank_main
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 
 import spmd
-from spmd.models import GPT, GPTConfig
+from spmd.models import GPT, GPTConfig, train_step
 from spmd.parallel import tp_plans
 from spmd.parallel.tensor_parallel import resolve_plan
 
@@ -45,13 +44,6 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(vocab=256, seq=a.seq, d_model=a.d_model, n_layers=a.layers, n_heads=8)
-
-    def train_step(model, optim, x, y):
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        return loss
 
     def variant(kind: str):
         torch.manual_seed(0)
