@@ -34,7 +34,8 @@ def monkeypatch_module():
 
 def test_inductor_matches_eager_backend_in_place(per_rank) -> None:
     """Loss and every parameter within wi.TOL (1e-5) of the eager backend after each step (those
-    that alternate inductor's code and the eager runtime included); parameters keep their storage (updated in place); the report names the backend."""
+    that alternate inductor's code and the eager runtime included); parameters keep their storage
+    (updated in place); the report names the backend."""
     for r, out in enumerate(per_rank):
         assert out["problems"] == [], f"rank {r}: {out['problems']}"
         assert set(out["max_diff"]) == {"/".join(c) for c in CASES}

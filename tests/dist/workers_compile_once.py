@@ -50,8 +50,8 @@ def _train(rank: int, style: str, batch_rows: int | None = None, **options: Any)
 
 
 def shared_compile(rank: int, world: int) -> dict[str, Any]:
-    """The same graph on both ranks with the shared compile (on: the test sets SPMD_SHARE_COMPILE=1), then each rank
-    compiling itself (caches off), then different graphs per rank (uneven local batches),
+    """The same graph on both ranks with the shared compile (on: the test sets
+    SPMD_SHARE_COMPILE=1), then each rank compiling itself (caches off), then different graphs per rank (uneven local batches),
     then a leader whose inductor fails."""
     out: dict[str, Any] = {
         "shared": _train(rank, "replicate"),

@@ -1,4 +1,5 @@
-"""Per-rank bodies of the meta-device initialisation tests (module level, so spawned ranks can import them)."""
+"""Per-rank bodies of the meta-device initialisation tests (module level, so spawned ranks can
+import them)."""
 
 from __future__ import annotations
 
