@@ -162,3 +162,38 @@ def test_every_torchrun_script_destroys_its_group_on_every_exit_path() -> None:
         if not (destroys_in_finally(tree) or through_helper):
             missing.append(rel)
     assert not missing, f"init_process_group without destroy_process_group in a finally: {missing}"
+
+
+def test_train_gpt_cuda_path_up_to_the_device(monkeypatch) -> None:
+    """``--device cuda`` on a machine without a GPU: examples/gpt.py's ``init_device`` (what
+    train_gpt.py calls first) with CUDA faked picks the GPU of ``LOCAL_RANK``, sets it before
+    anything else and asks for an NCCL group bound to it; with no CUDA it stops with a clear message."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("gpt_example", EXAMPLES / "gpt.py")
+    gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt)
+    assert gpt.init_device("cpu") == (torch.device("cpu"), {"backend": "gloo"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="sees no CUDA device"):
+        gpt.init_device("cuda")
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    device, group = gpt.init_device("cuda")
+    assert device == torch.device("cuda", 3) and calls == [device]
+    assert group == {"backend": "nccl", "device_id": device}
+    src = (EXAMPLES / "train_gpt.py").read_text()  # the example puts the model and each batch there
+    assert "init_process_group(**group)" in src and ".to(device)" in src and "x.to(device" in src
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device (none here)")
+@pytest.mark.timeout(DEADLINE_S + 30)
+def test_train_gpt_smoke_on_cuda(tmp_path):
+    """The GPU path end to end on one GPU (NCCL, world size 1, bf16): runs only where a GPU is."""
+    args = [*TORCHRUN[:-1], "--nproc_per_node=1", str(EXAMPLES / "train_gpt.py"), "--smoke"]
+    out = run_example([*args, "--device", "cuda", "--mixed-precision", "bf16"], tmp_path)
+    assert "world 1, fully_shard/eager, cuda" in out and re.search(r"step 4: val loss \d+\.\d+", out), out
