@@ -117,7 +117,8 @@ def worker(args: argparse.Namespace) -> None:
     # separate probe taken after measure_compute: on the idle machine (2026-11-25, two runs) the
     # rounds' probes read 1.7-2.2x that one's matmul rate, while measure_compute's own rate on the
     # same rank was 87-89 GFLOP/s -- 1.7-2.2x of it would exceed one core's fp32 peak, so that
-    # probe was the slow reading (cause not found; benchmarks/results/plan-validation.md, "Validation on this machine").
+    # probe was the slow reading (cause not found;
+    # benchmarks/results/plan-validation.md, "Validation on this machine").
     reference = (compute["peak_flops"]["fp32"], compute["memory_bandwidth"])
     records = []
     for model_name in args.models.split(","):
