@@ -20,7 +20,7 @@
 #     "tests/dist/test_optimizer_overlap.py::test_every_optimizer_form_split_bitwise[fully_shard]"
 #                                                # as the suite runs (forked ranks, glibc's plain malloc)
 #                                                # on torch's two-thread gloo group: how the gloo heap
-#                                                # corruption was caught (docs/crashes.md)
+#                                                # corruption was caught (benchmarks/results/crashes.md)
 # RUNS stops the loop after that many runs (default: MINUTES only); STRESS=0 runs without stress-ng;
 # CHECKS=0 leaves glibc's heap checks off; SPAWN=0 forks the ranks from the suite's fork server;
 # CORES=0 leaves core dumps as the machine has them (`make bench` runs a few minutes of MODE=steps so).
@@ -47,7 +47,7 @@ fi
 mkdir -p "$OUT_DIR/cores"
 # Spawned ranks, not the suite's fork server: only a spawned rank runs the interpreter's teardown,
 # where a crash at exit happens (tests/dist/launcher.py). SPAWN=0 forks them as the suite does
-# (with CHECKS=0 too, the way the gloo heap corruption was found: docs/crashes.md).
+# (with CHECKS=0 too, the way the gloo heap corruption was found: benchmarks/results/crashes.md).
 export SPMD_TEST_SPAWN=${SPAWN:-1}
 # The ranks' gloo groups as a user's script makes them (torch's default, two worker threads, on
 # which spmd keeps one collective in flight), not the suite's one-thread groups.

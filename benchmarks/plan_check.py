@@ -102,7 +102,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     from spmd.backend.gloo_threads import gloo_threads
 
-    with gloo_threads(1):  # spmd's full schedule, safely (docs/crashes.md), as make bench
+    with gloo_threads(1):  # spmd's full schedule, safely (benchmarks/results/crashes.md), as make bench
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
     # The compute constants again, on both ranks at once: what one rank gets of the machine

@@ -29,7 +29,8 @@ step over inductor's and the timed pairs it took.
 ``--malloc keep`` (the default) runs every job (each row, peers and spmd alike, and the plan
 check) with glibc's allocator told to keep freed memory instead of returning it to the kernel
 (:data:`MALLOC_KEEP`); ``--malloc system`` with glibc's defaults (those variables unset). On
-this machine fresh mmap'd pages cost 10-17% of a step and most of the noise (docs/performance.md).
+this machine fresh mmap'd pages cost 10-17% of a step and most of the noise
+(benchmarks/results/performance.md).
 
 Ablations (only when named in --variants): ``spmd_replicate_no_optoverlap`` and
 ``spmd_fully_shard_no_optoverlap`` run with the ``overlap_optimizer`` pass disabled;
@@ -101,8 +102,8 @@ p.add_argument(
     type=int,
     default=1,
     help="worker threads of each job's gloo group, every variant alike (default 1, spmd.gloo_threads(1): "
-    "torch's gloo can corrupt the heap running two collectives at once, docs/crashes.md; 0: torch's "
-    "default of two, on which spmd keeps one collective in flight)",
+    "torch's gloo can corrupt the heap running two collectives at once, benchmarks/results/crashes.md; "
+    "0: torch's default of two, on which spmd keeps one collective in flight)",
 )
 p.add_argument(
     "--hunt-minutes",
@@ -448,7 +449,7 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 
 def crash_hunt(minutes: float) -> dict[str, Any] | None:
-    """A standing hunt for the rare native crash of a gloo rank (issue 23, docs/crashes.md): a few
+    """A standing hunt for the rare native crash of a gloo rank (benchmarks/results/crashes.md): a few
     minutes of ``benchmarks/crash_hunt.sh`` in its ``steps`` mode -- every config (the passes that
     free, reuse or write buffers around collectives, and tensor parallelism) trained as two copies
     compared bit for bit, glibc's heap checks on, ``MALLOC_PERTURB_`` varied per run. No CPU load is

@@ -198,7 +198,7 @@ def suppressions(logs: list[Log], frames: int) -> str:
         "# valgrind memcheck suppressions: the start-up noise that `benchmarks/valgrind_hunt.sh noise`",
         "# recorded (import torch, torch.distributed and spmd, one matmul; no process group), cut to",
         "# the innermost frames by `benchmarks/valgrind_report.py --supp`.",
-        "# See docs/crashes.md, 'valgrind', for how each family was judged a false positive.",
+        "# See benchmarks/results/crashes.md, 'valgrind', for how each family was judged a false positive.",
     ]
     for key, name in seen.items():
         out.append("{")

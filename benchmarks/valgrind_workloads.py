@@ -1,6 +1,6 @@
 """Small workloads for ``benchmarks/valgrind_hunt.sh`` and ``benchmarks/crash_hunt.sh`` (issue 23).
 
-Each closes a gap ``docs/crashes.md`` lists ("Not done", "Not ruled out"):
+Each closes a gap ``benchmarks/results/crashes.md`` lists ("Not done", "Not ruled out"):
 
 ``eager_clip``
     One process, no process group, no spmd trace: ``linalg_vector_norm`` + ``clamp`` + ``mul``

@@ -87,7 +87,7 @@ def _entry(
     torch.set_num_threads(1)
     try:
         # One gloo worker thread: torch's gloo can corrupt the heap when two collectives run
-        # at once (docs/crashes.md), and the DDP/FSDP2 references the ranks run next to spmd
+        # at once (benchmarks/results/crashes.md), and the DDP/FSDP2 references the ranks run next to spmd
         # have no protection of their own. SPMD_TEST_GLOO_THREADS=default makes torch's own
         # group (two threads), on which spmd keeps one collective in flight
         # (tests/dist/test_gloo_threads.py; the torchrun jobs use it too).
