@@ -159,7 +159,7 @@ if __name__ == "__main__":
     try:
         main()
     finally:
-        # Every exit path, an error's included, destroys the group: a gloo group left alive to
-        # the interpreter's exit can abort the rank there (benchmarks/results/crashes.md, "Teardown").
+        # Every exit path destroys the group: a gloo group alive at exit can abort the rank there
+        # (docs/troubleshooting.md, gloo).
         if dist.is_initialized():
             dist.destroy_process_group()
