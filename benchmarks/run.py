@@ -109,7 +109,7 @@ p.add_argument(
     "--hunt-minutes",
     type=float,
     default=None,
-    help="minutes of benchmarks/crash_hunt.sh MODE=steps at the end (glibc's heap checks on, two copies "
+    help="minutes of benchmarks/diagnostics/crash_hunt.sh MODE=steps at the end (glibc's heap checks on, two copies "
     "of each config compared bit for bit; default 6, quick 1; 0 skips)",
 )
 p.add_argument(
@@ -450,7 +450,7 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 def crash_hunt(minutes: float) -> dict[str, Any] | None:
     """A standing hunt for the rare native crash of a gloo rank (benchmarks/results/crashes.md): a few
-    minutes of ``benchmarks/crash_hunt.sh`` in its ``steps`` mode -- every config (the passes that
+    minutes of ``benchmarks/diagnostics/crash_hunt.sh`` in its ``steps`` mode -- every config (the passes that
     free, reuse or write buffers around collectives, and tensor parallelism) trained as two copies
     compared bit for bit, glibc's heap checks on, ``MALLOC_PERTURB_`` varied per run. No CPU load is
     added and core dumps stay as the machine has them (``STRESS=0 CORES=0``): ``make bench`` runs it
@@ -461,9 +461,9 @@ def crash_hunt(minutes: float) -> dict[str, Any] | None:
     env = {**os.environ, "MODE": "steps", "STEPS": "40", "STRESS": "0", "CORES": "0", "OUT_DIR": out_dir}
     for k in MALLOC_KEEP:  # the hunt wants glibc to reuse freed memory, as it does by default
         env.pop(k, None)
-    print(f"== crash hunt: {minutes:g} min of benchmarks/crash_hunt.sh MODE=steps", flush=True)
+    print(f"== crash hunt: {minutes:g} min of benchmarks/diagnostics/crash_hunt.sh MODE=steps", flush=True)
     # MINUTES is whole minutes; a run that starts before the end finishes (a few minutes at most).
-    cmd = ["bash", os.path.join(HERE, "crash_hunt.sh"), str(max(1, round(minutes)))]
+    cmd = ["bash", os.path.join(HERE, "diagnostics", "crash_hunt.sh"), str(max(1, round(minutes)))]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     total = next((ln for ln in done.stdout.splitlines() if ln.startswith("TOTAL ")), None)
     if total is None:
@@ -575,7 +575,7 @@ def main() -> None:
             print(plan_check.table(check["records"], check["summary"]))
     if hunt is not None:
         print(
-            f"\n### crash hunt (issue 23): {hunt['runs']} runs of benchmarks/crash_hunt_steps.py in "
+            f"\n### crash hunt (issue 23): {hunt['runs']} runs of benchmarks/diagnostics/crash_hunt_steps.py in "
             f"{hunt['minutes']:g} min, glibc heap checks on: {hunt['crashes']} native crashes or mismatches, "
             f"{hunt['failed']} failed runs"
             + (f"; logs in {hunt['out_dir']}" if hunt["crashes"] or hunt["failed"] else "")
