@@ -147,7 +147,7 @@ def test_every_torchrun_script_destroys_its_group_on_every_exit_path() -> None:
     root = EXAMPLES.parent
     assert destroys_in_finally(ast.parse((root / "benchmarks" / "rank_main.py").read_text()))
     missing = []
-    scripts = [*root.glob("examples/*.py"), *root.glob("tests/dist/*.py"), *root.glob("benchmarks/*.py")]
+    scripts = [*root.glob("examples/*.py"), *root.glob("tests/dist/*.py"), *root.glob("benchmarks/**/*.py")]
     for path in sorted(scripts):
         rel = path.relative_to(root).as_posix()
         tree = ast.parse(path.read_text())
