@@ -109,8 +109,8 @@ p.add_argument(
     "--hunt-minutes",
     type=float,
     default=None,
-    help="minutes of benchmarks/diagnostics/crash_hunt.sh MODE=steps at the end (glibc's heap checks on, two copies "
-    "of each config compared bit for bit; default 6, quick 1; 0 skips)",
+    help="minutes of benchmarks/diagnostics/crash_hunt.sh MODE=steps at the end (glibc's heap checks on, "
+    "two copies of each config compared bit for bit; default 6, quick 1; 0 skips)",
 )
 p.add_argument(
     "--malloc",
@@ -575,7 +575,8 @@ def main() -> None:
             print(plan_check.table(check["records"], check["summary"]))
     if hunt is not None:
         print(
-            f"\n### crash hunt (issue 23): {hunt['runs']} runs of benchmarks/diagnostics/crash_hunt_steps.py in "
+            f"\n### crash hunt (issue 23): {hunt['runs']} runs of "
+            f"benchmarks/diagnostics/crash_hunt_steps.py in "
             f"{hunt['minutes']:g} min, glibc heap checks on: {hunt['crashes']} native crashes or mismatches, "
             f"{hunt['failed']} failed runs"
             + (f"; logs in {hunt['out_dir']}" if hunt["crashes"] or hunt["failed"] else "")

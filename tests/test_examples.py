@@ -119,7 +119,8 @@ def test_every_torchrun_script_destroys_its_group_on_every_exit_path() -> None:
     gloo's worker thread drops a finished collective's tensor while the interpreter finalizes,
     takes the GIL to free its Python object, and is ended mid-destructor ("terminate called
     without an active exception", SIGABRT; pytorch/pytorch#190489). Reproduced 2026-11-25 by
-    ``MODE=teardown CASE=unwaited benchmarks/diagnostics/crash_hunt.sh`` (benchmarks/results/crashes.md, "Teardown").
+    ``MODE=teardown CASE=unwaited benchmarks/diagnostics/crash_hunt.sh``
+    (benchmarks/results/crashes.md, "Teardown").
     So every script of the examples, the multi-process tests and the benchmarks that calls
     ``init_process_group`` destroys the group in a ``finally:``, an error's path included
     (``tests/dist/launcher.py``'s ranks do; ``tests/dist/resume_script.py``'s surviving rank

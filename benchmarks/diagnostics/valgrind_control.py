@@ -41,6 +41,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import rank_main
+    from benchmarks import rank_main  # PYTHONPATH=. (valgrind_hunt.sh sets it)
 
     rank_main.run(main)

@@ -1,4 +1,4 @@
-"""Small workloads for ``benchmarks/diagnostics/valgrind_hunt.sh`` and ``benchmarks/diagnostics/crash_hunt.sh`` (issue 23).
+"""Small workloads for ``valgrind_hunt.sh`` and ``crash_hunt.sh`` in benchmarks/diagnostics/ (issue 23).
 
 Each closes a gap ``benchmarks/results/crashes.md`` lists ("Not done", "Not ruled out"):
 
