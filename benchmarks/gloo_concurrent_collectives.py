@@ -16,7 +16,7 @@ Measured 2026-11-28 on this 2-core machine (torch 2.13.0+cpu, glibc 2.36), 20,00
 or a crash: two threads, six in flight: a rank aborted with "malloc(): unaligned tcache chunk
 detected" after 11 s and 87 s (2 of 2 runs); two threads, one in flight: 0 crashes in 3 runs of
 40,000; one thread, six in flight: 0 crashes in 2 runs (228 s each). A core of the same abort
-in spmd's test (docs/crashes.md) shows what was overwritten: a freed 32-byte chunk of gloo's
+in spmd's test (benchmarks/results/crashes.md) shows what was overwritten: a freed 32-byte chunk of gloo's
 worker-thread arena held the vtable pointer of ``std::_Sp_counted_deleter<gloo::transport::tcp::
 UnboundBuffer*, ...ShareableNonOwningPtr...>``, the control block of gloo's unbound-buffer
 handle: a control block released twice, its memory reused while still on a free list. The

@@ -10,7 +10,7 @@ host memory). Measured on an H100 with torch 2.11.0+cu130 (the lent GPU machine'
 2.13 CUDA build could be carried there), 2026-11-25: every call returns on both ranks except
 ``fc_all_gather`` (``torch.distributed._functional_collectives.all_gather_tensor``), which kills
 both ranks with SIGSEGV -- the crash spmd's fully_shard step met at 2 gloo ranks on CUDA tensors.
-The eager ``all_gather_into_tensor`` with the same tensors works. See docs/crashes.md.
+The eager ``all_gather_into_tensor`` with the same tensors works. See benchmarks/results/crashes.md.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     from spmd.backend.gloo_threads import gloo_threads
 
-    with gloo_threads(1):  # spmd's full schedule, safely (docs/crashes.md), as make bench
+    with gloo_threads(1):  # spmd's full schedule, safely (benchmarks/results/crashes.md), as make bench
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
     # The compute constants again, on both ranks at once: what one rank gets of the machine
@@ -117,7 +117,8 @@ def worker(args: argparse.Namespace) -> None:
     # separate probe taken after measure_compute: on the idle machine (2026-11-25, two runs) the
     # rounds' probes read 1.7-2.2x that one's matmul rate, while measure_compute's own rate on the
     # same rank was 87-89 GFLOP/s -- 1.7-2.2x of it would exceed one core's fp32 peak, so that
-    # probe was the slow reading (cause not found; docs/plan.md, "Validation on this machine").
+    # probe was the slow reading (cause not found;
+    # benchmarks/results/plan-validation.md, "Validation on this machine").
     reference = (compute["peak_flops"]["fp32"], compute["memory_bandwidth"])
     records = []
     for model_name in args.models.split(","):

@@ -4,7 +4,7 @@
         [--profiles h100-hbm2e-500w,h100-hbm2e-500w@sxm,h100-80gb,h100-80gb-roofline]
 
 The setting (torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``, Table 1; formerly
-``docs/performance.md``): 8 H100 (96 GB HBM2e at 2.4 TB/s, 500 W), local batch 2, sequence 8192,
+``benchmarks/results/performance.md``): 8 H100 (96 GB HBM2e at 2.4 TB/s, 500 W), local batch 2, sequence 8192,
 FSDP, bf16 parameters with fp32 gradient reduction, selective ("op") activation checkpointing. The
 step is the one ``python -m spmd.plan --preset llama3.1-8b ...`` builds (Hugging Face
 ``LlamaForCausalLM`` under FakeTensorMode), lowered once with ``spmd.simulate``'s machinery

@@ -1,7 +1,7 @@
 """plan_check's probe (``spmd.calibrate``'s 512^3 fp32 matmul rate and 16M-element add bandwidth)
 at the points of a plan_check job, on 2 gloo ranks at once, to find why a probe taken right after
 ``measure_compute`` read 1.7-2.2x slower than the same probe during the timed rounds
-(docs/plan.md, "Validation on this machine"):
+(benchmarks/results/plan-validation.md, "Validation on this machine"):
 
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_TOP_PAD_=268435456 OMP_NUM_THREADS=1 \\
         PYTHONPATH=$PWD torchrun --standalone --nproc_per_node=2 benchmarks/probe_check.py

@@ -125,7 +125,7 @@ def main() -> None:
         inductor_config.cpp.enable_kernel_profile = True  # a record_function per cpp kernel
     from spmd.backend.gloo_threads import gloo_threads
 
-    with gloo_threads(1):  # spmd's full schedule, safely (docs/crashes.md), as make bench
+    with gloo_threads(1):  # spmd's full schedule, safely (benchmarks/results/crashes.md), as make bench
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = models.get(args.model, quick=args.quick)

@@ -1,7 +1,7 @@
 """Run a torchrun script's ``main`` so that its process group is destroyed on every exit path.
 
 A gloo rank that leaves the interpreter with its group alive can abort at exit
-(pytorch/pytorch#190489; docs/crashes.md, "Teardown"), so each benchmark that initialises a
+(pytorch/pytorch#190489; benchmarks/results/crashes.md, "Teardown"), so each benchmark that initialises a
 group ends with ``rank_main.run(main)`` (``tests/test_examples.py`` checks that it does).
 Imported as a sibling: a script's own directory is first on ``sys.path``.
 """

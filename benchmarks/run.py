@@ -29,7 +29,8 @@ step over inductor's and the timed pairs it took.
 ``--malloc keep`` (the default) runs every job (each row, peers and spmd alike, and the plan
 check) with glibc's allocator told to keep freed memory instead of returning it to the kernel
 (:data:`MALLOC_KEEP`); ``--malloc system`` with glibc's defaults (those variables unset). On
-this machine fresh mmap'd pages cost 10-17% of a step and most of the noise (docs/performance.md).
+this machine fresh mmap'd pages cost 10-17% of a step and most of the noise
+(benchmarks/results/performance.md).
 
 Ablations (only when named in --variants): ``spmd_replicate_no_optoverlap`` and
 ``spmd_fully_shard_no_optoverlap`` run with the ``overlap_optimizer`` pass disabled;
@@ -101,15 +102,15 @@ p.add_argument(
     type=int,
     default=1,
     help="worker threads of each job's gloo group, every variant alike (default 1, spmd.gloo_threads(1): "
-    "torch's gloo can corrupt the heap running two collectives at once, docs/crashes.md; 0: torch's "
-    "default of two, on which spmd keeps one collective in flight)",
+    "torch's gloo can corrupt the heap running two collectives at once, benchmarks/results/crashes.md; "
+    "0: torch's default of two, on which spmd keeps one collective in flight)",
 )
 p.add_argument(
     "--hunt-minutes",
     type=float,
     default=None,
-    help="minutes of benchmarks/crash_hunt.sh MODE=steps at the end (glibc's heap checks on, two copies "
-    "of each config compared bit for bit; default 6, quick 1; 0 skips)",
+    help="minutes of benchmarks/diagnostics/crash_hunt.sh MODE=steps at the end (glibc's heap checks on, "
+    "two copies of each config compared bit for bit; default 6, quick 1; 0 skips)",
 )
 p.add_argument(
     "--malloc",
@@ -448,8 +449,8 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 
 def crash_hunt(minutes: float) -> dict[str, Any] | None:
-    """A standing hunt for the rare native crash of a gloo rank (issue 23, docs/crashes.md): a few
-    minutes of ``benchmarks/crash_hunt.sh`` in its ``steps`` mode -- every config (the passes that
+    """A standing hunt for the rare native crash of a gloo rank (benchmarks/results/crashes.md): a few
+    minutes of ``benchmarks/diagnostics/crash_hunt.sh`` in its ``steps`` mode -- every config (the passes that
     free, reuse or write buffers around collectives, and tensor parallelism) trained as two copies
     compared bit for bit, glibc's heap checks on, ``MALLOC_PERTURB_`` varied per run. No CPU load is
     added and core dumps stay as the machine has them (``STRESS=0 CORES=0``): ``make bench`` runs it
@@ -460,9 +461,9 @@ def crash_hunt(minutes: float) -> dict[str, Any] | None:
     env = {**os.environ, "MODE": "steps", "STEPS": "40", "STRESS": "0", "CORES": "0", "OUT_DIR": out_dir}
     for k in MALLOC_KEEP:  # the hunt wants glibc to reuse freed memory, as it does by default
         env.pop(k, None)
-    print(f"== crash hunt: {minutes:g} min of benchmarks/crash_hunt.sh MODE=steps", flush=True)
+    print(f"== crash hunt: {minutes:g} min of benchmarks/diagnostics/crash_hunt.sh MODE=steps", flush=True)
     # MINUTES is whole minutes; a run that starts before the end finishes (a few minutes at most).
-    cmd = ["bash", os.path.join(HERE, "crash_hunt.sh"), str(max(1, round(minutes)))]
+    cmd = ["bash", os.path.join(HERE, "diagnostics", "crash_hunt.sh"), str(max(1, round(minutes)))]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     total = next((ln for ln in done.stdout.splitlines() if ln.startswith("TOTAL ")), None)
     if total is None:
@@ -574,7 +575,8 @@ def main() -> None:
             print(plan_check.table(check["records"], check["summary"]))
     if hunt is not None:
         print(
-            f"\n### crash hunt (issue 23): {hunt['runs']} runs of benchmarks/crash_hunt_steps.py in "
+            f"\n### crash hunt (issue 23): {hunt['runs']} runs of "
+            f"benchmarks/diagnostics/crash_hunt_steps.py in "
             f"{hunt['minutes']:g} min, glibc heap checks on: {hunt['crashes']} native crashes or mismatches, "
             f"{hunt['failed']} failed runs"
             + (f"; logs in {hunt['out_dir']}" if hunt["crashes"] or hunt["failed"] else "")

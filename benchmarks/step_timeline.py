@@ -125,7 +125,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from spmd.backend.gloo_threads import gloo_threads
 
-    with gloo_threads(1):  # spmd's full schedule, safely (docs/crashes.md), as make bench
+    with gloo_threads(1):  # spmd's full schedule, safely (benchmarks/results/crashes.md), as make bench
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = models.get(args.model)

@@ -8,6 +8,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def init_device(kind: str) -> tuple[torch.device, dict]:
+    """(this rank's device, the ``init_process_group`` arguments for it).
+
+    ``"cuda"``: one GPU per rank, torchrun's ``LOCAL_RANK`` picks it (set before anything else
+    touches CUDA) and the group is NCCL, bound to that device; ``"cpu"``: gloo."""
+    if kind == "cpu":
+        return torch.device("cpu"), {"backend": "gloo"}
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this torch sees no CUDA device (a CPU build, or no GPU visible)")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return device, {"backend": "nccl", "device_id": device}
+
+
 def load_text(limit: int = 2_000_000) -> str:
     """The top-level standard-library .py files in sorted order, up to ``limit`` characters, as ASCII.
 

@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py            # = make demo (fully_shard)
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --style replicate
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --backend inductor  # fused kernels
+    torchrun --standalone --nproc_per_node=8 examples/train_gpt.py --device cuda --mixed-precision bf16
     python examples/train_gpt.py --smoke                                      # world size 1, a few steps
     python examples/sample.py                                                 # generate from the checkpoint
 
@@ -11,6 +12,7 @@ stage of it is written to spmd_dump/. Each rank draws its own batches, as with D
 """
 
 import argparse
+import logging
 import math
 import os
 import time
@@ -19,7 +21,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpt import GPT, load_text
+from gpt import GPT, init_device, load_text
 
 import spmd
 
@@ -28,6 +30,10 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=400)  # optimizer steps
 p.add_argument("--style", default="fully_shard", choices=["fully_shard", "replicate"])  # DataParallel style
 p.add_argument("--backend", default="eager", choices=["eager", "inductor"])  # how the final graph runs
+p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])  # cuda: NCCL, one GPU per rank
+p.add_argument("--mixed-precision", default="none", choices=["none", "bf16"])  # bf16 compute, fp32 reduce
+p.add_argument("--peak-tflops", type=float)  # the device's peak (e.g. 989 for an H100's bf16): prints MFU
+p.add_argument("--log-level", default="WARNING")  # of the `spmd` logger: INFO says what it writes, compiles
 p.add_argument("--smoke", action="store_true")  # a few steps of a tiny model (CI)
 args = p.parse_args()
 steps = 4 if args.smoke else args.steps
@@ -45,9 +51,13 @@ ckpt_dir = "checkpoints/smoke" if args.smoke else "checkpoints"  # read by examp
 
 
 def main() -> None:
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("spmd").setLevel(args.log_level)
+    device, group = init_device(args.device)  # cuda: set_device(LOCAL_RANK), NCCL; cpu: gloo
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # launched by torchrun
     if distributed:
-        dist.init_process_group("gloo")
+        with spmd.gloo_threads(1):  # gloo: one worker thread, so spmd may overlap collectives safely
+            dist.init_process_group(**group)
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     text = load_text(data_chars)
     chars = sorted(set(text))
@@ -57,16 +67,18 @@ def main() -> None:
     train_data, val_data = data[:n], data[n:]
 
     torch.manual_seed(0)  # same initial weights on every rank
-    model = GPT(len(chars), d_model, n_layer, n_head, block)
+    model = GPT(len(chars), d_model, n_layer, n_head, block).to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=True)
     gen = torch.Generator().manual_seed(1234 + rank)  # a different batch stream per rank
 
     def get_batch(split: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ix = torch.randint(len(split) - block - 1, (batch,), generator=gen)
         x = torch.stack([split[i : i + block] for i in ix])
-        return x, torch.stack([split[i + 1 : i + block + 1] for i in ix])
+        y = torch.stack([split[i + 1 : i + block + 1] for i in ix])
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
-    mode = spmd.DataParallel(args.style)
+    bf16 = spmd.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mode = spmd.DataParallel(args.style, mixed_precision=bf16 if args.mixed_precision == "bf16" else None)
 
     @spmd.compile(parallel_mode=mode, dump_dir=dump_dir, backend=args.backend)
     def train_step(model, optim, x, y):
@@ -81,7 +93,7 @@ def main() -> None:
         return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
     def val_loss(step_fn) -> float:
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         for _ in range(eval_batches):
             total += step_fn(model, *get_batch(val_data)).detach()
         if distributed:
@@ -90,14 +102,15 @@ def main() -> None:
 
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"vocab {len(chars)}, {n_params / 1e6:.2f}M params, world {world}, {args.style}/{args.backend}")
+        what = f"{args.style}/{args.backend}, {device.type}"
+        print(f"vocab {len(chars)}, {n_params / 1e6:.2f}M params, world {world}, {what}")
     # Step 0 runs eagerly (.__wrapped__ is the plain function): the first compiled call should be train_step,
     # which distributes model *and* optimizer state (as FSDP2 wants fully_shard before the optimizer).
     with torch.no_grad():
         first_val = val_loss(eval_step.__wrapped__)
     if rank == 0:
         print(f"step 0: val loss {first_val:.3f}")
-    t0, tokens = time.perf_counter(), 0
+    t0, tokens, flops = time.perf_counter(), 0, 0
     for step in range(1, steps + 1):
         for g in optim.param_groups:  # fused AdamW's lr is a graph input: a new value does not retrace
             g["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
@@ -105,12 +118,20 @@ def main() -> None:
         tokens += batch * block * world
         if step == 1:
             t0, tokens = time.perf_counter(), 0  # don't count the compile in throughput
-            if rank == 0 and hasattr(train_step, "report"):
-                print(train_step.report())
+            report = train_step.report()  # its FLOPs (per rank) give MFU; its peak is the predicted memory
+            flops, mem = report.step_flops, report.peak_memory_bytes
+            if rank == 0:
+                print(report)
         if rank == 0:
-            tps = tokens / max(time.perf_counter() - t0, 1e-9)
+            loss_v = loss.item()  # waits for the step: the times below are the device's
+            dt = max(time.perf_counter() - t0, 1e-9)
+            if device.type == "cuda":
+                mem = torch.cuda.max_memory_allocated(device)  # measured on the GPU
+            peak = (args.peak_tflops or 0) * 1e12
+            mfu = f" MFU {flops * (step - 1) / dt / peak:.1%}" if peak else ""  # model FLOPs / peak
             bar = "#" * (30 * step // steps)
-            print(f"\r[{bar:<30}] {step}/{steps} loss {loss.item():.3f} {tps:,.0f} tok/s", end="", flush=True)
+            print(f"\r[{bar:<30}] {step}/{steps} loss {loss_v:.3f} {tokens / dt:,.0f} tok/s "
+                  f"mem {mem / 2**20:,.0f} MiB{mfu}", end="", flush=True)
         if step % eval_every == 0 or step == steps:
             v = val_loss(eval_step)
             if rank == 0:
@@ -130,10 +151,7 @@ def main() -> None:
         meta = dict(chars="".join(chars), d_model=d_model, n_layer=n_layer, n_head=n_head, block=block)
         torch.save(meta, f"{ckpt_dir}/meta.pt")  # what sample.py needs to rebuild the model
         print(f"checkpoint saved to {ckpt_dir}/")
-    if distributed:
-        # Leave together, so no rank tears gloo down while rank 0 still writes meta.pt. (Once, in a
-        # fresh-clone run, rank 0 aborted at exit with "terminate called without an active
-        # exception" after training and the checkpoint had finished; not reproduced since.)
+    if distributed:  # leave together, so no rank tears the group down while rank 0 writes meta.pt
         dist.barrier()
         dist.destroy_process_group()
 
@@ -142,7 +160,7 @@ if __name__ == "__main__":
     try:
         main()
     finally:
-        # Every exit path, an error's included, destroys the group: a gloo group left alive to
-        # the interpreter's exit can abort the rank there (docs/crashes.md, "Teardown").
+        # Every exit path destroys the group: a gloo group alive at exit can abort the rank there
+        # (docs/troubleshooting.md, gloo).
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -101,5 +101,5 @@ if __name__ == "__main__":
     try:
         main()
     finally:
-        if dist.is_initialized():  # a gloo group left alive to exit can abort the rank (docs/crashes.md)
+        if dist.is_initialized():  # a gloo group alive at exit can abort the rank (docs/troubleshooting.md)
             dist.destroy_process_group()

@@ -151,7 +151,7 @@ def workspace_bytes(n: int, vocab: int, chunk: int, logits_dtype: torch.dtype) -
 # the gradient accumulation reads and writes grad_W: a chunk of r rows does 2 r V D FLOPs per
 # matmul against V D (or 2 V D) elements moved, so it is bound by memory until r passes the
 # device's FLOPs-per-element ridge (an H100 in bf16: ~295 FLOP/byte, so ~600 rows for the
-# accumulation). Measured on an H100 (docs/gpu.md; 2 blocks of the Llama 3.1 8B's shapes, 8,192
+# accumulation). Measured on an H100 (benchmarks/results/gpu.md; 2 blocks of the Llama 3.1 8B's shapes, 8,192
 # tokens): 256-row chunks +21% step time over the whole logits, 1,024 +2%, 2,048 +0.6%.
 ACCELERATOR_MIN_ROWS = 2048
 

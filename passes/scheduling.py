@@ -17,7 +17,7 @@ byte budget. A single collective larger than the budget still runs, alone.
 ``max_inflight_collectives`` caps their number the same way: with 1, each
 collective is waited before the next one is issued (it still overlaps the compute
 between its issue and its wait). spmd sets 1 on gloo groups that run collectives on
-more than one thread, where two at once can corrupt the heap (docs/crashes.md). Run
+more than one thread, where two at once can corrupt the heap (benchmarks/results/crashes.md). Run
 after ``sink_waits``. No-op when neither cap is ever exceeded (or both are None).
 
 Neither pass changes the order of collectives, only of waits, so the collective

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from spmd.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GPTConfig:
@@ -144,12 +146,25 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def _transformers() -> Any:
+    """The ``transformers`` package, or a :class:`ConfigError` that says how to install it."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ConfigError(
+            "spmd: a Hugging Face model (--hf-config, a preset, spmd.models.build_hf) needs the "
+            "`transformers` package, which is not installed here. Install spmd's `hf` extra: "
+            "pip install -e '.[hf]' (or pip install 'transformers>=4.50')."
+        ) from exc
+    return transformers
+
+
 def hf_config(source: str | dict[str, Any]) -> Any:
     """A ``transformers`` config from a preset name, a config json path, or its dict (no download)."""
     import json
     import os
 
-    from transformers import AutoConfig
+    AutoConfig = _transformers().AutoConfig
 
     if isinstance(source, str) and source in PRESETS:
         d = dict(PRESETS[source])
@@ -188,9 +203,8 @@ def build_hf(
     """(model, fused AdamW, idx, targets) for a Hugging Face causal LM built from its config
     (``AutoModelForCausalLM.from_config``: random weights, no download); ``fake``: the weights
     take no memory (``FakeTensorMode``)."""
-    from transformers import AutoModelForCausalLM
-
     cfg = hf_config(source)
+    AutoModelForCausalLM = _transformers().AutoModelForCausalLM
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -234,7 +234,8 @@ def backend_pipeline(
     if serial and cross_step_prefetch:
         log.warning(
             "spmd: cross_step_prefetch is off on a gloo group with several worker threads, where one "
-            "collective is in flight at a time (docs/crashes.md); make the group under spmd.gloo_threads(1)"
+            "collective is in flight at a time (docs/troubleshooting.md); make the group under "
+            "spmd.gloo_threads(1)"
         )
     return build_pipeline(
         parallel_mode,
@@ -295,7 +296,7 @@ def gloo_concurrent(gm: fx.GraphModule) -> bool:
     thread (``torch.distributed.init_process_group("gloo")`` makes two), where two collectives
     in flight run at once -- and on torch 2.13's gloo, two at once can corrupt the heap: a
     rank aborts with "malloc(): unaligned tcache chunk detected" or computes on in silence
-    (reproduced without spmd: ``benchmarks/gloo_concurrent_collectives.py``; docs/crashes.md).
+    (reproduced without spmd: ``benchmarks/gloo_concurrent_collectives.py``; docs/troubleshooting.md).
     spmd then keeps one collective in flight at a time. A group made under
     ``spmd.gloo_threads(1)`` runs its collectives one after another itself and keeps the
     overlap between collectives."""
@@ -325,8 +326,8 @@ def _warn_serial_once(group: str, threads: int) -> None:
     log.warning(
         "spmd: process group %r is gloo with %d worker threads: two collectives in flight would run at "
         "once, and torch's gloo can corrupt the heap then (a rank aborts with 'malloc(): unaligned tcache "
-        "chunk detected'; docs/crashes.md). spmd keeps one collective in flight at a time on it. Create "
-        'the group under `with spmd.gloo_threads(1): dist.init_process_group("gloo", ...)` to keep '
+        "chunk detected'; docs/troubleshooting.md). spmd keeps one collective in flight at a time on it. "
+        'Create the group under `with spmd.gloo_threads(1): dist.init_process_group("gloo", ...)` to keep '
         "collectives overlapped with each other safely.",
         group,
         threads,

@@ -51,6 +51,25 @@ def runnable_blocks(path: Path) -> list[tuple[int, str]]:
     return blocks
 
 
+NOT_RUN = ("<!-- fragment -->", "<!-- needs a GPU -->")  # the reasons a python block may give for not running
+# Pages whose python blocks are not checked for a marker yet (the page is being rewritten).
+UNMARKED_PAGES = {"docs/tensor-parallel.md"}
+
+
+def test_every_python_block_runs_or_says_why_not() -> None:
+    """A ```python block is runnable, or marked as a fragment or as needing a GPU (docs/architecture.md)."""
+    unmarked = []
+    for path in doc_files():
+        rel = path.relative_to(ROOT).as_posix()
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            before = lines[i - 1].strip() if i else ""
+            if re.fullmatch(r"```python\s*", line) and before not in (MARKER, *NOT_RUN):
+                unmarked.append(f"{rel}:{i + 1}")
+    unmarked = [u for u in unmarked if u.split(":")[0] not in UNMARKED_PAGES]
+    assert not unmarked, f"python blocks neither {MARKER} nor marked {' / '.join(NOT_RUN)}: {unmarked}"
+
+
 def _env() -> dict[str, str]:
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SPMD_DUMP_DIR")
@@ -108,6 +127,60 @@ def test_runnable_blocks_run(tmp_path: Path) -> None:
     assert proc.returncode == 0, f"runnable doc blocks failed:\n{failures[:8000]}\n{proc.stderr[-4000:]}"
     ran = re.findall(r"^ok (\S+)", proc.stdout, flags=re.M)
     assert ran == [b["where"] for b in blocks], proc.stdout
+
+
+# Every other page that quotes a headline number of docs/performance.md's "Current numbers" table:
+# (file, a regex whose groups are the number as that page writes it, the table's headline).
+HEADLINE_QUOTES: list[tuple[str, str, str]] = [
+    ("README.md", r"(\S+ / \S+) an eager step without communication", "bench GPT step, `replicate`"),
+    ("README.md", r"DDP (\d\.\d+x), FSDP2 (\d\.\d+x)", "bench GPT step, DDP / FSDP2"),
+    ("README.md", r"fully_shard peaks at (\d\.\d+x) FSDP2's memory", "bench GPT peak memory"),
+    ("README.md", r"(\S+ / \S+) on an AVX-512", "on an AVX-512 EPYC"),
+    ("docs/limitations.md", r"GPT (\S+ / \S+) eager no_comm in `make bench`", "on an AVX-512 EPYC"),
+    ("README.md", r"but (\S+ / \S+) on this AVX2 one", "on this AVX2 EPYC"),
+    ("docs/limitations.md", r"(\S+ / \S+) on an AVX2 one", "on this AVX2 EPYC"),
+    ("README.md", r"step times within (\d+-\d+)%", "2 gloo ranks here"),
+    ("docs/plan.md", r"\*\*Step time\*\*: within (\d+-\d+)%", "2 gloo ranks here"),
+    ("docs/limitations.md", r"step times within (\d+-\d+)% here", "2 gloo ranks here"),
+    ("README.md", r"on one H100 within (\d+)%", "measured, one H100"),
+    ("README.md", r"the cost model within (\d+)% of the measured", "measured, one H100"),
+    ("docs/plan.md", r"within (\d+)% on one H100", "measured, one H100"),
+    ("docs/limitations.md", r"here and (\d+)% on one H100", "measured, one H100"),
+    ("docs/gpu-quickstart.md", r"cost model within (\d+)% of the measured", "measured, one H100"),
+    ("README.md", r"12 configurations in (\d+) s", "12 configurations"),
+    ("docs/plan.md", r"12 configurations in (\d+) s", "12 configurations"),
+    ("README.md", r"(\d+ of \d+) sweep cases", "CUDA parity sweep"),
+    ("docs/limitations.md", r"(\d+ of \d+) sweep cases", "CUDA parity sweep"),
+    ("docs/gpu-quickstart.md", r"on (\d+ of \d+) cases", "CUDA parity sweep"),
+    ("README.md", r"simulated ([\d. /]+) GiB per rank", "remat none / selective"),
+    ("docs/limitations.md", r"simulated: ([\d. /]+) GiB per rank", "remat none / selective"),
+]
+
+
+def _numbers(text: str) -> list[str]:
+    return re.findall(r"\d+(?:[.,]\d+)*", text)
+
+
+def test_headline_numbers_agree() -> None:
+    """A headline number quoted on several pages has one source, docs/performance.md's "Current
+    numbers" table: every quote's numbers must be the table row's (found by a unique substring)."""
+    page = (ROOT / "docs" / "performance.md").read_text()
+    table = page.split("## Current numbers", 1)[1].split("\n\n## ", 1)[0]
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in table.splitlines()
+        if line.startswith("|") and not line.startswith("|---")
+    ][1:]
+    wrong = []
+    for file, pattern, key in HEADLINE_QUOTES:
+        matches = [value for headline, value in rows if key in headline]
+        assert len(matches) == 1, f"{key!r} must name exactly one row of the table, found {len(matches)}"
+        found = re.search(pattern, (ROOT / file).read_text())
+        assert found, f"{file}: no quote matching {pattern!r} (the page changed: update HEADLINE_QUOTES)"
+        quoted = _numbers(" ".join(found.groups()))
+        if quoted != _numbers(matches[0]):
+            wrong.append(f"{file}: {' '.join(found.groups())!r}, but docs/performance.md says {matches[0]!r}")
+    assert not wrong, "headline numbers disagree:\n" + "\n".join(wrong)
 
 
 def _run_blocks(spec: Path) -> int:

@@ -119,7 +119,8 @@ def test_every_torchrun_script_destroys_its_group_on_every_exit_path() -> None:
     gloo's worker thread drops a finished collective's tensor while the interpreter finalizes,
     takes the GIL to free its Python object, and is ended mid-destructor ("terminate called
     without an active exception", SIGABRT; pytorch/pytorch#190489). Reproduced 2026-11-25 by
-    ``MODE=teardown CASE=unwaited benchmarks/crash_hunt.sh`` (docs/crashes.md, "Teardown").
+    ``MODE=teardown CASE=unwaited benchmarks/diagnostics/crash_hunt.sh``
+    (benchmarks/results/crashes.md, "Teardown").
     So every script of the examples, the multi-process tests and the benchmarks that calls
     ``init_process_group`` destroys the group in a ``finally:``, an error's path included
     (``tests/dist/launcher.py``'s ranks do; ``tests/dist/resume_script.py``'s surviving rank
@@ -147,7 +148,7 @@ def test_every_torchrun_script_destroys_its_group_on_every_exit_path() -> None:
     root = EXAMPLES.parent
     assert destroys_in_finally(ast.parse((root / "benchmarks" / "rank_main.py").read_text()))
     missing = []
-    scripts = [*root.glob("examples/*.py"), *root.glob("tests/dist/*.py"), *root.glob("benchmarks/*.py")]
+    scripts = [*root.glob("examples/*.py"), *root.glob("tests/dist/*.py"), *root.glob("benchmarks/**/*.py")]
     for path in sorted(scripts):
         rel = path.relative_to(root).as_posix()
         tree = ast.parse(path.read_text())
@@ -162,3 +163,38 @@ def test_every_torchrun_script_destroys_its_group_on_every_exit_path() -> None:
         if not (destroys_in_finally(tree) or through_helper):
             missing.append(rel)
     assert not missing, f"init_process_group without destroy_process_group in a finally: {missing}"
+
+
+def test_train_gpt_cuda_path_up_to_the_device(monkeypatch) -> None:
+    """``--device cuda`` on a machine without a GPU: examples/gpt.py's ``init_device`` (what
+    train_gpt.py calls first) with CUDA faked picks the GPU of ``LOCAL_RANK``, sets it before
+    anything else and asks for an NCCL group bound to it; with no CUDA it stops with a clear message."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("gpt_example", EXAMPLES / "gpt.py")
+    gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt)
+    assert gpt.init_device("cpu") == (torch.device("cpu"), {"backend": "gloo"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="sees no CUDA device"):
+        gpt.init_device("cuda")
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    device, group = gpt.init_device("cuda")
+    assert device == torch.device("cuda", 3) and calls == [device]
+    assert group == {"backend": "nccl", "device_id": device}
+    src = (EXAMPLES / "train_gpt.py").read_text()  # the example puts the model and each batch there
+    assert "init_process_group(**group)" in src and ".to(device)" in src and "x.to(device" in src
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device (none here)")
+@pytest.mark.timeout(DEADLINE_S + 30)
+def test_train_gpt_smoke_on_cuda(tmp_path):
+    """The GPU path end to end on one GPU (NCCL, world size 1, bf16): runs only where a GPU is."""
+    args = [*TORCHRUN[:-1], "--nproc_per_node=1", str(EXAMPLES / "train_gpt.py"), "--smoke"]
+    out = run_example([*args, "--device", "cuda", "--mixed-precision", "bf16"], tmp_path)
+    assert "world 1, fully_shard/eager, cuda" in out and re.search(r"step 4: val loss \d+\.\d+", out), out

@@ -5,7 +5,7 @@ Inductor calls ATen's ``mm``/``addmm`` for a float32 CPU matmul, which in torch'
 MKL's sgemm. oneDNN's matmul (``mkldnn._linear_pointwise``) computes the same product. Which is
 faster depends on the CPU, the shape and the layout: on an AMD EPYC with AVX-512 oneDNN won
 1.5-3x on every matmul of the bench GPT; on an AMD EPYC with AVX2 only, MKL won on most of them
-(docs/performance.md, "The inductor backend on an AVX2 CPU"). So no fixed rule is right; this
+(benchmarks/results/performance.md, "The inductor backend on an AVX2 CPU"). So no fixed rule is right; this
 module times both on the machine that runs the step:
 
 * **What is timed.** Each distinct :class:`Gemm` of the graph -- ``(m, k, n)``, the strides of

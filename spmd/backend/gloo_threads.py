@@ -6,7 +6,7 @@ run at once. On torch 2.13 that can corrupt the heap -- a shared-pointer control
 TCP transport (``gloo::transport::tcp::UnboundBuffer``) is released twice -- so a rank aborts
 with "malloc(): unaligned tcache chunk detected" (or another glibc heap message), or goes on
 with a corrupted heap. Reproduced without spmd by ``benchmarks/gloo_concurrent_collectives.py``
-(docs/crashes.md). With one thread the group runs collectives one after another, still in the
+(docs/troubleshooting.md). With one thread the group runs collectives one after another, still in the
 background of the caller's compute, and the corruption was not seen.
 
 ``init_process_group`` takes no gloo options (torch ignores ``pg_options`` for gloo), so this

@@ -3,7 +3,7 @@
 A gloo rank that leaves the interpreter with its group alive can abort at exit ("terminate
 called without an active exception"): a collective that finishes on gloo's worker thread while
 the interpreter finalizes releases its tensors there, takes the GIL, and the thread is ended
-inside a destructor (pytorch/pytorch#190489; reproduced and explained in docs/crashes.md,
+inside a destructor (pytorch/pytorch#190489; reproduced and explained in docs/troubleshooting.md,
 "Teardown"). ``destroy_process_group()`` before the exit avoids it. spmd does not destroy the
 user's group itself: with collectives still queued for a peer that is gone, the destroy waits
 for them up to the group's timeout, which would turn an abort into a hang. It says so instead,
@@ -42,7 +42,7 @@ def check_at_exit() -> None:
             "spmd: the process group is still initialized at exit. Call "
             "torch.distributed.destroy_process_group() before the process exits, in a finally: "
             "around the training: a gloo rank that exits with its group alive can abort at exit "
-            "(pytorch/pytorch#190489; spmd's docs, crashes.md, 'Teardown').",
+            "(pytorch/pytorch#190489; docs/troubleshooting.md, gloo).",
             RuntimeWarning,
             stacklevel=1,
         )

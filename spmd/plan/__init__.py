@@ -67,9 +67,9 @@ log = logging.getLogger("spmd")
 __all__ = ["Plan", "PlanRow", "plan", "parse_bytes"]
 
 _GiB = 2**30
-# The folded search's block counts (docs/plan.md, "What a plan costs": measured against exact
-# lowerings of Llama 3.1 8B and 70B shapes at 1,024 ranks; 2 and 4 blocks were off by up to 20%
-# in peak where prefetch or the peak's phase depends on the first blocks).
+# The folded search's block counts (benchmarks/results/plan-validation.md, "What a plan costs":
+# measured against exact lowerings of Llama 3.1 8B and 70B shapes at 1,024 ranks; 2 and 4 blocks were
+# off by up to 20% in peak where prefetch or the peak's phase depends on the first blocks).
 FOLD_DEPTHS = (3, 6)
 # An extrapolated peak this close to the budget (a fraction of it) is checked exactly.
 FOLD_MARGIN = 0.05

@@ -206,7 +206,8 @@ def extrapolate(v1: float, v2: float, l1: int, l2: int, depth: int) -> float:
 
 def extrapolates(options: dict[str, Any]) -> bool:
     """Whether a configuration's predictions are linear in the block count, as measured
-    (docs/plan.md, "What a plan costs"): not with a remat budget given as a fraction, whose
+    (benchmarks/results/plan-validation.md, "What a plan costs"): not with a remat budget given
+    as a fraction, whose
     knapsack chooses what to recompute over the whole step (Llama 3.1 8B shapes, ``remat=0.5``:
     the peak extrapolated from 3 and 6 blocks was 17-25% low). Such a configuration is lowered
     on the full model."""

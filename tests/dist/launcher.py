@@ -16,7 +16,7 @@ starts ~200 ranks. Each rank still gets the parent's environment and working dir
 are at the call. A variable only read when a process starts (glibc's ``MALLOC_*``, the loader's,
 the interpreter's, OpenMP's) cannot be handed to a forked rank, so a call whose environment
 differs from the fork server's in one of those spawns fresh processes instead, as does every call
-under ``SPMD_TEST_SPAWN=1`` (``benchmarks/crash_hunt.sh`` sets it: a forked rank ends in
+under ``SPMD_TEST_SPAWN=1`` (``benchmarks/diagnostics/crash_hunt.sh`` sets it: a forked rank ends in
 ``os._exit`` after its exit handlers, so the interpreter's own teardown, where a crash at exit
 would happen, runs only in spawned ranks).
 
@@ -26,7 +26,7 @@ SIGBUS) is a native crash, a memory-safety bug, and fails the run at once with
 Python stacks -- the crashed rank's as ``faulthandler`` wrote them when the signal hit, the
 others' dumped on request (``SIGUSR1``) just before they are killed. A retry would hide
 a bug that in training could as well corrupt values silently instead of crashing
-(issue 23; ``benchmarks/crash_hunt.sh`` hunts such crashes under load).
+(issue 23; ``benchmarks/diagnostics/crash_hunt.sh`` hunts such crashes under load).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _entry(
     torch.set_num_threads(1)
     try:
         # One gloo worker thread: torch's gloo can corrupt the heap when two collectives run
-        # at once (docs/crashes.md), and the DDP/FSDP2 references the ranks run next to spmd
+        # at once (benchmarks/results/crashes.md), and the DDP/FSDP2 references the ranks run next to spmd
         # have no protection of their own. SPMD_TEST_GLOO_THREADS=default makes torch's own
         # group (two threads), on which spmd keeps one collective in flight
         # (tests/dist/test_gloo_threads.py; the torchrun jobs use it too).

@@ -93,6 +93,6 @@ if __name__ == "__main__":
         main()
     finally:
         # Every exit path, an error's included, destroys the group: a gloo group left alive to
-        # the interpreter's exit can abort the rank there (docs/crashes.md, "Teardown").
+        # the interpreter's exit can abort the rank there (benchmarks/results/crashes.md, "Teardown").
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -231,3 +231,13 @@ def test_a_gpu_profile_lowers_the_loss_head_as_on_the_gpu() -> None:
     assert chunks(many, "h100-80gb") == words(many, ACCELERATOR_MIN_ROWS)
     assert chunks(few, "a100-80gb") == words(few, few)  # one chunk: fewer tokens than the floor
     assert chunks(many, cpu) == words(many, cpu_rows)
+
+
+def test_hf_model_without_transformers_says_which_extra_to_install(monkeypatch):
+    """--hf-config and the presets need `transformers` (the `hf` extra): without it, a ConfigError
+    that names the extra, not a bare ImportError from inside spmd."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    with pytest.raises(spmd.ConfigError, match=r"pip install -e '\.\[hf\]'"):
+        models.build_hf("llama3.1-8b", batch=1, seq=16)

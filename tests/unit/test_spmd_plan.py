@@ -196,7 +196,8 @@ def test_only_identical_blocks_fold() -> None:
 
 
 def test_a_remat_budget_given_as_a_fraction_is_not_extrapolated() -> None:
-    """Its knapsack chooses over the whole step: measured 17-25% off in peak (docs/plan.md)."""
+    """Its knapsack chooses over the whole step: measured 17-25% off in peak
+    (benchmarks/results/plan-validation.md)."""
     assert not fold.extrapolates({"parallel_style": "fully_shard", "remat": 0.5})
     for remat in (None, "selective", "full"):
         assert fold.extrapolates({"parallel_style": "fully_shard", "remat": remat})
@@ -218,7 +219,8 @@ _LLAMA4 = {
 
 def test_a_folded_search_extrapolates_the_exact_predictions() -> None:
     """A 4-block Hugging Face Llama at 32 ranks with bf16 compute, fully_shard with prefetch 0 and 1
-    (the 8B and 70B checks, every style and remat policy, are in docs/plan.md): each configuration
+    (the 8B and 70B checks, every style and remat policy, are in
+    benchmarks/results/plan-validation.md): each configuration
     is lowered on copies with 1 and 2 blocks and extrapolated in depth; the best row is then
     lowered exactly (and keeps its extrapolation), the other one stays extrapolated. Both
     extrapolations give the peak, step time, FLOPs and bytes on the wire of the 4-block lowering

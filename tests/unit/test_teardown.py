@@ -1,5 +1,5 @@
 """A gloo group still alive at exit is named before the interpreter finalizes
-(spmd/backend/teardown.py; the abort it prevents: docs/crashes.md, "Teardown")."""
+(spmd/backend/teardown.py; the abort it prevents: benchmarks/results/crashes.md, "Teardown")."""
 
 from __future__ import annotations
 

@@ -7,13 +7,13 @@ overlap), one step of copy A then the same step of copy B. The math is determini
 the two copies' losses and parameters must be equal bit for bit after every step: a buffer
 written or freed while gloo's background thread still reads or writes it gives a
 difference (or, with ``MALLOC_PERTURB_``, garbage), a corrupted heap aborts. Used by
-``benchmarks/crash_hunt.sh`` (``MODE=steps``); tracing happens once per copy, so nearly all
+``benchmarks/diagnostics/crash_hunt.sh`` (``MODE=steps``); tracing happens once per copy, so nearly all
 the time goes to running steps, unlike the test suite.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/crash_hunt_steps.py --steps 100
+    PYTHONPATH=. .venv/bin/python benchmarks/diagnostics/crash_hunt_steps.py --steps 100
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) each worker is one rank and runs the body
-itself, so a tool can wrap each rank's interpreter (``benchmarks/valgrind_hunt.sh`` runs
+itself, so a tool can wrap each rank's interpreter (``benchmarks/diagnostics/valgrind_hunt.sh`` runs
 every rank under valgrind this way); ``--configs``/``--copies`` cut the work for such a run.
 """
 

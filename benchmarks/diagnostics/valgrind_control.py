@@ -4,12 +4,12 @@ Two torchrun workers. Rank 0 issues an ``all_reduce`` (async, on gloo), gives gl
 time to start it (it takes the buffer's address and waits for the peer), then frees the input's
 buffer before the wait (its storage resized to 0: what an eager runtime that freed an in-flight
 collective's input would do); rank 1 joins late, so rank 0's gloo thread writes the sum into the
-freed block. Under ``benchmarks/valgrind_hunt.sh control`` each rank runs
+freed block. Under ``benchmarks/diagnostics/valgrind_hunt.sh control`` each rank runs
 under memcheck: rank 0's log must show an invalid read or write in gloo on a block freed by the
 resize. Without valgrind the write lands in freed heap memory (a heap corruption that glibc may or
 may not notice later), so this is a check of the hunt's tooling, not something to run natively.
 
-    benchmarks/valgrind_hunt.sh control
+    benchmarks/diagnostics/valgrind_hunt.sh control
 """
 
 from __future__ import annotations
@@ -41,6 +41,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import rank_main
+    from benchmarks import rank_main  # PYTHONPATH=. (valgrind_hunt.sh sets it)
 
     rank_main.run(main)

@@ -1,6 +1,6 @@
-"""Small workloads for ``benchmarks/valgrind_hunt.sh`` and ``benchmarks/crash_hunt.sh`` (issue 23).
+"""Small workloads for ``valgrind_hunt.sh`` and ``crash_hunt.sh`` in benchmarks/diagnostics/ (issue 23).
 
-Each closes a gap ``docs/crashes.md`` lists ("Not done", "Not ruled out"):
+Each closes a gap ``benchmarks/results/crashes.md`` lists ("Not done", "Not ruled out"):
 
 ``eager_clip``
     One process, no process group, no spmd trace: ``linalg_vector_norm`` + ``clamp`` + ``mul``
@@ -23,9 +23,9 @@ Each closes a gap ``docs/crashes.md`` lists ("Not done", "Not ruled out"):
     ``tests/dist/test_resume.py``'s surviving rank: its peer vanishes, its next compiled step fails
     in a collective with others in flight, the error escapes); ``--destroy`` destroys the group first.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/valgrind_workloads.py eager_clip
+    PYTHONPATH=. .venv/bin/python benchmarks/diagnostics/valgrind_workloads.py eager_clip
     PYTHONPATH=. .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node=2 \\
-        benchmarks/valgrind_workloads.py teardown --case unwaited
+        benchmarks/diagnostics/valgrind_workloads.py teardown --case unwaited
 """
 
 from __future__ import annotations

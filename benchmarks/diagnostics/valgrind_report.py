@@ -1,7 +1,7 @@
-"""Read valgrind memcheck logs (``benchmarks/valgrind_hunt.sh``): errors by kind and by place.
+"""Read valgrind memcheck logs (``benchmarks/diagnostics/valgrind_hunt.sh``): errors by kind and by place.
 
-    .venv/bin/python benchmarks/valgrind_report.py LOG...          # summary of the logs
-    .venv/bin/python benchmarks/valgrind_report.py --supp LOG...   # their suppressions, deduplicated
+    .venv/bin/python benchmarks/diagnostics/valgrind_report.py LOG...         # summary of the logs
+    .venv/bin/python benchmarks/diagnostics/valgrind_report.py --supp LOG...  # their suppressions
 
 The summary counts each log's error contexts by kind ("Invalid read", "Invalid write", "Invalid
 free", "uninitialised", ...; memcheck prints an error once per context, and its ERROR SUMMARY line,
@@ -195,10 +195,11 @@ def suppressions(logs: list[Log], frames: int) -> str:
                 first = next((c.split(":", 1)[1] for c in callers if c.startswith("fun:")), "obj")
                 seen[key] = f"startup-noise-{tool.split(':')[1]}-{first}-{len(seen)}"
     out = [
-        "# valgrind memcheck suppressions: the start-up noise that `benchmarks/valgrind_hunt.sh noise`",
+        "# valgrind memcheck suppressions: the start-up noise that",
+        "# `benchmarks/diagnostics/valgrind_hunt.sh noise`",
         "# recorded (import torch, torch.distributed and spmd, one matmul; no process group), cut to",
-        "# the innermost frames by `benchmarks/valgrind_report.py --supp`.",
-        "# See docs/crashes.md, 'valgrind', for how each family was judged a false positive.",
+        "# the innermost frames by `benchmarks/diagnostics/valgrind_report.py --supp`.",
+        "# See benchmarks/results/crashes.md, 'valgrind', for how each family was judged a false positive.",
     ]
     for key, name in seen.items():
         out.append("{")

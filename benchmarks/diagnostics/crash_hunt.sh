@@ -4,23 +4,23 @@
 # on and core dumps enabled, and print gdb's native stacks of every core.
 #
 # Usage (from the repository root):
-#   benchmarks/crash_hunt.sh [MINUTES] [pytest targets...]
-#   MODE=demo benchmarks/crash_hunt.sh 20        # torchrun examples/train_gpt.py --smoke in a loop
-#   MODE=steps benchmarks/crash_hunt.sh 20       # benchmarks/crash_hunt_steps.py: STEPS compiled
+#   benchmarks/diagnostics/crash_hunt.sh [MINUTES] [pytest targets...]
+#   MODE=demo benchmarks/diagnostics/crash_hunt.sh 20        # torchrun examples/train_gpt.py --smoke in a loop
+#   MODE=steps benchmarks/diagnostics/crash_hunt.sh 20       # benchmarks/diagnostics/crash_hunt_steps.py: STEPS compiled
 #                                                # steps of 5 configs, two copies compared bit for bit
-#   MODE=plan_check benchmarks/crash_hunt.sh 30  # benchmarks/plan_check.py: 10 configurations of the
+#   MODE=plan_check benchmarks/diagnostics/crash_hunt.sh 30  # benchmarks/plan_check.py: 10 configurations of the
 #                                                # bench models in one torchrun job (a rank's SIGSEGV seen there)
-#   MODE=teardown CASE=unwaited RUNS=50 STRESS=0 benchmarks/crash_hunt.sh 30
-#                                                # benchmarks/valgrind_workloads.py teardown: 2 tiny torchrun
+#   MODE=teardown CASE=unwaited RUNS=50 STRESS=0 benchmarks/diagnostics/crash_hunt.sh 30
+#                                                # benchmarks/diagnostics/valgrind_workloads.py teardown: 2 tiny torchrun
 #                                                # ranks that exit after an exception (CASE=exception), with an
 #                                                # unwaited all_reduce (unwaited) or a compiled step alive
 #                                                # (compiled); DESTROY=1: destroy_process_group first. The
 #                                                # exception case fails by design (rc 1); a crash is what counts.
-#   SPAWN=0 CHECKS=0 STRESS=0 benchmarks/crash_hunt.sh 20 \
+#   SPAWN=0 CHECKS=0 STRESS=0 benchmarks/diagnostics/crash_hunt.sh 20 \
 #     "tests/dist/test_optimizer_overlap.py::test_every_optimizer_form_split_bitwise[fully_shard]"
 #                                                # as the suite runs (forked ranks, glibc's plain malloc)
 #                                                # on torch's two-thread gloo group: how the gloo heap
-#                                                # corruption was caught (docs/crashes.md)
+#                                                # corruption was caught (benchmarks/results/crashes.md)
 # RUNS stops the loop after that many runs (default: MINUTES only); STRESS=0 runs without stress-ng;
 # CHECKS=0 leaves glibc's heap checks off; SPAWN=0 forks the ranks from the suite's fork server;
 # CORES=0 leaves core dumps as the machine has them (`make bench` runs a few minutes of MODE=steps so).
@@ -37,7 +37,7 @@ MINUTES=${1:-30}
 shift || true
 MODE=${MODE:-tests}
 OUT_DIR=${OUT_DIR:-/tmp/crash_hunt}
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
 TARGETS=("$@")
 if [ ${#TARGETS[@]} -eq 0 ]; then
@@ -47,7 +47,7 @@ fi
 mkdir -p "$OUT_DIR/cores"
 # Spawned ranks, not the suite's fork server: only a spawned rank runs the interpreter's teardown,
 # where a crash at exit happens (tests/dist/launcher.py). SPAWN=0 forks them as the suite does
-# (with CHECKS=0 too, the way the gloo heap corruption was found: docs/crashes.md).
+# (with CHECKS=0 too, the way the gloo heap corruption was found: benchmarks/results/crashes.md).
 export SPMD_TEST_SPAWN=${SPAWN:-1}
 # The ranks' gloo groups as a user's script makes them (torch's default, two worker threads, on
 # which spmd keeps one collective in flight), not the suite's one-thread groups.
@@ -92,7 +92,7 @@ while [ "$(date +%s)" -lt "$end" ] && { [ -z "${RUNS:-}" ] || [ "$runs" -lt "$RU
   [ "${CHECKS:-1}" = 1 ] && export MALLOC_PERTURB_=$(((runs * 37) % 255 + 1))  # freed bytes filled, allocations poisoned
   log="$OUT_DIR/run-$runs.log"
   if [ "$MODE" = steps ]; then
-    nice -n 15 timeout 1800 "$PY" benchmarks/crash_hunt_steps.py --steps "${STEPS:-200}" >"$log" 2>&1
+    nice -n 15 timeout 1800 "$PY" benchmarks/diagnostics/crash_hunt_steps.py --steps "${STEPS:-200}" >"$log" 2>&1
     rc=$?
   elif [ "$MODE" = plan_check ]; then
     # Where a rank died of SIGSEGV once (2026-11-25, GPT fully_shard, eager backend, under load):
@@ -105,7 +105,7 @@ while [ "$(date +%s)" -lt "$end" ] && { [ -z "${RUNS:-}" ] || [ "$runs" -lt "$RU
     extra=()
     [ "${DESTROY:-0}" = 1 ] && extra=(--destroy)
     nice -n 15 timeout 300 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
-      benchmarks/valgrind_workloads.py teardown --case "${CASE:-exception}" "${extra[@]}" >"$log" 2>&1
+      benchmarks/diagnostics/valgrind_workloads.py teardown --case "${CASE:-exception}" "${extra[@]}" >"$log" 2>&1
     rc=$?
   elif [ "$MODE" = demo ]; then
     tmp=$(mktemp -d)
