@@ -27,6 +27,7 @@ from spmd.backend.carry import CarriedGathers
 from spmd.backend.carry import install as carry_install
 from spmd.backend.lastcall import LastCall
 from spmd.backend.lowering import check_backend, check_gemm, check_optimizer_lowering, compile_graph
+from spmd.backend.optimizer_checks import check_fused_optimizer_shapes
 from spmd.backend.runtime import (
     INDUCTOR_STAGE,
     Executable,
@@ -416,6 +417,7 @@ class CompiledStep:
         partitioned = tracing.copy_graph_module(gm) if measure else None
         disabled = [d for d in self.disabled_passes if d not in before]
         gm = pipeline.run(gm, disabled=disabled, check=self.check_invariants, record=record)
+        check_fused_optimizer_shapes(gm, self.__name__)
         if self.gm_transformation is not None:
             gm = self.gm_transformation(gm)
             graphs.record("gm_transformation", gm)
