@@ -19,7 +19,7 @@ steps), so load that drifts during the run falls on every row alike; a step's ti
 slower rank's; a row's time is the median over its steps, printed with the interquartile range
 (IQR, over the median) so a reader sees which orderings are within the noise. The calibration
 and the job run with glibc's allocator kept from returning memory to the system
-(``MALLOC_ENV``: without it every large buffer is mapped anew and page-faults on each step,
+(``MALLOC_KEEP``: without it every large buffer is mapped anew and page-faults on each step,
 10-17% of a GPT step, and the per-step IQR was 6-16% instead of 3-6%); ``--malloc system``
 runs both with the plain environment instead.
 
@@ -58,6 +58,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
+from malloc_keep import MALLOC_KEEP  # noqa: E402 (one dict, shared with run.py)
 from plan_check_report import ORIGINAL, spearman, summaries, summary, table  # noqa: E402,F401 (re-exported)
 
 _PREFETCH_0 = {"forward_prefetch": 0, "backward_prefetch": 0}
@@ -76,15 +77,6 @@ MODELS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "overhead": CONFIGS,
     "gpt": CONFIGS,
     "encoder": CONFIGS[:2],
-}
-# glibc malloc kept from giving memory back: no mmap for large blocks (each would be mapped anew
-# and page-fault on every step), no trimming of the heap's top, 256 MiB extra on each sbrk.
-# Measured here (2026-11-25, benchmarks/run.py under both settings): fresh mmap'd buffers were
-# 10-17% of a GPT step and the IQR of the step times 6-16%; 3-6% with these.
-MALLOC_ENV = {
-    "MALLOC_MMAP_MAX_": "0",
-    "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30),
-    "MALLOC_TOP_PAD_": str(256 * 2**20),
 }
 
 
@@ -356,13 +348,13 @@ def _group_names(gm: Any) -> set[str]:
 def run(*, quick: bool, log_path: str, timeout: int = 1500, malloc: str = "keep") -> dict[str, Any]:
     """Calibrate, run the job, and return ``{"records", "summary", "profile"}`` (or ``{"error"}``).
 
-    ``malloc="keep"``: the calibration and the job run with :data:`MALLOC_ENV`; ``"system"``:
+    ``malloc="keep"``: the calibration and the job run with :data:`MALLOC_KEEP`; ``"system"``:
     with the environment as it is."""
     t0 = time.perf_counter()
     # A rank that dies of a signal prints its Python stacks into the log (issue 23).
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     if malloc == "keep":
-        env.update(MALLOC_ENV)
+        env.update(MALLOC_KEEP)
     fd, prof_path = tempfile.mkstemp(suffix=".json", prefix="spmd_cpu_local_")
     os.close(fd)
     # In its own process: glibc reads the allocator's environment when a process starts.
@@ -441,7 +433,7 @@ def main() -> None:
         "--malloc",
         choices=("keep", "system"),
         default="keep",
-        help="keep (as run.py --malloc): glibc keeps freed memory (MALLOC_ENV); system: its defaults",
+        help="keep (as run.py --malloc): glibc keeps freed memory (MALLOC_KEEP); system: its defaults",
     )
     args = p.parse_args()
     if args.worker:

@@ -70,6 +70,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+from malloc_keep import MALLOC_KEEP  # noqa: E402 (one dict, shared with plan_check.py)
 from worker import ABLATIONS, OPTION_VARIANTS, REFERENCES, VARIANTS  # noqa: E402
 
 MODELS = ("overhead", "gpt", "encoder")
@@ -78,12 +79,7 @@ MODELS = ("overhead", "gpt", "encoder")
 # a step's large buffers reuse pages that earlier steps faulted in. Measured (2026-11-25, GPT,
 # --steps 12): no_comm 598 -> 497 ms, spmd fully_shard 628 -> 571, IQRs 6-16% -> 3-6%. torch's
 # CPU performance tuning guide recommends a caching allocator (jemalloc, tcmalloc) for the same
-# reason: https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html
-MALLOC_KEEP = {
-    "MALLOC_MMAP_MAX_": "0",
-    "MALLOC_TRIM_THRESHOLD_": str(16 * 1024**3),
-    "MALLOC_TOP_PAD_": str(256 * 1024**2),
-}
+# reason: https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html (MALLOC_KEEP)
 INDUCTOR = ("spmd_replicate_inductor", "spmd_fully_shard_inductor")
 NPROC = 2
 MiB = 1024 * 1024

@@ -48,6 +48,7 @@ import torch.fx as fx
 from passes import collectives as C
 from passes.graph_utils import storage_of, written_storages
 from passes.meta import PHASE, ROLE, Phase, Role, copy_meta
+from passes.stages import rebuilt
 
 # On a carried placeholder and on the collective feeding the matching output: its index
 # among the carried tensors (placeholder i is what output i of the previous call was).
@@ -196,7 +197,7 @@ def issue_module(gm: fx.GraphModule) -> fx.GraphModule:
         env[n] = graph.node_copy(n, env.__getitem__)
         env[n].meta = dict(n.meta)
     graph.output([env[o] for o in outs])
-    return fx.GraphModule(gm, graph)
+    return rebuilt(gm, graph)
 
 
 def check_carried(gm: fx.GraphModule) -> list[tuple[str, str]]:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 import torch.fx as fx
 
-from passes.stages import copy_graph
+from passes.stages import copy_graph, rebuilt
 
 log = logging.getLogger("spmd.passes")
 
@@ -43,7 +43,7 @@ class PassFailure(RuntimeError):
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """An independent copy of ``gm``'s graph (node meta copied shallowly; tensors shared)."""
-    return fx.GraphModule(gm, copy_graph(gm.graph))
+    return rebuilt(gm, copy_graph(gm.graph))
 
 
 def run_passes(

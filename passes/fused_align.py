@@ -16,11 +16,20 @@ are) and ``channels_last`` (0, or the ndim of a channels-last shard, flattened i
 order), then the kernel's name, its non-tensor keyword arguments as a ``repr``'d dict, and its
 tensor keyword arguments. Every list argument is per parameter (or empty) and everything else
 is shared, so :mod:`passes.optimizer_overlap` splits it like the kernel itself.
+
+Cost per call: the op is defined with :class:`torch.library.Library` and one
+``CompositeExplicitAutograd`` Python kernel, so a call is one C++ dispatch into that kernel
+(``torch.library.custom_op`` adds Python autograd and ADInplaceOrView wrappers that bump the
+version counter of every mutated tensor one by one: ~0.3 ms per call on a bucket of 4 shards).
+The kernel's name and options are parsed once per distinct string (:func:`_parsed`), not per
+call. The op has no autograd formula: the optimizer region runs without grad, like the kernels it
+wraps.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 
 import torch
 
@@ -37,10 +46,28 @@ def _memory_order(t: torch.Tensor, cl: int) -> torch.Tensor:
     return t.permute(0, *range(2, cl), 1) if cl else t
 
 
-@torch.library.custom_op(
-    "spmd::aligned_fused_optimizer_", mutates_args=("params", "grads", "state0", "state1", "state2")
+_SCHEMA = (
+    "aligned_fused_optimizer_(Tensor(a0!)[] params, Tensor(a1!)[] grads, Tensor(a2!)[] state0, "
+    "Tensor(a3!)[] state1, Tensor(a4!)[] state2, Tensor[] state_steps, SymInt[] pre, SymInt[] post, "
+    "SymInt[] channels_last, str kernel, str options, Tensor? lr=None, Tensor? grad_scale=None, "
+    "Tensor? found_inf=None) -> ()"
 )
-def aligned_fused_optimizer_(
+
+
+_Parsed = tuple[torch._ops.OpOverload, int, bool, tuple[tuple[str, object], ...]]
+
+
+@functools.cache
+def _parsed(kernel: str, options: str) -> _Parsed:
+    """``kernel`` resolved, its number of positional lists (``state_steps`` aside), whether it
+    takes ``state_steps``, and ``options`` parsed: once per distinct pair of strings."""
+    op = _kernel(kernel)
+    positional = [a.name for a in op._schema.arguments if not a.kwarg_only]
+    n_lists = len([n for n in positional if n != "state_steps"])
+    return op, n_lists, "state_steps" in positional, tuple(ast.literal_eval(options).items())
+
+
+def _aligned_fused_optimizer(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     state0: list[torch.Tensor],
@@ -56,9 +83,8 @@ def aligned_fused_optimizer_(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    op = _kernel(kernel)
+    op, n_lists, takes_steps, parsed_options = _parsed(kernel, options)
     lists = [params, grads, state0, state1, state2]
-    positional = [a.name for a in op._schema.arguments if not a.kwarg_only]
     bufs: list[list[torch.Tensor]] = [list(lst) for lst in lists]
     # The shards to align of one list (and dtype) live in one flat zero buffer, each in its own
     # padded segment, and the kernel gets the segments as separate (view) tensors: it loops over
@@ -76,31 +102,41 @@ def aligned_fused_optimizer_(
             by_dtype.setdefault(lst[k].dtype, []).append(k)
         for ks in by_dtype.values():
             srcs = [_memory_order(lst[k], channels_last[k]) for k in ks]
-            parts = [n for k, src in zip(ks, srcs) for n in (pre[k], src.numel(), post[k])]
-            flat = srcs[0].new_zeros(sum(parts))
-            segments = torch.split(flat, [sum(parts[i : i + 3]) for i in range(0, len(parts), 3)])
+            numels = [src.numel() for src in srcs]
+            seg_sizes = [pre[k] + n + post[k] for k, n in zip(ks, numels)]
+            flat = srcs[0].new_zeros(sum(seg_sizes))
+            segments = torch.split(flat, seg_sizes)
+            # The gaps between the shards (one shard's post plus the next one's pre) as one piece
+            # each: 2n+1 views, not 3n.
+            gaps = [pre[ks[0]], *(post[a] + pre[b] for a, b in zip(ks, ks[1:])), post[ks[-1]]]
+            parts = [x for g, n in zip(gaps, numels) for x in (g, n)] + [gaps[-1]]
             inner = [
                 d if src.dim() == 1 else d.view(src.shape)
-                for d, src in zip(torch.split(flat, parts)[1::3], srcs)
+                for d, src in zip(torch.split(flat, parts)[1::2], srcs)
             ]
             torch._foreach_copy_(inner, srcs)
             for k, seg in zip(ks, segments):
                 bufs[j][k] = seg
             if j != 1:  # grads are the kernel's scratch: nothing to copy back
                 copy_backs.append((srcs, inner))
-    kwargs = ast.literal_eval(options)
+    kwargs = dict(parsed_options)
     for name, value in (("lr", lr), ("grad_scale", grad_scale), ("found_inf", found_inf)):
         if value is not None:
             kwargs[name] = value
-    args = bufs[: len([n for n in positional if n != "state_steps"])]
-    if "state_steps" in positional:
+    args = bufs[:n_lists]
+    if takes_steps:
         args.append(state_steps)
     op(*args, **kwargs)
     for srcs, inner in copy_backs:
         torch._foreach_copy_(srcs, inner)
 
 
-@aligned_fused_optimizer_.register_fake
+_LIB = torch.library.Library("spmd", "FRAGMENT")
+_LIB.define(_SCHEMA)
+_LIB.impl("aligned_fused_optimizer_", _aligned_fused_optimizer, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("spmd::aligned_fused_optimizer_", lib=_LIB)
 def _(params, grads, state0, state1, state2, state_steps, pre, post, channels_last, kernel, options, lr=None,
       grad_scale=None, found_inf=None) -> None:  # fmt: skip
     return None

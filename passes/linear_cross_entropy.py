@@ -22,8 +22,10 @@ of the unchunked graph, so the result is the same bits.
 
 Numerics with several chunks: each row's logits, log-probabilities and gradient row are
 computed by the same kernels on fewer rows; the loss is a sum of per-chunk sums (in float32)
-instead of one sum, and ``grad_weight`` a sum of per-chunk products instead of one product,
-so results differ in summation order only (see docs/loss-head.md for the tolerance).
+instead of one sum, and ``grad_weight`` a sum of per-chunk products instead of one product
+(in float32 under 16-bit weights, rounded once at the end as ``mm`` rounds it: a float32
+[V, D] buffer for the op's duration), so results differ in summation order only (see
+docs/loss-head.md for the tolerance).
 
 Why one custom op and not the chunk loop as ATen nodes: the graph keeps one node whatever
 the chunk count (a Llama 8B step would otherwise grow by ~15 nodes per chunk, forward and
@@ -64,7 +66,12 @@ def linear_cross_entropy(
     total_weight = (target != ignore_index).sum().to(ld)
     loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
     grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
-    grad_weight = torch.zeros_like(weight, memory_format=torch.contiguous_format)
+    # Under 16-bit parameters grad_weight is a sum over chunks: accumulated in float32 and rounded
+    # once at the end, as the unchunked ``mm`` (whose kernel accumulates in float32) rounds it.
+    # Summed in the weight's dtype instead, every chunk's partial sum was rounded (a bias growing
+    # with the number of chunks). Costs a float32 [V, D] buffer for the op's duration.
+    acc_dtype = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
+    grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
         xc, tc = x[start:end], target[start:end]
@@ -82,11 +89,14 @@ def linear_cross_entropy(
         if g.dtype != x.dtype:
             g = aten._to_copy.default(g, dtype=x.dtype)
         torch.mm(g, weight, out=grad_x[start:end])
-        grad_weight.addmm_(g.t(), xc)
+        if acc_dtype == g.dtype:
+            grad_weight.addmm_(g.t(), xc)
+        else:  # products of 16-bit values are exact in float32
+            grad_weight.addmm_(g.t().to(acc_dtype), xc.to(acc_dtype))
         del g
     if reduction == REDUCTION_MEAN:
         loss_sum = loss_sum / total_weight.float()
-    return loss_sum.to(ld), total_weight, grad_x, grad_weight
+    return loss_sum.to(ld), total_weight, grad_x, grad_weight.to(weight.dtype)
 
 
 def _one_chunk(

@@ -23,6 +23,14 @@ from typing import Any
 import torch.fx as fx
 
 
+def rebuilt(gm: fx.GraphModule, graph: fx.Graph, class_name: str = "GraphModule") -> fx.GraphModule:
+    """A GraphModule of ``graph`` over ``gm``'s attributes that keeps ``gm.meta`` (copied
+    shallowly): ``fx.GraphModule(gm, graph)`` alone starts with an empty ``meta``."""
+    new = fx.GraphModule(gm, graph, class_name=class_name)
+    new.meta = dict(getattr(gm, "meta", {}))
+    return new
+
+
 def copy_graph(graph: fx.Graph) -> fx.Graph:
     """An independent copy of ``graph``: the same nodes, names, targets and arguments, each
     node's meta copied shallowly (the output node's too), as ``Graph.graph_copy`` makes it.

@@ -27,6 +27,7 @@ from spmd.backend.carry import CarriedGathers
 from spmd.backend.carry import install as carry_install
 from spmd.backend.lastcall import LastCall
 from spmd.backend.lowering import check_backend, check_gemm, check_optimizer_lowering, compile_graph
+from spmd.backend.optimizer_checks import check_fused_optimizer_shapes
 from spmd.backend.runtime import (
     INDUCTOR_STAGE,
     Executable,
@@ -401,10 +402,22 @@ class CompiledStep:
         )
         to_backend = self.backend != "eager" and self._lower_backend
         measure = to_backend and self.inductor_fallback == "measure"
+        fallback = self.inductor_fallback
+        if measure and self.gm_transformation is not None:
+            # The eager candidate would need the transformation run a second time, on another
+            # pipeline's graph: with one, inductor's code runs unmeasured, as under "never".
+            log.info(
+                "spmd: %s: gm_transformation given: inductor's code runs without measuring the eager "
+                "backend's graph against it (as inductor_fallback='never'); the transformation runs "
+                "once, on the graph inductor compiles",
+                self.__name__,
+            )
+            measure, fallback = False, "never"
         # The eager candidate of spmd.backend.step_aside starts from the same partitioned graph.
         partitioned = tracing.copy_graph_module(gm) if measure else None
         disabled = [d for d in self.disabled_passes if d not in before]
         gm = pipeline.run(gm, disabled=disabled, check=self.check_invariants, record=record)
+        check_fused_optimizer_shapes(gm, self.__name__)
         if self.gm_transformation is not None:
             gm = self.gm_transformation(gm)
             graphs.record("gm_transformation", gm)
@@ -428,7 +441,7 @@ class CompiledStep:
             alt = None
             if partitioned is not None:  # measure: the eager backend's graph of the step too
                 eager = backend_pipeline(self.parallel_mode, partitioned, backend="eager")
-                options = (disabled, self.check_invariants, self.gm_transformation, self.__name__)
+                options = (disabled, self.check_invariants, self.__name__)
                 alt = build_eager_alternative(partitioned, gm, eager, traced, state, *options)
             exe.use_compiled(lowered.fn, alt=alt, label=self.__name__)
         style, world = describe_mode(self.parallel_mode)
@@ -445,7 +458,7 @@ class CompiledStep:
             lower_role=lowered.role if lowered else None,
             lower_wait_s=lowered.wait_s if lowered else None,
             remat=self.remat,
-            inductor_fallback=self.inductor_fallback if lowered else None,
+            inductor_fallback=fallback if lowered else None,
             attr_guards=read,
         )
         # Weak: the entry holds the Executable, and a cycle would keep the model's state

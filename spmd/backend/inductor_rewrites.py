@@ -21,6 +21,7 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
+from passes.stages import rebuilt
 from spmd.backend import gemm_policy
 
 # Smallest matmul (m * k * n) inductor_gemm="onednn" sends to oneDNN: its per-call setup made the
@@ -87,7 +88,7 @@ def for_inductor(gm: fx.GraphModule, *, inline_optimizer: bool = False, gemm: st
             n.target = inline or _opaque(n.target)
     _drop_empty_cat_inputs(graph)
     _onednn_gemms(graph, {copied[n] for n in dnn})
-    return fx.GraphModule(gm, graph)
+    return rebuilt(gm, graph)
 
 
 # ----------------------------------------------------------------------------- oneDNN matmuls

@@ -289,20 +289,18 @@ def build_eager_alternative(
     state: step_inputs.LiftedState,
     disabled: list[str],
     check: bool,
-    transformation: Callable[[fx.GraphModule], fx.GraphModule] | None,
     step_name: str,
 ) -> Executable:
     """The eager backend's graph of a step compiled for another backend, and its Executable:
-    ``pipeline`` (the eager backend's, :func:`spmd.pipeline.backend_pipeline`) and
-    ``transformation`` (the user's ``gm_transformation``) run on ``partitioned``, a copy of the
-    partitioned graph, with the checks every final graph gets (collective buffers; the ranks'
-    agreement on its collectives, under its own name). Its placeholders and outputs must be those
+    ``pipeline`` (the eager backend's, :func:`spmd.pipeline.backend_pipeline`) run on
+    ``partitioned``, a copy of the partitioned graph (never built with a user's
+    ``gm_transformation``: that runs once, on the other backend's graph), with the checks every
+    final graph gets (collective buffers; the ranks' agreement on its collectives, under its own
+    name). Its placeholders and outputs must be those
     of ``final`` (the other backend's graph): both are fed the same flat inputs and read back the
     same way (:class:`PassError` otherwise: a pass changed the step's signature)."""
     t0 = time.perf_counter()
     gm = pipeline.run(partitioned, disabled=disabled, check=check)
-    if transformation is not None:
-        gm = transformation(gm)
     check_final_graph(gm, "the eager alternative's pass pipeline")
     check_rank_agreement(gm, step_name=f"{step_name}:{ALT_STAGE}")
     mine, theirs = _signature_of(gm), _signature_of(final)

@@ -43,7 +43,7 @@ from passes.cleanup import strip_grad_tag
 from passes.graph_utils import mutated_nodes
 from passes.meta import CAST_OF, GRAD_OF, MICROBATCH, MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
 from passes.ops import TAG_GRAD, keep_rnn_workspaces
-from passes.stages import copy_graph
+from passes.stages import copy_graph, rebuilt
 from spmd.errors import (
     DataDependentControlFlowError,
     SpmdError,
@@ -117,8 +117,10 @@ def copy_graph_module(gm: fx.GraphModule, *, lazy: bool = False) -> fx.GraphModu
     if lazy:
         from torch.fx._lazy_graph_module import _LazyGraphModule
 
-        return _LazyGraphModule(gm, copy_graph(gm.graph), class_name="GraphModule")
-    return fx.GraphModule(gm, copy_graph(gm.graph), class_name="GraphModule")
+        lazy_gm = _LazyGraphModule(gm, copy_graph(gm.graph), class_name="GraphModule")
+        lazy_gm.meta = dict(gm.meta)
+        return lazy_gm
+    return rebuilt(gm, copy_graph(gm.graph))
 
 
 def copy_traced(traced: TracedStep) -> TracedStep:

@@ -7,8 +7,8 @@ Run by tests/dist/test_resume.py under torchrun::
         --ckpt DIR --out OUT.pt --steps 9 --every 3 --kill-at 7
 
 With ``--kill-at S`` rank 1 SIGKILLs itself before step S on torchrun's first attempt
-(``TORCHELASTIC_RESTART_COUNT`` 0); rank 0 then fails in a collective, torchrun restarts
-both, and the new attempt resumes from the last checkpoint. Rank 0 writes the final full
+(``TORCHELASTIC_RESTART_COUNT`` 0), after closing its gloo connections and waiting for rank 0
+to fail in a collective (:func:`die_after_the_survivor_fails`); torchrun restarts both, and the new attempt resumes from the last checkpoint. Rank 0 writes the final full
 parameters and the losses of the steps this attempt ran to ``--out``.
 """
 
@@ -18,6 +18,7 @@ import argparse
 import datetime
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,21 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank + 1)
     idx = torch.randint(0, 64, (2, 17), generator=g)
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+SURVIVOR_FAILED = "survivor_failed"  # written by rank 0 when its CollectiveError is raised
+
+
+def die_after_the_survivor_fails(marker: str, wait_s: float = 120.0) -> None:
+    """Rank 1's death, in an order without a race: close this rank's gloo connections (the
+    survivor's collective fails at once, with the peer gone), wait until the survivor has raised
+    its CollectiveError (it writes ``marker``), then SIGKILL this process. Killing first raced
+    torchrun's monitor, which could SIGTERM the survivor before gloo noticed the closed socket."""
+    dist.destroy_process_group()
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
@@ -74,10 +90,17 @@ def main() -> None:
         opt.load_state_dict(sd["optim"])
 
     losses = {}
+    marker = os.path.join(args.ckpt, SURVIVOR_FAILED)
     for i in range(start, args.steps):
         if args.kill_at == i and attempt == 0 and rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        losses[i] = step_fn(model, opt, *batch(i, rank)).item()
+            die_after_the_survivor_fails(marker)
+        try:
+            losses[i] = step_fn(model, opt, *batch(i, rank)).item()
+        except spmd.CollectiveError:
+            if attempt == 0:
+                with open(marker, "w"):
+                    pass
+            raise
         if (i + 1) % args.every == 0:
             path = os.path.join(args.ckpt, f"step_{i + 1}")
             dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)

@@ -223,6 +223,30 @@ def test_never_runs_only_inductor(ran, monkeypatch) -> None:
     assert _row(report, "peak from") == PEAK_FROM_INDUCTOR
 
 
+def test_gm_transformation_runs_once_and_pins_inductor(ran, monkeypatch) -> None:
+    """With a gm_transformation the user's function runs once per compile, on the graph inductor
+    compiles: no eager candidate (it would run the transformation a second time, on another
+    pipeline's graph), nothing is timed, and the report says inductor runs, as under 'never'."""
+    _inject(monkeypatch, 10.0, 1.0)  # eager "faster": not measured
+    seen = []
+
+    def transformation(gm):  # noqa: ANN001, ANN202
+        seen.append(gm)
+        return gm
+
+    model = models.build("mlp")
+    opt = models.make_optimizer("adamw_fused", model)
+    step = spmd.compile(backend="inductor", gm_transformation=transformation)(models.train_step)
+    for x, y in models.batches("mlp", STEPS):
+        step(model, opt, x, y)
+    assert len(seen) == 1 and step.num_graphs == 1
+    assert ran == {"inductor": STEPS, "eager": 0}
+    assert step._last.exe.alt is None
+    report = step.report()
+    assert report.kept == "inductor" and report.measured_ms == {}
+    assert report.peak_from == PEAK_FROM_INDUCTOR
+
+
 def test_retrace_measures_again(ran, monkeypatch) -> None:
     """A new input shape is a new graph: it alternates and decides again, on its own."""
     _inject(monkeypatch, 10.0, 5.0)

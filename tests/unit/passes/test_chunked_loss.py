@@ -347,3 +347,20 @@ def test_the_head_weight_s_device_picks_the_rule(device: str) -> None:
     gm = chunk_loss_heads(gm, min_logits_bytes=0)
     (node,) = [n for n in gm.graph.nodes if n.target is LINEAR_CROSS_ENTROPY]
     assert node.args[4] == (ACCELERATOR_MIN_ROWS if device == "cuda" else 128)
+
+
+def test_bf16_head_weight_grad_accumulates_in_fp32() -> None:
+    """Under bf16 parameters the chunked op's weight gradient (a sum over 64 chunks) is summed in
+    float32 and rounded once, as the unchunked ``mm`` rounds it: within one bf16 ulp of the
+    unchunked head's (the float32 sums differ only in order). Summed in bf16, every chunk's
+    partial sum was rounded: most elements differed, by up to hundreds of ulps."""
+    from passes.linear_cross_entropy import _one_chunk, linear_cross_entropy
+
+    torch.manual_seed(0)
+    n, d, v = 1024, 64, 96
+    x, w = torch.randn(n, d).bfloat16(), (torch.randn(v, d) * 0.1).bfloat16()
+    target, grad_loss = torch.randint(0, v, (n,)), torch.tensor(1.0)
+    ref = _one_chunk(x, w, target, grad_loss, 1, -100, torch.float32)[3]
+    got = linear_cross_entropy(x, w, target, grad_loss, 16, 1, -100, torch.float32)[3]
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - ref.float()).abs() <= ref.float().abs() * 2**-7).all()

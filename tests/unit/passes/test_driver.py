@@ -109,3 +109,15 @@ def test_copy_graph_module_is_independent():
     copy = copy_graph_module(gm)
     _add_exp(gm)
     assert len(_targets(copy)) == 2 and len(_targets(gm)) == 3
+
+
+def test_rebuilt_graph_modules_keep_gm_meta():
+    """``fx.GraphModule(gm, graph)`` starts with an empty ``meta``; every copy or rebuild of a
+    step's GraphModule (the driver's, the frontend's lazy and plain copies) keeps ``gm.meta``."""
+    from spmd.frontend.tracing import copy_graph_module as frontend_copy
+
+    gm = _gm()
+    gm.meta["note"] = "kept"
+    for copy in (copy_graph_module(gm), frontend_copy(gm), frontend_copy(gm, lazy=True)):
+        assert copy.meta == {"note": "kept"}
+        assert copy.meta is not gm.meta

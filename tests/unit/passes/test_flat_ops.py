@@ -175,3 +175,27 @@ def test_aligned_fused_optimizer_many_shards_in_one_call() -> None:
     for (shape, row0, rows), ref, shard in zip(cases, refs, shards):
         for j in (0, 2, 3):  # param, exp_avg, exp_avg_sq (grads are scratch)
             assert torch.equal(shard[j], ref[j][row0 : row0 + rows]), (shape, j)
+
+
+def test_aligned_fused_optimizer_parses_options_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's options string is parsed once per distinct string, not per call (a
+    ``literal_eval`` per call was part of the op's fixed cost per optimizer bucket), and a call
+    does not go through ``torch.library.custom_op``'s Python wrappers (they bump the version
+    counter of every mutated tensor one by one in Python)."""
+    import ast
+
+    import passes.fused_align as fused_align
+
+    calls = []
+    real = ast.literal_eval
+    monkeypatch.setattr(fused_align.ast, "literal_eval", lambda s: calls.append(s) or real(s))
+    op = torch.ops.aten._fused_adamw_.default
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.125, eps=1e-8, amsgrad=False, maximize=False)
+    state = [[torch.randn(33)], [torch.randn(33)], [torch.randn(33)], [torch.rand(33)]]
+    values = {"self": state[0], "grads": state[1], "exp_avgs": state[2], "exp_avg_sqs": state[3],
+              "max_exp_avg_sqs": [], "state_steps": [torch.tensor(1.0)], **kw}  # fmt: skip
+    args, kwargs = wrap_args(op, values, [1], [30], [0])
+    for _ in range(3):
+        ALIGNED_FUSED(*args, **kwargs)
+    assert len(calls) <= 1
+    assert not hasattr(fused_align, "aligned_fused_optimizer_")  # no custom_op object
