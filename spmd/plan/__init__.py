@@ -53,7 +53,7 @@ from passes import collectives as C
 from passes.cost_model import CostEstimate, DeviceProfile, GroupInfo, estimate_step_time
 from spmd import api, options
 from spmd.api import CompiledStep
-from spmd.errors import ConfigError
+from spmd.errors import ConfigError, SpmdError
 from spmd.frontend import step_inputs
 from spmd.parallel import DataParallel, MixedPrecision
 from spmd.plan import fold
@@ -129,6 +129,8 @@ class Plan:
     # the folded search: {"layers": dotted path of the blocks, "depth": their count, "folded": [L1, L2]}
     # (None: every row lowered on the full model)
     fold: dict[str, Any] | None = None
+    # configurations spmd could not lower: (label, the error's first line)
+    failed: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
     @property
     def best(self) -> PlanRow:
@@ -163,7 +165,17 @@ class Plan:
                 f"; {len(self.rows) - exact} row(s) extrapolated from {l1} and {l2} of the "
                 f"{self.fold['depth']} blocks of {self.fold['layers']}, {exact} lowered exactly"
             )
-        cols = ["#", "configuration", "mesh", "peak GiB", "fits", "step s", "tok/s/dev", "exposed comm s", "comm s"]
+        cols = [
+            "#",
+            "configuration",
+            "mesh",
+            "peak GiB",
+            "fits",
+            "step s",
+            "tok/s/dev",
+            "exposed comm s",
+            "comm s",
+        ]
         cols.append("lowered")
         table = [
             [
@@ -187,6 +199,7 @@ class Plan:
         lines += [f"chunked {h} (on {self.device})" for h in heads]
         sources = dict.fromkeys(r.peak_from for r in self.rows if r.peak_from != PEAK_FROM_EAGER)
         lines += [f"peaks and step times predicted from {what}" for what in sources]
+        lines += [f"not lowered: {label}: {why}" for label, why in self.failed]
         lines.append(f"best: {self.best.code}")
         return "\n".join(lines)
 
@@ -344,6 +357,7 @@ def plan(
     # trace cache per (block count (0: the full model), tp size): a tp size has its own batch
     caches: dict[tuple[int, int], dict[Any, Any]] = {}
     rows: list[PlanRow] = []
+    failed: list[tuple[str, str]] = []  # (configuration, why it did not lower)
     saved_local = os.environ.get("LOCAL_WORLD_SIZE")
     os.environ["LOCAL_WORLD_SIZE"] = str(prof.gpus_per_node)  # hybrid_shard's node (plan.hybrid_mesh_shape)
     try:
@@ -378,10 +392,24 @@ def plan(
                     after_copy=lambda a, kw: fold.set_config_depth(a, kw, layers.count, depth),
                 )
 
-            if layers is None:
-                rows = [lower(opts, None) for opts in configs]
-            else:
-                rows = _folded_search(configs, layers, fold_depths, lower, tokens)
+            for opts in configs:
+                # A configuration spmd cannot lower is left out of the table and named under it.
+                try:
+                    if layers is None:
+                        rows.append(lower(opts, None))
+                    else:
+                        rows += _folded_search([opts], layers, fold_depths, lower, tokens)
+                except SpmdError as e:
+                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    log.warning("spmd.plan: %s: not lowered: %s", _label(opts), first)
+                    failed.append((_label(opts), first))
+            if not rows:
+                raise ConfigError(
+                    "spmd.plan: no configuration could be lowered: "
+                    + "; ".join(f"{label}: {why}" for label, why in failed)
+                    + ". Narrow the search to configurations that lower (styles=, remat=, tp=)."
+                )
+            if layers is not None:
                 rows = fold.confirm(rows, budget, fold_margin, lambda r: lower(r.options, None), _LINEAR)
     finally:
         if saved_local is None:
@@ -397,6 +425,7 @@ def plan(
         plan_s=time.perf_counter() - t_start,
         traces=sum(1 for c in caches.values() for k in c if k[0] == "trace"),
         profile=prof.to_dict(),
+        failed=failed,
         fold=None
         if layers is None
         else {"layers": layers.path, "depth": layers.count, "folded": list(fold_depths)},

@@ -45,7 +45,7 @@ class NamedPlan(dict):  # type: ignore[type-arg]
     def __repr__(self) -> str:
         return self.expr
 
-    def __hash__(self) -> int:  # a plan is set once per search: hash by what it says
+    def __hash__(self) -> int:  # type: ignore[override]  # hashed by what it says: one plan per search
         return hash(self.expr)
 
 
