@@ -38,7 +38,7 @@ class NamedPlan(dict):  # type: ignore[type-arg]
     """A tensor-parallel plan (``DataParallel(tp_plan=...)``) that writes itself as the code that
     builds it (``tp_plans.llama()``), so that a configuration's expression is runnable."""
 
-    def __init__(self, plan: Any, expr: str) -> None:
+    def __init__(self, plan: Any = (), expr: str = "tp_plan") -> None:  # defaults: dataclasses.asdict's copy
         super().__init__(plan)
         self.expr = expr
 

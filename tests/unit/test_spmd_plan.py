@@ -143,6 +143,8 @@ def test_command_lines_take_a_hugging_face_config_file(tmp_path, capsys) -> None
         "replicate",
         "--memory-per-rank",
         "1GiB",
+        "--tp",
+        "1",  # a Llama config: tp sizes are searched by default (tests/unit/test_plan_tp.py)
     ]
     assert plan_main([*common, *args, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
