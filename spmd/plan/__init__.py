@@ -53,18 +53,18 @@ from passes import collectives as C
 from passes.cost_model import CostEstimate, DeviceProfile, GroupInfo, estimate_step_time
 from spmd import api, options
 from spmd.api import CompiledStep
-from spmd.errors import ConfigError
+from spmd.errors import ConfigError, SpmdError
 from spmd.frontend import step_inputs
 from spmd.parallel import DataParallel, MixedPrecision
 from spmd.plan import fold
-from spmd.plan.space import _label, configurations, expression, parse_bytes
+from spmd.plan.space import NamedPlan, _label, code, configurations, expression, parse_bytes, tp_sizes
 from spmd.profiles import get_profile
 from spmd.reporting.report import PEAK_FROM_EAGER, build_report
 from spmd.simulate import check_call, fake_copy, fake_world, fresh_copy, given_keywords, step_keywords
 
 log = logging.getLogger("spmd")
 
-__all__ = ["Plan", "PlanRow", "plan", "parse_bytes"]
+__all__ = ["NamedPlan", "Plan", "PlanRow", "plan", "parse_bytes"]
 
 _GiB = 2**30
 # The folded search's block counts (benchmarks/results/plan-validation.md, "What a plan costs":
@@ -103,6 +103,15 @@ class PlanRow:
     # which graph the peak (and the step time) is predicted from (StepReport.peak_from): with
     # backend="inductor", spmd's graph before inductor, which plans its own buffers
     peak_from: str = ""
+    # bytes of the collectives per rank by mesh dimension ("tp", "dp_shard", "world", ...)
+    comm_bytes_by_dim: dict[str, int] = dataclasses.field(default_factory=dict)
+    # the mesh in words: "dp_shard 128 x tp 8" (the configuration's default mesh)
+    mesh: str = ""
+
+    @property
+    def code(self) -> str:
+        """:attr:`expression` with the imports it needs: one line of runnable Python."""
+        return code(self.expression)
 
 
 @dataclasses.dataclass
@@ -120,6 +129,8 @@ class Plan:
     # the folded search: {"layers": dotted path of the blocks, "depth": their count, "folded": [L1, L2]}
     # (None: every row lowered on the full model)
     fold: dict[str, Any] | None = None
+    # configurations spmd could not lower: (label, the error's first line)
+    failed: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
     @property
     def best(self) -> PlanRow:
@@ -154,12 +165,23 @@ class Plan:
                 f"; {len(self.rows) - exact} row(s) extrapolated from {l1} and {l2} of the "
                 f"{self.fold['depth']} blocks of {self.fold['layers']}, {exact} lowered exactly"
             )
-        cols = ["#", "configuration", "peak GiB", "fits", "step s", "tok/s/dev", "exposed comm s", "comm s"]
+        cols = [
+            "#",
+            "configuration",
+            "mesh",
+            "peak GiB",
+            "fits",
+            "step s",
+            "tok/s/dev",
+            "exposed comm s",
+            "comm s",
+        ]
         cols.append("lowered")
         table = [
             [
                 str(i),
                 r.label,
+                r.mesh,
                 f"{r.peak_bytes / _GiB:.2f}",
                 {True: "yes", False: "no", None: "-"}[r.fits],
                 f"{r.step_s:.4g}",
@@ -177,8 +199,34 @@ class Plan:
         lines += [f"chunked {h} (on {self.device})" for h in heads]
         sources = dict.fromkeys(r.peak_from for r in self.rows if r.peak_from != PEAK_FROM_EAGER)
         lines += [f"peaks and step times predicted from {what}" for what in sources]
-        lines.append(f"best: {self.best.expression}")
+        lines += [f"not lowered: {label}: {why}" for label, why in self.failed]
+        lines.append(f"best: {self.best.code}")
         return "\n".join(lines)
+
+
+def _mesh_words(opts: dict[str, Any], world: int, gpus_per_node: int) -> str:
+    """The mesh a configuration runs on, in words (the default mesh of its DataParallel)."""
+    tp = int(opts.get("tp_size") or 1)
+    style = opts["parallel_style"]
+    if style == "hybrid_shard":
+        local = gpus_per_node // tp
+        dims = [("dp_replicate", world // gpus_per_node), ("dp_shard", local)]
+    else:
+        dims = [("dp_replicate" if style == "replicate" else "dp_shard", world // tp)]
+    if tp > 1:
+        dims.append(("tp", tp))
+    return " x ".join(f"{n} {k}" for n, k in dims)
+
+
+def _scaled_batch(example_args: tuple[Any, ...], kwargs: dict[str, Any], tp: int) -> tuple[Any, Any]:
+    """The step's arguments with each top-level tensor (the batch: token ids, targets) repeated
+    ``tp`` times along dim 0: the ``tp`` ranks of a tensor-parallel group share one batch, so a
+    data group takes ``tp`` ranks' sequences and the global batch stays the same."""
+
+    def scale(x: Any) -> Any:
+        return x.repeat(tp, *([1] * (x.dim() - 1))) if isinstance(x, torch.Tensor) and x.dim() else x
+
+    return tuple(scale(a) for a in example_args), {k: scale(v) for k, v in kwargs.items()}
 
 
 def _group_info(gpus_per_node: int) -> Any:
@@ -233,6 +281,8 @@ def plan(
     min_unit_mb: Sequence[float] = (1.0, 64.0),
     reshard: Sequence[bool] = (True, False),
     remat: Sequence[Any] | None = None,
+    tp_plan: Any = None,
+    tp: Sequence[int] | None = None,
     efficiency: float | None = None,
     exact: bool = False,
     fold_depths: tuple[int, int] = FOLD_DEPTHS,
@@ -261,6 +311,14 @@ def plan(
             and which collectives cross nodes.
         styles, prefetch, min_unit_mb, reshard, remat: the axes searched (``remat``: default all
             policies when ``spmd.compile`` has the option, else none).
+        tp_plan: a tensor-parallel plan (``DataParallel(tp_plan=...)``, e.g.
+            ``spmd.parallel.tp_plans.llama()``): the search adds each size of ``tp`` above 1 on a
+            ``(dp_shard, tp)`` mesh of consecutive ranks per tp group. The arguments are rank 0's
+            batch without tensor parallelism: a tp group's data rank gets ``tp`` times it (the
+            same global batch and tokens per GPU). A :class:`NamedPlan` writes itself as its
+            code in the expressions; any other plan as ``tp_plan``, the variable to define.
+        tp: the tensor-parallel sizes searched with ``tp_plan`` (default 1, 2, 4, 8), each
+            within a node (``gpus_per_node``) and dividing ``world_size``.
         efficiency: the profile's ``compute_efficiency`` for this plan (fraction of peak FLOP/s).
         exact: lower every configuration on the full model (default: a model of identical
             blocks is searched folded, :mod:`spmd.plan.fold`; the best row, and every row whose
@@ -279,7 +337,11 @@ def plan(
     tokens = tokens_per_step if tokens_per_step is not None else _tokens(example_args, kwargs)
     if mixed_precision is None:
         mixed_precision = getattr(train_step.parallel_mode, "mixed_precision", None)
+    if tp_plan is not None and not isinstance(tp_plan, NamedPlan):
+        tp_plan = NamedPlan(tp_plan, "tp_plan")
     configs = configurations(
+        tp_plan=tp_plan,
+        tp=tp_sizes(world_size, prof.gpus_per_node, tp) if tp_plan is not None else (1,),
         world_size=world_size,
         gpus_per_node=prof.gpus_per_node,
         mixed_precision=mixed_precision,
@@ -292,8 +354,10 @@ def plan(
     if not configs:
         raise ConfigError(f"spmd.plan: no configuration to try with styles={list(styles)!r}.")
     layers = None if exact else _foldable(train_step, example_args, kwargs, fold_depths)
-    caches: dict[int, dict[Any, Any]] = {}  # trace cache per block count (0: the full model)
+    # trace cache per (block count (0: the full model), tp size): a tp size has its own batch
+    caches: dict[tuple[int, int], dict[Any, Any]] = {}
     rows: list[PlanRow] = []
+    failed: list[tuple[str, str]] = []  # (configuration, why it did not lower)
     saved_local = os.environ.get("LOCAL_WORLD_SIZE")
     os.environ["LOCAL_WORLD_SIZE"] = str(prof.gpus_per_node)  # hybrid_shard's node (plan.hybrid_mesh_shape)
     try:
@@ -301,35 +365,51 @@ def plan(
             group_info = _group_info(prof.gpus_per_node)
 
             def lower(opts: dict[str, Any], depth: int | None) -> PlanRow:
+                t = int(opts.get("tp_size") or 1)
+                ex, exkw = (example_args, kwargs) if t == 1 else _scaled_batch(example_args, kwargs, t)
                 if depth is None:
                     return _one(
                         train_step,
                         opts,
-                        example_args,
-                        kwargs,
-                        caches.setdefault(0, {}),
+                        ex,
+                        exkw,
+                        caches.setdefault((0, t), {}),
                         prof,
                         group_info,
                         tokens,
                     )
                 assert layers is not None
-                a, kw = fold.truncated_args(example_args, kwargs, layers, depth)
+                a, kw = fold.truncated_args(ex, exkw, layers, depth)
                 return _one(
                     train_step,
                     opts,
                     a,
                     kw,
-                    caches.setdefault(depth, {}),
+                    caches.setdefault((depth, t), {}),
                     prof,
                     group_info,
                     tokens,
                     after_copy=lambda a, kw: fold.set_config_depth(a, kw, layers.count, depth),
                 )
 
-            if layers is None:
-                rows = [lower(opts, None) for opts in configs]
-            else:
-                rows = _folded_search(configs, layers, fold_depths, lower, tokens)
+            for opts in configs:
+                # A configuration spmd cannot lower is left out of the table and named under it.
+                try:
+                    if layers is None:
+                        rows.append(lower(opts, None))
+                    else:
+                        rows += _folded_search([opts], layers, fold_depths, lower, tokens)
+                except SpmdError as e:
+                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    log.warning("spmd.plan: %s: not lowered: %s", _label(opts), first)
+                    failed.append((_label(opts), first))
+            if not rows:
+                raise ConfigError(
+                    "spmd.plan: no configuration could be lowered: "
+                    + "; ".join(f"{label}: {why}" for label, why in failed)
+                    + ". Narrow the search to configurations that lower (styles=, remat=, tp=)."
+                )
+            if layers is not None:
                 rows = fold.confirm(rows, budget, fold_margin, lambda r: lower(r.options, None), _LINEAR)
     finally:
         if saved_local is None:
@@ -345,6 +425,7 @@ def plan(
         plan_s=time.perf_counter() - t_start,
         traces=sum(1 for c in caches.values() for k in c if k[0] == "trace"),
         profile=prof.to_dict(),
+        failed=failed,
         fold=None
         if layers is None
         else {"layers": layers.path, "depth": layers.count, "folded": list(fold_depths)},
@@ -419,6 +500,10 @@ def _folded_search(
                 compute_s=values["compute_s"],
                 flops=values["flops"],
                 comm_bytes=round(values["comm_bytes"]),
+                comm_bytes_by_dim={
+                    d: round(fold.extrapolate(a.comm_bytes_by_dim.get(d, 0), v, l1, l2, layers.count))
+                    for d, v in b.comm_bytes_by_dim.items()
+                },
                 lower_s=a.lower_s + b.lower_s,
                 exact=False,
             )
@@ -492,6 +577,8 @@ def _one(
         compute_s=cost.compute_s,
         flops=cost.flops,
         comm_bytes=sum(C.bytes_of(n) for n in C.collectives(gm.graph)),
+        comm_bytes_by_dim=report.comm_bytes_by_dim(),
+        mesh=_mesh_words(opts, dist.get_world_size(), prof.gpus_per_node),
         lower_s=lower_s,
         peak_site=fold.peak_site(gm, report.peak_node),
         loss_heads=report.loss_heads,

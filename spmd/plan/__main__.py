@@ -17,7 +17,30 @@ from typing import Any
 
 import spmd
 from spmd import models
-from spmd.plan import plan
+from spmd.plan import NamedPlan, plan
+
+# Hugging Face model types with Llama's module names (spmd.parallel.tp_plans.llama), and the plan
+# the command line searches tensor parallelism with for them (Mixtral: experts replicated over tp).
+_LLAMA_FAMILY = {
+    "llama": "tp_plans.llama()",
+    "mistral": "tp_plans.llama()",
+    "qwen2": "tp_plans.llama()",
+    "qwen3": "tp_plans.llama()",
+    "mixtral": "tp_plans.llama(mlp=False)",
+}
+
+
+def default_tp_plan(args: Any) -> NamedPlan | None:
+    """torchtitan's Llama plan for a Llama-family ``--preset``/``--hf-config``, else None (no tp)."""
+    source = args.hf_config or args.preset
+    if source is None:
+        return None
+    expr = _LLAMA_FAMILY.get(models.hf_config(source).model_type)
+    if expr is None:
+        return None
+    from spmd.parallel import tp_plans
+
+    return NamedPlan(eval(expr, {"tp_plans": tp_plans}), expr)  # noqa: S307 - our own literal
 
 
 def _ints(s: str) -> list[int]:
@@ -78,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         help="lower every configuration on the full model (default: a model of identical blocks is "
         "searched on copies with 3 and 6 blocks, extrapolated, and the best row lowered exactly)",
     )
+    p.add_argument(
+        "--tp",
+        type=_ints,
+        default=None,
+        help="tensor-parallel sizes searched for a Llama-family --preset/--hf-config with "
+        "tp_plans.llama() (default 1,2,4,8, within --gpus-per-node); 1 for none",
+    )
     p.add_argument("--tokens-per-step", type=int, default=None, help="tokens per rank per step")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="log spmd's progress to stderr")
@@ -103,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         min_unit_mb=args.min_unit_mb,
         reshard=args.reshard,
         remat=args.remat,
+        tp_plan=default_tp_plan(args),
+        tp=args.tp,
         efficiency=args.efficiency,
         exact=args.exact,
     )

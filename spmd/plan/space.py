@@ -34,6 +34,39 @@ def parse_bytes(x: int | float | str | None) -> int | None:
     return int(float(m.group(1)) * scale)
 
 
+class NamedPlan(dict):  # type: ignore[type-arg]
+    """A tensor-parallel plan (``DataParallel(tp_plan=...)``) that writes itself as the code that
+    builds it (``tp_plans.llama()``), so that a configuration's expression is runnable."""
+
+    def __init__(self, plan: Any = (), expr: str = "tp_plan") -> None:  # defaults: dataclasses.asdict's copy
+        super().__init__(plan)
+        self.expr = expr
+
+    def __repr__(self) -> str:
+        return self.expr
+
+    def __hash__(self) -> int:  # type: ignore[override]  # hashed by what it says: one plan per search
+        return hash(self.expr)
+
+
+def code(expr: str) -> str:
+    """``expr`` (a configuration's ``spmd.compile(...)`` call) with the imports it needs."""
+    imports = ["import spmd"]
+    if "torch." in expr:
+        imports.append("import torch")
+    if "tp_plans." in expr:
+        imports.append("from spmd.parallel import tp_plans")
+    return "; ".join([*imports, expr])
+
+
+def tp_sizes(world_size: int, gpus_per_node: int, sizes: Sequence[int] | None) -> list[int]:
+    """The tensor-parallel sizes searched: ``sizes`` (default 1, 2, 4, 8), each within a node
+    (dividing ``gpus_per_node``, so a tp group's consecutive ranks share a node's links) and
+    dividing ``world_size``."""
+    out = [t for t in (sizes or (1, 2, 4, 8)) if t >= 1 and gpus_per_node % t == 0 and world_size % t == 0]
+    return sorted(set(out)) or [1]
+
+
 def _mp_expr(mp: MixedPrecision) -> str:
     parts = []
     for f in dataclasses.fields(mp):
@@ -63,6 +96,8 @@ def _label(options: dict[str, Any]) -> str:
     o = options
     style = o["parallel_style"]
     bits = [style]
+    if o.get("tp_size", 1) > 1:
+        bits.append(f"tp {o['tp_size']}")
     if style != "replicate":
         if not o.get("reshard_after_forward", True):
             bits.append("no reshard")
@@ -84,8 +119,53 @@ def configurations(
     min_unit_mb: Sequence[float],
     reshard: Sequence[bool],
     remat: Sequence[Any],
+    tp_plan: NamedPlan | None = None,
+    tp: Sequence[int] = (1,),
 ) -> list[dict[str, Any]]:
-    """The DataParallel keyword sets to try (see the module docstring)."""
+    """The DataParallel keyword sets to try (see the module docstring): with ``tp_plan``, each
+    tensor-parallel size of ``tp`` above 1 adds the replicate and fully_shard configurations on
+    a ``(data, tp)`` mesh (hybrid_shard, a 3-D mesh, is not searched with tp)."""
+    out = _data_configurations(
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        mixed_precision=mixed_precision,
+        styles=styles,
+        prefetch=prefetch,
+        min_unit_mb=min_unit_mb,
+        reshard=reshard,
+        remat=remat,
+    )
+    if tp_plan is None:
+        return out
+    for t in tp:
+        if t <= 1:
+            continue
+        for opts in _data_configurations(
+            world_size=world_size,
+            gpus_per_node=gpus_per_node,
+            mixed_precision=mixed_precision,
+            styles=[s for s in styles if s != "hybrid_shard"],
+            prefetch=prefetch,
+            min_unit_mb=min_unit_mb,
+            reshard=reshard,
+            remat=remat,
+        ):
+            remat_opt = {"remat": opts.pop("remat")} if "remat" in opts else {}
+            out.append({**opts, "tp_size": t, "tp_plan": tp_plan, **remat_opt})
+    return out
+
+
+def _data_configurations(
+    *,
+    world_size: int,
+    gpus_per_node: int,
+    mixed_precision: MixedPrecision | None,
+    styles: Sequence[str],
+    prefetch: Sequence[int],
+    min_unit_mb: Sequence[float],
+    reshard: Sequence[bool],
+    remat: Sequence[Any],
+) -> list[dict[str, Any]]:
     mp = {"mixed_precision": mixed_precision} if mixed_precision is not None else {}
     out: list[dict[str, Any]] = []
     sharded_remat: list[dict[str, Any]] = [{"remat": r} for r in remat] or [{}]

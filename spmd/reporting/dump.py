@@ -47,6 +47,7 @@ def annotated_code(gm: fx.GraphModule) -> str:
     """
     from spmd.parallel.expand_graph import describe_placements
     from spmd.parallel.plan import group_ranks
+    from spmd.reporting.report import _size, dimension_of
 
     code = gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
     notes = {}
@@ -72,8 +73,10 @@ def annotated_code(gm: fx.GraphModule) -> str:
                 note += f" | {n.meta[CHUNKED_LOSS]}"
             if n.meta.get(LAYOUT_FIX):  # a copy into the traced layout (passes.layouts)
                 note += " | layout fix-up"
-            if C.is_collective(n) and (ranks := group_ranks(C.group_of(n))):
-                note += f" | ranks {ranks}"
+            if C.is_collective(n):  # which mesh dimension, how many bytes, which ranks
+                note += f" | {dimension_of(C.group_of(n))}, {_size(C.bytes_of(n))}"
+                if ranks := group_ranks(C.group_of(n)):
+                    note += f", ranks {ranks}"
             notes[n.name] = note
     out = [
         f"# {n.meta[STATE_NAME]}: {n.meta[PLACEMENT]}"

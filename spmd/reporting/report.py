@@ -84,6 +84,10 @@ class StepReport:
     activation_recomputed_bytes: int = 0  # forward values backward computes again instead
     recompute_flops: int = 0  # FLOPs of the recompute (torch.utils.flop_counter)
     step_flops: int = 0  # FLOPs of the step, recompute included
+    # The same collectives by the mesh dimension they run over (:func:`dimension_of`: "tp",
+    # "dp_shard", "dp_replicate", a flattened "dp_replicate_dp_shard", or "world" for a group of
+    # every rank), then by kind: tensor parallelism's apart from the data dimensions'.
+    collectives_by_dim: dict[str, dict[str, CollectiveStats]] = dataclasses.field(default_factory=dict)
 
     @property
     def extra_flops_fraction(self) -> float:
@@ -159,7 +163,21 @@ class StepReport:
                 f"    {'total':<{kw}}  {sum(c.count for c in self.collectives.values()):>6}  "
                 f"{_size(self.comm_bytes):>12}"
             )
+        if self.collectives_by_dim:
+            lines.append("  collectives by mesh dimension:")
+            rows2 = [
+                (dim, kind, c) for dim, kinds in self.collectives_by_dim.items() for kind, c in kinds.items()
+            ]
+            dw = max(len("dimension"), *(len(d) for d, _, _ in rows2))
+            kw = max(len("kind"), *(len(k) for _, k, _ in rows2))
+            lines.append(f"    {'dimension':<{dw}}  {'kind':<{kw}}  {'count':>6}  {'bytes/rank':>12}")
+            for dim, kind, c in rows2:
+                lines.append(f"    {dim:<{dw}}  {kind:<{kw}}  {c.count:>6}  {_size(c.bytes):>12}")
         return "\n".join(lines)
+
+    def comm_bytes_by_dim(self) -> dict[str, int]:
+        """Bytes of the step's collectives per rank, by mesh dimension."""
+        return {d: sum(c.bytes for c in kinds.values()) for d, kinds in self.collectives_by_dim.items()}
 
     def _kept_words(self) -> str:
         if self.inductor_fallback == "never":
@@ -201,6 +219,24 @@ def peak_source(backend: str, stage: str, *, eager_kept: bool = False) -> str:
     if stage != "final":
         return f"the graph after {stage!r}, an intermediate stage (not the graph that runs)"
     return PEAK_FROM_EAGER if backend == "eager" else PEAK_FROM_INDUCTOR
+
+
+def dimension_of(group_name: str) -> str:
+    """The mesh dimension a collective's process group spans, by the group's description
+    (``DeviceMesh`` names each dimension's groups ``mesh_<dim name>``): ``"tp"``, ``"dp_shard"``,
+    ``"dp_replicate"``, a flattened ``"dp_replicate_dp_shard"``; ``"world"`` for a group of every
+    rank; the group's name where it is not known in this process."""
+    import torch.distributed as dist
+
+    try:
+        pg = dist.distributed_c10d._resolve_process_group(group_name)  # type: ignore[arg-type]
+        size, desc = pg.size(), str(getattr(pg, "group_desc", "") or "")
+        world = dist.get_world_size()
+    except Exception:  # noqa: BLE001 - no process group world, or a name from another one
+        return group_name
+    if size == world or desc in ("default_pg", "mesh_default"):
+        return "world"
+    return desc.removeprefix("mesh_") if desc.startswith("mesh_") else group_name
 
 
 def _size(n: int) -> str:
@@ -260,16 +296,24 @@ def build_report(
             # One per parameter; keyed by name so no stage can count a gradient twice.
             grads[n.meta.get(GRAD_OF, n.name)] = _nbytes(n)
     colls: dict[str, CollectiveStats] = {}
+    by_dim: dict[str, dict[str, CollectiveStats]] = {}
+    dims: dict[str, str] = {}  # group name -> dimension
     for n in C.collectives(gm.graph):
-        kind = C.kind_of(n).value
+        kind, nbytes = C.kind_of(n).value, C.bytes_of(n)
         old = colls.get(kind, CollectiveStats(0, 0))
-        colls[kind] = CollectiveStats(old.count + 1, old.bytes + C.bytes_of(n))
+        colls[kind] = CollectiveStats(old.count + 1, old.bytes + nbytes)
+        group = C.group_of(n)
+        dim = dims.setdefault(group, dimension_of(group))
+        per = by_dim.setdefault(dim, {})
+        old = per.get(kind, CollectiveStats(0, 0))
+        per[kind] = CollectiveStats(old.count + 1, old.bytes + nbytes)
     mem = estimate_peak_memory(gm)
     act = summarize(traced) if traced is not None else None
     return StepReport(
         world_size=world_size,
         parallel_style=parallel_style,
         collectives=colls,
+        collectives_by_dim=by_dim,
         param_bytes=by_role.get(Role.PARAM, 0),
         grad_bytes=sum(grads.values()),
         optim_state_bytes=by_role.get(Role.OPTIM_STATE, 0),

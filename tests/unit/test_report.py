@@ -139,3 +139,41 @@ def test_report_str_lists_collectives() -> None:
     assert any("reduce_scatter" in ln and "1.0 KiB" in ln for ln in lines)
     assert any(ln.split()[:1] == ["total"] and "5" in ln for ln in lines)
     assert rep.comm_bytes == (3 << 20) + 1024
+
+
+def test_report_and_dump_split_collectives_by_mesh_dimension() -> None:
+    """FSDP x TP on a (dp_shard=4, tp=2) mesh of the fake process group: the report and the dump
+    tell tensor parallelism's collectives (activations' all-reduces on tp) from the data
+    dimension's (parameters' all-gathers and gradients' reduce-scatters on dp_shard)."""
+    from spmd import models
+    from spmd.parallel import tp_plans
+    from spmd.reporting.dump import annotated_code
+    from spmd.simulate import fake_copy, fake_world, fresh_copy
+
+    model, opt, x, y = models.build("tiny")
+    mode = spmd.DataParallel("fully_shard", tp_size=2, tp_plan=tp_plans.gpt())
+    step = spmd.compile(parallel_mode=mode)(models.train_step)
+    rep = spmd.simulate(step, model, opt, x, y, world_size=8)
+    by_dim = rep.collectives_by_dim
+    assert set(by_dim) == {"tp", "dp_shard"}
+    assert "all_reduce" in by_dim["tp"] and "reduce_scatter" not in by_dim["tp"]
+    assert set(by_dim["dp_shard"]) == {"all_gather", "reduce_scatter"}
+    for kind, c in rep.collectives.items():  # the split adds up to the totals
+        parts = [kinds[kind] for kinds in by_dim.values() if kind in kinds]
+        assert (sum(p.count for p in parts), sum(p.bytes for p in parts)) == (c.count, c.bytes)
+    assert sum(rep.comm_bytes_by_dim().values()) == rep.comm_bytes
+    text = str(rep)
+    assert "collectives by mesh dimension:" in text and "\n    tp " in text and "\n    dp_shard " in text
+    assert json.loads(rep.to_json())["collectives_by_dim"]["tp"]["all_reduce"]["count"] > 0
+
+    sim = fresh_copy(step)
+    args, _ = fake_copy((model, opt, x, y), {})
+    with fake_world(8):
+        sim.lower(*args)
+        code = annotated_code(sim.graphs["final"])
+    colls = [line for line in code.splitlines() if "_c10d_functional." in line and "wait_tensor" not in line]
+    assert colls and all("| tp, " in line or "| dp_shard, " in line for line in colls)
+    assert any(
+        "| tp, " in line and "ranks [0, 1]" in line for line in colls
+    )  # consecutive ranks per tp group
+    assert any("| dp_shard, " in line and "ranks [0, 2, 4, 6]" in line for line in colls)

@@ -61,7 +61,7 @@ def test_rows_are_sorted_and_each_expression_builds_its_configuration(tiny_plan:
         assert compiled.remat == r.options.get("remat")
     assert tiny_plan.tokens_per_step == 2 * models.CONFIGS["tiny"].seq  # the token ids' size
     assert json.loads(tiny_plan.to_json())["rows"][0]["expression"] == rows[0].expression
-    assert "best: " + rows[0].expression in str(tiny_plan)
+    assert "best: " + rows[0].code in str(tiny_plan)
 
 
 def test_one_trace_serves_every_sharded_configuration(tiny_plan: spmd.Plan) -> None:
@@ -143,6 +143,8 @@ def test_command_lines_take_a_hugging_face_config_file(tmp_path, capsys) -> None
         "replicate",
         "--memory-per-rank",
         "1GiB",
+        "--tp",
+        "1",  # a Llama config: tp sizes are searched by default (tests/unit/test_plan_tp.py)
     ]
     assert plan_main([*common, *args, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
