@@ -24,10 +24,13 @@ import ast
 
 import torch
 
+from passes import torch_compat
+from passes.torch_compat import OpOverload
+
 _LIST_SLOTS = 5  # self, grads, up to three state lists; then state_steps
 
 
-def _kernel(name: str) -> torch._ops.OpOverload:
+def _kernel(name: str) -> OpOverload:
     packet, overload = name.split(".")
     return getattr(getattr(torch.ops.aten, packet), overload)
 
@@ -83,7 +86,7 @@ def aligned_fused_optimizer_(
                 d if src.dim() == 1 else d.view(src.shape)
                 for d, src in zip(torch.split(flat, parts)[1::3], srcs)
             ]
-            torch._foreach_copy_(inner, srcs)
+            torch_compat.foreach_copy_(inner, srcs)
             for k, seg in zip(ks, segments):
                 bufs[j][k] = seg
             if j != 1:  # grads are the kernel's scratch: nothing to copy back
@@ -97,7 +100,7 @@ def aligned_fused_optimizer_(
         args.append(state_steps)
     op(*args, **kwargs)
     for srcs, inner in copy_backs:
-        torch._foreach_copy_(srcs, inner)
+        torch_compat.foreach_copy_(srcs, inner)
 
 
 @aligned_fused_optimizer_.register_fake
@@ -110,7 +113,7 @@ ALIGNED_FUSED = torch.ops.spmd.aligned_fused_optimizer_.default
 
 
 def wrap_args(
-    kernel: torch._ops.OpOverload,
+    kernel: OpOverload,
     values: dict[str, object],
     pre: list[int],
     post: list[int],

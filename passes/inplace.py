@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from passes import collectives as C
 from passes.graph_utils import storage_of
+from passes.torch_compat import OpOverload
 
 INPLACE = C._c10d.all_reduce_.default
 
@@ -62,7 +63,7 @@ def _dead_fresh(coll: fx.Node) -> bool:
         src = C.collective_of(x)
         # a non-coalesced collective's own output, read by its wait alone
         return not C.is_coalesced(src) and x.args[0] is src and len(src.users) == 1
-    if C.is_collective(x) or not isinstance(x.target, torch._ops.OpOverload):
+    if C.is_collective(x) or not isinstance(x.target, OpOverload):
         return False
     schema = x.target._schema
     if any(r.alias_info is not None for r in schema.returns):

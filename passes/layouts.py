@@ -45,6 +45,7 @@ import torch
 import torch.fx as fx
 
 from passes.meta import LAYOUT_FIX, copy_meta, module_of
+from passes.torch_compat import OpOverload
 
 log = logging.getLogger("spmd.passes")
 
@@ -183,7 +184,7 @@ _RANDOM_FILLS = frozenset(
 
 
 def _insensitive(target: Any) -> bool:
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return True  # operator.getitem and other Python callables read no layout
     if target in _INSENSITIVE:
         return True
@@ -197,7 +198,7 @@ def _insensitive(target: Any) -> bool:
 
 def _written_args(target: Any, node: fx.Node) -> set[fx.Node]:
     """The argument nodes ``node`` writes in place."""
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return set()
     out: set[fx.Node] = set()
     schema = target._schema.arguments

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
+
+from passes.torch_compat import OpOverload, pytree
 
 _DTYPE_KEY = {
     torch.bfloat16: "bf16",
@@ -62,7 +63,7 @@ def _is_free(node: fx.Node) -> bool:
     if node.target is operator.getitem:
         return True
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         rets = [r.alias_info for r in target._schema.returns]
         if rets and all(a is not None and not a.is_write for a in rets):
             return True
@@ -75,7 +76,7 @@ def _is_free(node: fx.Node) -> bool:
 def _written(node: fx.Node) -> list[tuple[Any, Any]]:
     """(schema argument, value) of each argument the op writes (in place, or an ``out=``)."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return []
     out = []
     for i, a in enumerate(target._schema.arguments):
@@ -136,7 +137,7 @@ def _arg(node: fx.Node, values: Any, name: str) -> Any:
     """The value of the schema argument ``name`` (its default where not given; None where the
     op has no such argument)."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return None
     args, kwargs = values
     for i, a in enumerate(target._schema.arguments):
@@ -195,7 +196,7 @@ def _moved_bytes(node: fx.Node, values: Any) -> int:
     args, kwargs = values
     total = sum(_nbytes(t) for t in _tensors(values))
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         for i, a in enumerate(target._schema.arguments):
             if a.is_out:
                 v = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
@@ -306,9 +307,7 @@ def ragged_copy_bytes(target: Any, args: Sequence[Any]) -> int:
 def _fresh_bytes(node: fx.Node) -> list[int]:
     """The bytes of each output an op allocates (none for an in-place or aliasing op)."""
     target = node.target
-    if isinstance(target, torch._ops.OpOverload) and any(
-        r.alias_info is not None for r in target._schema.returns
-    ):
+    if isinstance(target, OpOverload) and any(r.alias_info is not None for r in target._schema.returns):
         return []
     if _written_args(node):  # out= variants and in-place ops write an existing buffer
         return []

@@ -91,7 +91,7 @@ def build(
     if seq > cfg.seq:
         raise ValueError(f"seq {seq} exceeds {name}'s context length {cfg.seq}")
     if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        from passes.torch_compat import FakeTensorMode
 
         with FakeTensorMode():
             model = GPT(cfg)
@@ -192,7 +192,7 @@ def build_hf(
 
     cfg = hf_config(source)
     if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        from passes.torch_compat import FakeTensorMode
 
         with FakeTensorMode():
             model = AutoModelForCausalLM.from_config(cfg)

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from passes import collectives as C
 from passes.bucketing import bucket_collectives
@@ -29,6 +28,7 @@ from passes.prefetch import default_unit_of, prefetch_all_gathers
 from passes.remat import check_policy, rematerialize
 from passes.reuse import reuse_dead_buffers
 from passes.scheduling import limit_inflight, sink_waits
+from passes.torch_compat import resolve_process_group as _resolve_process_group
 from passes.units import assign_units
 from spmd.errors import ConfigError, PassError
 from spmd.parallel import DataParallel, ParallelMode

@@ -21,6 +21,7 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
+from passes.torch_compat import OpOverload
 from spmd.backend import gemm_policy
 
 # Smallest matmul (m * k * n) inductor_gemm="onednn" sends to oneDNN: its per-call setup made the
@@ -34,7 +35,7 @@ _ONEDNN_MIN_MACS = 1 << 22
 
 def _is_fused_optimizer(target: Any) -> bool:
     return (
-        isinstance(target, torch._ops.OpOverload)
+        isinstance(target, OpOverload)
         and target.namespace == "aten"
         and target._schema.name.startswith("aten::_fused_")
         and target._schema.is_mutable
@@ -45,7 +46,7 @@ _LIB = torch.library.Library("spmd_lowering", "FRAGMENT")
 
 
 @functools.cache
-def _opaque(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
+def _opaque(op: OpOverload) -> OpOverload:
     """A custom op with ``op``'s schema that calls ``op``: AOTAutograd cannot see through it.
 
     ATen fused optimizers have registered functional twins, which functionalization

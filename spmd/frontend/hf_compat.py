@@ -50,8 +50,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot
+
+from passes.torch_compat import FakeTensor, OpOverload, unset_fake_temporarily
 
 log = logging.getLogger("spmd")
 
@@ -77,7 +78,7 @@ def constant_value(t: Any) -> torch.Tensor | None:
             return True
         seen.add(node)
         target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        if node.op != "call_function" or not isinstance(target, OpOverload):
             return False
         schema = target._schema
         if torch.Tag.nondeterministic_seeded in target.tags or schema.is_mutable:

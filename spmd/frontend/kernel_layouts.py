@@ -34,16 +34,21 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch._prims_common import suggest_memory_format
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from passes.torch_compat import (
+    FakeTensor,
+    FakeTensorMode,
+    HigherOrderOperator,
+    OpOverload,
+    suggest_memory_format,
+)
 from spmd.frontend import ctc
 
 aten = torch.ops.aten
 
 # Batch-norm ops whose CPU kernel writes its first output in the suggested memory format of
 # this argument (the input; the backward's second argument).
-BATCH_NORM_OPS: dict[torch._ops.OpOverload, int] = {
+BATCH_NORM_OPS: dict[OpOverload, int] = {
     aten.native_batch_norm.default: 0,
     aten._native_batch_norm_legit.default: 0,
     aten._native_batch_norm_legit.no_stats: 0,
@@ -66,7 +71,7 @@ class KernelLayoutFakeMode(FakeTensorMode):
     supports_higher_order_operators = True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        if isinstance(func, HigherOrderOperator):
             rule = func.python_key_table.get(FakeTensorMode)
             if rule is None:
                 raise NotImplementedError(f"no fake-tensor rule for the higher-order operator {func.name()}")

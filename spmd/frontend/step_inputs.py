@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from passes.meta import Role
+from passes.torch_compat import pytree
 from spmd.errors import InvalidArgumentsError, ModelChangedError
 from spmd.frontend import optim as optim_utils
 

@@ -18,12 +18,12 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from passes.meta import INPUT_CAST, Phase
 from passes.ops import get_device_rng_state, get_rng_state, set_device_rng_state, set_rng_state, tag_grad
 from passes.prefetch import unit_path
+from passes.torch_compat import pytree
 from spmd.frontend import optim as optim_utils
 
 log = logging.getLogger("spmd")

@@ -63,6 +63,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
+from passes import torch_compat
 from spmd.errors import ConfigError, ShardingPropagationError
 from spmd.frontend import optim as optim_utils
 from spmd.parallel import sharding
@@ -187,7 +188,7 @@ class DTensorExpandMode(ParallelMode):
         else:
             shape, names = tuple(self.mesh), None
         shape = _fill_shape(shape, sharding.world_info()[1])
-        group = torch.distributed.distributed_c10d._get_default_group()
+        group = torch_compat.get_default_group()
         # Cached with sharding's default meshes, which are dropped with their process group.
         key = (device_type, id(group), sharding.world_info()[1], ("expand", shape, names))
         meshes: dict[Any, DeviceMesh] = sharding._DEFAULT_MESHES  # type: ignore[assignment]
@@ -198,7 +199,7 @@ class DTensorExpandMode(ParallelMode):
             if names is not None and len(names) > 1:
                 # A flattened dimension lets DTensor reduce a value partial over every dimension
                 # with one all-reduce instead of one per dimension.
-                mesh[names]._flatten()
+                torch_compat.flatten_mesh(mesh[names])
             meshes[key] = mesh
         return meshes[key]
 

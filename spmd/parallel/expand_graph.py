@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
@@ -37,6 +36,7 @@ from passes.meta import (
     Role,
 )
 from passes.ops import TAG_GRAD
+from passes.torch_compat import pytree
 from spmd.errors import ShardingPropagationError
 from spmd.frontend.kernel_layouts import KernelLayoutFakeMode
 from spmd.parallel import expand_rules, tp_loss
@@ -380,7 +380,7 @@ def _wrap(
 ) -> DTensor:
     """A DTensor over ``local`` with the global shape of ``like``; records no op (``from_local``
     would record a view)."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from passes.torch_compat import DTensorSpec, TensorMeta
 
     spec = DTensorSpec(mesh, tuple(placements), TensorMeta(like.shape, like.stride(), like.dtype))
     return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]

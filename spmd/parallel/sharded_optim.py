@@ -25,6 +25,7 @@ import torch.fx as fx
 from passes import collectives as C
 from passes.fused_align import ALIGNED_FUSED, wrap_args
 from passes.meta import GRAD_OF, PHASE, ROLE, STATE_NAME, Phase, Role
+from passes.torch_compat import OpOverload
 from spmd.errors import TraceError
 from spmd.parallel.offload import CPU
 from spmd.parallel.partition_state import PartitionState
@@ -181,7 +182,7 @@ def _inputs(n: fx.Node) -> list[fx.Node]:
 
 def _elementwise(n: fx.Node) -> bool:
     t = n.target
-    if not isinstance(t, torch._ops.OpOverload):
+    if not isinstance(t, OpOverload):
         return t.__name__ == "getitem" if callable(t) else False
     name = t._schema.name
     if torch.Tag.pointwise in t.tags or "_foreach_" in name or "_fused_" in name:

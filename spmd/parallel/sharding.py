@@ -26,9 +26,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from passes import torch_compat
+from passes.torch_compat import DTensorSpec, TensorMeta
+from passes.torch_compat import StridedShard as _StridedShard
 from spmd.errors import ConfigError
 from spmd.parallel.offload import CPUOffloadPolicy, to_host
 
@@ -55,7 +56,7 @@ def default_mesh(
     again (tests, ``spmd.simulate``) gets a new mesh.
     """
     shape = tuple(shape) if shape is not None else (dist.get_world_size(),)
-    group = dist.distributed_c10d._get_default_group()
+    group = torch_compat.get_default_group()
     key = (device_type, id(group), dist.get_world_size(), shape, tuple(names or ()))
     if key not in _DEFAULT_MESHES:
         if any(k[1] != id(group) for k in _DEFAULT_MESHES):

@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from passes.torch_compat import FakeTensorMode
 from spmd.errors import ConfigError
 from spmd.parallel import plan
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
