@@ -61,7 +61,7 @@ def aligned_fused_optimizer_(
 ) -> None:
     op = _kernel(kernel)
     lists = [params, grads, state0, state1, state2]
-    positional = [a.name for a in op._schema.arguments if not a.kwarg_only]
+    positional = [a.name for a in torch_compat.op_schema(op).arguments if not a.kwarg_only]
     bufs: list[list[torch.Tensor]] = [list(lst) for lst in lists]
     # The shards to align of one list (and dtype) live in one flat zero buffer, each in its own
     # padded segment, and the kernel gets the segments as separate (view) tensors: it loops over
@@ -124,7 +124,7 @@ def wrap_args(
     lists: list[list] = []
     options: dict[str, object] = {}
     tensors: dict[str, object] = {}
-    for a in kernel._schema.arguments:
+    for a in torch_compat.op_schema(kernel).arguments:
         v = values.get(a.name, a.default_value if a.has_default_value() else None)
         if not a.kwarg_only:
             if a.name != "state_steps":
@@ -135,6 +135,6 @@ def wrap_args(
             options[a.name] = v
     lists += [[] for _ in range(_LIST_SLOTS - len(lists))]
     steps = list(values.get("state_steps", []))  # type: ignore[call-overload]
-    name = f"{kernel._schema.name.split('::')[1]}.{kernel._overloadname}"
+    name = f"{torch_compat.op_schema(kernel).name.split('::')[1]}.{torch_compat.overload_name(kernel)}"
     args = (*lists, steps, pre, post, channels_last, name, repr(options))
     return args, {k: v for k, v in tensors.items() if v is not None}

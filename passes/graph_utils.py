@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from passes import torch_compat
 from passes.flat_ops import COPY_OUT
 from passes.torch_compat import OpOverload
 
@@ -37,7 +38,7 @@ def mutated_nodes(node: fx.Node) -> list[fx.Node]:
     out: list[fx.Node] = []
     if target in _UNANNOTATED_WRITES and len(node.args) > 5 and node.args[5]:
         out.extend(n for i in _UNANNOTATED_WRITES[target] for n in _flat_nodes(node.args[i]))
-    schema = target._schema
+    schema = torch_compat.op_schema(target)
     for i, a in enumerate(schema.arguments):
         if a.alias_info is None or not a.alias_info.is_write:
             continue

@@ -61,6 +61,7 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.cross_step import CARRIED, check_carried
 from passes.flat_ops import COPY_IN, COPY_OUT
 from passes.graph_utils import PASS_THROUGH_OPS, mutated_nodes
@@ -282,7 +283,7 @@ def _check_flat(node: fx.Node) -> list[Violation]:
 
 def _returns_nothing(node: fx.Node) -> bool:
     target = node.target
-    return isinstance(target, OpOverload) and len(target._schema.returns) == 0
+    return isinstance(target, OpOverload) and len(torch_compat.op_schema(target).returns) == 0
 
 
 def _check_meta(node: fx.Node) -> list[Violation]:

@@ -45,6 +45,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.meta import PHASE, WORKSPACE
 from passes.torch_compat import OpOverload, pytree
 
@@ -108,7 +109,7 @@ def _schema_aliased_args(node: fx.Node) -> list[fx.Node]:
     target = node.target
     if not isinstance(target, OpOverload):
         return []
-    schema = target._schema
+    schema = torch_compat.op_schema(target)
     ret_infos = [r.alias_info for r in schema.returns if r.alias_info is not None]
     if not ret_infos:
         return []

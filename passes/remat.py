@@ -177,7 +177,7 @@ def _is_random(n: fx.Node) -> bool:
     target = n.target
     if not isinstance(target, OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
         return False
-    for i, a in enumerate(target._schema.arguments):
+    for i, a in enumerate(torch_compat.op_schema(target).arguments):
         if a.name == "dropout_p":
             p = n.kwargs.get("dropout_p", n.args[i] if i < len(n.args) else a.default_value)
             return bool(p != 0.0)

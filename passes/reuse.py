@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.memory import Liveness, buffer_liveness, tensor_bytes
 from passes.torch_compat import OpOverload
 
@@ -64,7 +65,9 @@ REUSABLE: dict[OpOverload, tuple[OpOverload, tuple[int, ...]]] = {
 def _out_name(op: OpOverload) -> str:
     """The keyword-only argument an ``out=`` overload writes (``out``, ``grad_input``)."""
     return next(
-        a.name for a in op._schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write
+        a.name
+        for a in torch_compat.op_schema(op).arguments
+        if a.kwarg_only and a.alias_info and a.alias_info.is_write
     )
 
 

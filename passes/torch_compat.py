@@ -139,6 +139,22 @@ PRIVATE_ATTRIBUTES: dict[str, tuple[str, str]] = {
     "_global_forward_pre_hooks": ("torch.nn.modules.module", CHECKED),
     "_global_backward_hooks": ("torch.nn.modules.module", CHECKED),
     "_global_backward_pre_hooks": ("torch.nn.modules.module", CHECKED),
+    "_schema": ("torch._ops.OpOverload", CHECKED),
+    "_overloadname": ("torch._ops.OpOverload", CHECKED),
+    "_local_tensor": ("torch.distributed.tensor.DTensor", CHECKED),
+    "_parameters": ("torch.nn.Module", CHECKED),
+    "_buffers": ("torch.nn.Module", CHECKED),
+    "_modules": ("torch.nn.Module", CHECKED),
+    "_rename": ("torch.fx.Node", CHECKED),
+    "_set_current_node": ("torch.fx.Interpreter", CHECKED),
+    "_sequence_nr": ("torch.autograd.graph.Node", CHECKED),
+    "_cdata": ("torch.UntypedStorage", CHECKED),
+    "_Options": ("torch.distributed.ProcessGroupGloo", CHECKED),
+    "_threads": ("torch.distributed.ProcessGroupGloo._Options", CHECKED),
+    "_devices": ("torch.distributed.ProcessGroupGloo._Options", CHECKED),
+    "_timeout": ("torch.distributed.ProcessGroupGloo._Options", CHECKED),
+    "_device_types": ("torch.distributed.ProcessGroup", CHECKED),
+    "_get_backend": ("torch.distributed.ProcessGroup", CHECKED),
 }
 
 #: ATen / functional-collective operators with a leading underscore that graphs are matched on or built
@@ -220,3 +236,79 @@ def global_module_hook_dicts() -> tuple[dict, dict, dict, dict]:
         m._global_backward_hooks,
         m._global_backward_pre_hooks,
     )
+
+
+def op_schema(op: Any) -> Any:
+    """``OpOverload._schema``: the operator's ``torch._C.FunctionSchema``."""
+    return op._schema
+
+
+def overload_name(op: Any) -> str:
+    """``OpOverload._overloadname`` (``"default"``, ``"Tensor"``, ...)."""
+    return op._overloadname
+
+
+def local_tensor(t: Any) -> Any:
+    """``DTensor._local_tensor``: the local shard, without ``to_local()``'s autograd function."""
+    return t._local_tensor
+
+
+def module_parameters(m: torch.nn.Module) -> dict[str, Any]:
+    """``nn.Module._parameters``: the module's own parameters (a live dict; ``None`` entries allowed)."""
+    return m._parameters  # type: ignore[return-value]
+
+
+def module_buffers(m: torch.nn.Module) -> dict[str, Any]:
+    """``nn.Module._buffers``: the module's own buffers (a live dict)."""
+    return m._buffers  # type: ignore[return-value]
+
+
+def module_children(m: torch.nn.Module) -> dict[str, Any]:
+    """``nn.Module._modules``: the module's direct children (a live dict)."""
+    return m._modules  # type: ignore[return-value]
+
+
+def set_module_children(m: torch.nn.Module, children: dict[str, Any]) -> None:
+    """Give ``m`` its own ``_modules`` dict (a shallow copy of a module that does not share children)."""
+    m._modules = children  # type: ignore[assignment]
+
+
+def rename_node(node: Any, name: str) -> None:
+    """``fx.Node._rename``: rename a node (the graph keeps names unique)."""
+    node._rename(name)
+
+
+def interpreter_current_node(interpreter: Any, node: Any) -> Any:
+    """``fx.Interpreter._set_current_node``: the context that makes errors and meta name ``node``."""
+    return interpreter._set_current_node(node)
+
+
+def autograd_sequence_nr(fn: Any) -> int:
+    """``autograd.graph.Node._sequence_nr()``: the forward op's sequence number of a backward node."""
+    return fn._sequence_nr()
+
+
+def storage_key(t: torch.Tensor) -> Any:
+    """A key identifying ``t``'s storage (``UntypedStorage._cdata``)."""
+    return t.untyped_storage()._cdata
+
+
+def gloo_options(threads: int, timeout: Any) -> Any:
+    """``ProcessGroupGloo._Options`` for ``threads`` threads on the default device, with ``timeout``."""
+    options = torch.distributed.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._threads = threads
+    options._devices = [torch.distributed.ProcessGroupGloo.create_default_device()]
+    options._timeout = timeout
+    return options
+
+
+def pg_timeout_s(pg: Any) -> float | None:
+    """The collective timeout of ``pg``'s first backend, in seconds (``None`` when it has none)."""
+    for device in pg._device_types:
+        return pg._get_backend(device).options._timeout.total_seconds()
+    return None
+
+
+def gloo_threads(group: Any) -> int:
+    """How many threads ``group``'s gloo backend runs (``options._threads``)."""
+    return group._get_backend(torch.device("cpu")).options._threads

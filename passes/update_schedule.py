@@ -49,6 +49,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.cleanup import untagged_name
 from passes.graph_utils import mutated_nodes, storage_of
 from passes.meta import PHASE, Phase
@@ -63,7 +64,7 @@ def is_foreach(node: fx.Node) -> bool:
         node.op == "call_function"
         and isinstance(t, OpOverload)
         and t.namespace == "aten"
-        and t._schema.name.split("::")[-1].startswith("_foreach_")
+        and torch_compat.op_schema(t).name.split("::")[-1].startswith("_foreach_")
     )
 
 

@@ -9,11 +9,11 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.fx as fx
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.bucketing import bucket_collectives
 from passes.chunked_loss import chunk_loss_heads
 from passes.cleanup import strip_grad_tags
@@ -306,7 +306,7 @@ def gloo_concurrent(gm: fx.GraphModule) -> bool:
             group = _resolve_process_group(name)  # type: ignore[arg-type]
             if str(dist.get_backend(group)) != "gloo":
                 continue
-            threads = group._get_backend(torch.device("cpu")).options._threads  # type: ignore[attr-defined]
+            threads = torch_compat.gloo_threads(group)
         except (RuntimeError, ValueError, KeyError, AttributeError):
             continue
         if threads > 1:

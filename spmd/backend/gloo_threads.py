@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from passes import torch_compat
 from spmd.errors import ConfigError
 
 
@@ -48,11 +49,7 @@ def gloo_threads(n: int = 1) -> Iterator[None]:
 
     class _GlooWithThreads(base):  # type: ignore[misc, valid-type]
         def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
-            options = base._Options()  # type: ignore[attr-defined]
-            options._threads = n
-            options._devices = [base.create_default_device()]
-            options._timeout = timeout
-            super().__init__(store, rank, size, options)
+            super().__init__(store, rank, size, torch_compat.gloo_options(n, timeout))
 
     before = c10d.ProcessGroupGloo
     c10d.ProcessGroupGloo = _GlooWithThreads  # type: ignore[misc]

@@ -433,8 +433,7 @@ def _pg_timeout_s() -> float | None:
     """The default process group's collective timeout, when the backend exposes it."""
     try:
         pg = torch_compat.get_default_group()
-        for device in pg._device_types:
-            return pg._get_backend(device).options._timeout.total_seconds()
+        return torch_compat.pg_timeout_s(pg)
     except Exception:  # noqa: BLE001 - private API: the message just leaves the value out
         pass
     return None

@@ -127,7 +127,7 @@ def _evaluate(t: FakeTensor, inputs: dict[int, torch.Tensor]) -> tuple[torch.Ten
         target = node.target
         if node.op != "call_function" or not isinstance(target, OpOverload):
             return False
-        if torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable:
+        if torch.Tag.nondeterministic_seeded in target.tags or torch_compat.op_schema(target).is_mutable:
             return False
         if not all(visit(arg) for arg in node.all_input_nodes):
             return False

@@ -52,6 +52,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot
 
+from passes import torch_compat
 from passes.torch_compat import FakeTensor, OpOverload, unset_fake_temporarily
 
 log = logging.getLogger("spmd")
@@ -80,7 +81,7 @@ def constant_value(t: Any) -> torch.Tensor | None:
         target = node.target
         if node.op != "call_function" or not isinstance(target, OpOverload):
             return False
-        schema = target._schema
+        schema = torch_compat.op_schema(target)
         if torch.Tag.nondeterministic_seeded in target.tags or schema.is_mutable:
             return False
         for arg in node.all_input_nodes:

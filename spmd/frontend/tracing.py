@@ -36,6 +36,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from passes import torch_compat
 from passes.cleanup import strip_grad_tag
 from passes.graph_utils import mutated_nodes
 from passes.meta import CAST_OF, GRAD_OF, MICROBATCH, MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
@@ -481,7 +482,7 @@ def _finish_metadata(gm: fx.GraphModule, slots: list[Slot]) -> None:
         # Readable placeholder names in dumps: p_layers_0_weight, s_layers_0_weight_exp_avg, x_input_0,
         # g_layers_0_weight (its .grad).
         readable = slot.key if slot.role is Role.PARAM_GRAD else slot.name
-        n._rename(prefixes[slot.role] + "_" + re.sub(r"\W", "_", readable))
+        torch_compat.rename_node(n, prefixes[slot.role] + "_" + re.sub(r"\W", "_", readable))
         n.target = n.name
         n.meta[ROLE] = slot.role
         n.meta[PHASE] = Phase.FORWARD

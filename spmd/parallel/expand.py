@@ -285,13 +285,13 @@ class DTensorExpandMode(ParallelMode):
                 _check_dims(f"parameter {fqn!r}", p.shape, placements[id(p)])
         new_of: dict[int, nn.Parameter] = {}
         for _, mod in module.named_modules(remove_duplicate=False):
-            for name, p in list(mod._parameters.items()):
+            for name, p in list(torch_compat.module_parameters(mod).items()):
                 if p is None or isinstance(p, DTensor):
                     continue
                 if id(p) not in new_of:
                     dt = distribute_tensor(p.detach(), mesh, placements[id(p)], src_data_rank=None)
                     new_of[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
-                mod._parameters[name] = new_of[id(p)]
+                torch_compat.module_parameters(mod)[name] = new_of[id(p)]
         sharding.rekey_optimizer(optimizer, new_of, mesh)
         _MESH_OF[module] = mesh
         log.info("spmd: DTensorExpandMode distributed %d parameters on %s", len(new_of), mesh)

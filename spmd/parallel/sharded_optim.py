@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.fused_align import ALIGNED_FUSED, wrap_args
 from passes.meta import GRAD_OF, PHASE, ROLE, STATE_NAME, Phase, Role
 from passes.torch_compat import OpOverload
@@ -124,7 +125,7 @@ def align_fused_optimizer(ps: PartitionState) -> None:
             channels_last[k] = len(shape) if name in ps.perms else 0
         if not any(pre) and not any(post):
             continue
-        schema = node.target._schema
+        schema = torch_compat.op_schema(node.target)
         values = {a.name: node.args[i] for i, a in enumerate(schema.arguments) if i < len(node.args)}
         values.update(node.kwargs)
         args, kwargs = wrap_args(node.target, values, pre, post, channels_last)
@@ -184,7 +185,7 @@ def _elementwise(n: fx.Node) -> bool:
     t = n.target
     if not isinstance(t, OpOverload):
         return t.__name__ == "getitem" if callable(t) else False
-    name = t._schema.name
+    name = torch_compat.op_schema(t).name
     if torch.Tag.pointwise in t.tags or "_foreach_" in name or "_fused_" in name:
         return True
     return t in (
