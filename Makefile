@@ -41,8 +41,8 @@ $(TVENV)/.installed: pyproject.toml
 
 test-torch: $(TVENV)/.installed
 	$(TVENV)/bin/python -c 'import torch; print("torch", torch.__version__)'
-	$(TVENV)/bin/python -m pytest -q -n $(NPROC) tests/unit
-	$(TVENV)/bin/python -m pytest -q $(TORCH_DIST_TESTS)
+	$(TVENV)/bin/python -m pytest -q -n $(NPROC) tests/unit; unit=$$?; \
+	$(TVENV)/bin/python -m pytest -q $(TORCH_DIST_TESTS) && exit $$unit
 
 demo: install
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_gpt.py

@@ -194,6 +194,34 @@ PRIVATE_OPS: tuple[str, ...] = (
 
 _EAGER = {n for n in __all__ if n in PRIVATE_NAMES}
 
+# --- version-dependent behaviour ---------------------------------------------------------------------
+
+_aten = torch.ops.aten
+
+#: The ops a traced ``Tensor.detach()`` records: ``aten.detach`` through torch 2.13, ``aten.alias`` from
+#: 2.14 on (checked on 2.13.0 and 2.14.1). Both are no-op views, so code that steps over a detach steps
+#: over either, on every version.
+DETACH_OPS = frozenset({_aten.detach.default, _aten.alias.default})
+
+#: CPU norm kernels that write their output in the input's suggested memory format (channels_last for an
+#: NHWC-strided input) where torch's fake kernel follows the input's strides: op -> the argument whose
+#: format counts. Batch norm on every version; ``native_group_norm`` from torch 2.14 on (2.13.0's kernel
+#: returns a contiguous output, 2.14.1's a channels_last one: ``tests/unit/test_kernel_layouts.py``).
+CPU_SUGGESTED_FORMAT_NORM_OPS: dict[Any, int] = {
+    _aten.native_batch_norm.default: 0,
+    _aten._native_batch_norm_legit.default: 0,
+    _aten._native_batch_norm_legit.no_stats: 0,
+    _aten._native_batch_norm_legit_no_training.default: 0,
+    _aten._native_batch_norm_legit_functional.default: 0,
+    _aten.native_batch_norm_backward.default: 1,  # (grad_out, input, ...)
+    **({_aten.native_group_norm.default: 0} if TORCH_VERSION >= (2, 14) else {}),
+}
+
+#: ``native_group_norm_backward`` on the CPU reads a non-contiguous output gradient as if it were
+#: contiguous (silently wrong values) through torch 2.13; 2.14.1 reads it right. ``passes.layouts`` makes
+#: the gradient contiguous on every version (a copy where it was not); this says whether it must.
+GROUP_NORM_BACKWARD_NEEDS_CONTIGUOUS_GRAD = TORCH_VERSION < (2, 14)
+
 
 def __getattr__(name: str) -> Any:
     """Resolve a lazy entry of :data:`PRIVATE_NAMES` on first use and keep it."""

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from passes import torch_compat
 from passes.torch_compat import (
     FakeTensor,
     FakeTensorMode,
@@ -48,14 +49,8 @@ aten = torch.ops.aten
 
 # Batch-norm ops whose CPU kernel writes its first output in the suggested memory format of
 # this argument (the input; the backward's second argument).
-BATCH_NORM_OPS: dict[OpOverload, int] = {
-    aten.native_batch_norm.default: 0,
-    aten._native_batch_norm_legit.default: 0,
-    aten._native_batch_norm_legit.no_stats: 0,
-    aten._native_batch_norm_legit_no_training.default: 0,
-    aten._native_batch_norm_legit_functional.default: 0,
-    aten.native_batch_norm_backward.default: 1,  # (grad_out, input, ...)
-}
+# (and, from torch 2.14 on, group norm: passes.torch_compat.CPU_SUGGESTED_FORMAT_NORM_OPS).
+BATCH_NORM_OPS: dict[OpOverload, int] = torch_compat.CPU_SUGGESTED_FORMAT_NORM_OPS
 
 # Ops with a rule of this mode that is not about layouts (dtype, shapes: the docstring's end).
 _OTHER_RULES = frozenset({aten._grouped_mm.default, aten._ctc_loss.Tensor, aten._ctc_loss_backward.Tensor})

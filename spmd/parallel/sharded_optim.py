@@ -190,7 +190,7 @@ def _elementwise(n: fx.Node) -> bool:
         return True
     return t in (
         aten.clone.default,
-        aten.detach.default,
+        *torch_compat.DETACH_OPS,
         aten.copy_.default,
         aten.zero_.default,
         aten.fill_.Scalar,
