@@ -321,12 +321,18 @@ def storage_key(t: torch.Tensor) -> Any:
     return t.untyped_storage()._cdata
 
 
-def gloo_options(threads: int, timeout: Any) -> Any:
-    """``ProcessGroupGloo._Options`` for ``threads`` threads on the default device, with ``timeout``."""
+def gloo_options(threads: int, timeout: Any, **kwargs: Any) -> Any:
+    """``ProcessGroupGloo._Options`` for ``threads`` threads on the default device, with ``timeout``.
+
+    ``kwargs``: the other keywords ``init_process_group`` passes to ``ProcessGroupGloo(store, rank, size,
+    timeout=...)``, set on the options by name: none through torch 2.13, ``enable_reconfigure`` from 2.14
+    on (checked on 2.13.0 and 2.14.1)."""
     options = torch.distributed.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._threads = threads
     options._devices = [torch.distributed.ProcessGroupGloo.create_default_device()]
     options._timeout = timeout
+    for name, value in kwargs.items():
+        setattr(options, name, value)
     return options
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections.abc import Iterator
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -48,8 +49,10 @@ def gloo_threads(n: int = 1) -> Iterator[None]:
     base = dist.ProcessGroupGloo
 
     class _GlooWithThreads(base):  # type: ignore[misc, valid-type]
-        def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
-            super().__init__(store, rank, size, torch_compat.gloo_options(n, timeout))
+        def __init__(
+            self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, **kwargs: Any
+        ) -> None:
+            super().__init__(store, rank, size, torch_compat.gloo_options(n, timeout, **kwargs))
 
     before = c10d.ProcessGroupGloo
     c10d.ProcessGroupGloo = _GlooWithThreads  # type: ignore[misc]
