@@ -37,6 +37,14 @@ trace, ``LOSS_MAPPING["ForCTC"]`` keeps the targets as ``(batch, U)`` rows with 
 first (:func:`_padded_ctc_targets`), which ``F.ctc_loss`` reads the same way: the loss and the
 gradients are eager's bit for bit. Nothing else in ``transformers`` is changed; without
 ``transformers`` imported this is a no-op.
+
+Versions (``tests/unit/test_hf_compat.py``, ``tests/unit/test_eager_branches.py``): the position-ids
+shim applies to transformers 5.17.0 and 5.24.0 (the current release), checked on both. The CTC shim
+applies where ``LOSS_MAPPING`` has a ``"ForCTC"`` entry: 5.24.0 has it, 5.17.0 does not (its
+``Wav2Vec2ForCTC`` computes the loss inline with ``masked_select``, and the shim leaves everything
+unchanged). Training an HF ``*ForCTC`` model with ``labels=`` under spmd needs a release with the entry:
+on 5.17.0 the trace is refused (``DataDependentControlFlowError`` at Wav2Vec2's LayerDrop test
+``if not skip_the_layer``, before the loss is reached).
 """
 
 from __future__ import annotations
