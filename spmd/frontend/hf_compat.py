@@ -44,7 +44,12 @@ applies where ``LOSS_MAPPING`` has a ``"ForCTC"`` entry: 5.24.0 has it, 5.17.0 d
 ``Wav2Vec2ForCTC`` computes the loss inline with ``masked_select``, and the shim leaves everything
 unchanged). Training an HF ``*ForCTC`` model with ``labels=`` under spmd needs a release with the entry:
 on 5.17.0 the trace is refused (``DataDependentControlFlowError`` at Wav2Vec2's LayerDrop test
-``if not skip_the_layer``, before the loss is reached).
+``if not skip_the_layer``, before the loss is reached). The experts hint
+(:func:`hf_data_dependent_hint`) reads ``config._experts_implementation`` and
+``transformers/integrations/moe.py``, present in both; but 5.17.0's Mixtral counts tokens per expert
+with ``torch.bincount`` (a data-dependent shape), so training it is refused there whatever the experts
+implementation (``tests/unit/test_foreign_models.py::test_hf_moe_eager_experts_refused_with_the_fix``
+fails on 5.17.0 for that reason).
 """
 
 from __future__ import annotations
