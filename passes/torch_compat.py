@@ -63,7 +63,7 @@ __all__ = [
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
 
 #: The torch versions every entry below was checked on, unless the entry says otherwise.
-CHECKED = "2.13.0, 2.14.1"
+CHECKED = "2.13.0, 2.14.1, 2.15.0"
 
 
 @dataclass(frozen=True)
