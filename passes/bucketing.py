@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.flat_ops import COPY_IN, COPY_OUT
 from passes.graph_utils import PASS_THROUGH_OPS, storage_of, written_storages
 from passes.meta import MICROBATCH, MODULE, PHASE, ROLE, Phase, Role, module_of
@@ -488,11 +489,11 @@ def _rewrite_flat(graph: fx.Graph, bucket: _Bucket) -> None:
             flat = _call(graph, COPY_IN, (srcs, sizes, dtype), meta)
             if meta[PHASE] is Phase.BACKWARD:  # the re-gather: name it apart from forward's
                 unit = f"{unit}_bwd"
-            flat._rename(f"{unit}_copy_in")
+            torch_compat.rename_node(flat, f"{unit}_copy_in")
             wait = C.emit_all_gather(graph, flat, group_size=w, group_name=group)[1]
         else:
             flat = _call(graph, _aten._chunk_cat.default, (srcs, 0, w), meta)
-            flat._rename(f"{unit}_chunk_cat")
+            torch_compat.rename_node(flat, f"{unit}_chunk_cat")
             flat = _call(graph, _aten.view.default, (flat, [-1]), meta)
             wait = C.emit_reduce_scatter(graph, flat, reduce_op=str(op), group_size=w, group_name=group)[1]
     for n in (wait, wait.args[0]):
@@ -511,7 +512,7 @@ def _rewrite_flat(graph: fx.Graph, bucket: _Bucket) -> None:
                 (wait, w, sizes, [d for s in shapes for d in s], [len(s) for s in shapes]),
                 meta,
             )
-            outs._rename(f"{unit}_copy_out")
+            torch_compat.rename_node(outs, f"{unit}_copy_out")
             pieces = [_call(graph, operator.getitem, (outs, i), meta) for i in range(len(members))]
         else:
             off = 0

@@ -52,7 +52,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
 from passes.graph_utils import mutated_nodes
 from passes.linear_cross_entropy import (
@@ -63,6 +62,7 @@ from passes.linear_cross_entropy import (
     workspace_bytes,
 )
 from passes.meta import CHUNKED_LOSS, MODULE, PHASE, WORKSPACE, Role, copy_meta
+from passes.torch_compat import detect_fake_mode
 
 log = logging.getLogger("spmd.passes")
 

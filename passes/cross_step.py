@@ -46,9 +46,11 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.graph_utils import storage_of, written_storages
 from passes.meta import PHASE, ROLE, Phase, Role, copy_meta
 from passes.stages import rebuilt
+from passes.torch_compat import OpOverload
 
 # On a carried placeholder and on the collective feeding the matching output: its index
 # among the carried tensors (placeholder i is what output i of the previous call was).
@@ -140,7 +142,7 @@ def _movable_chain(
             continue
         if n.op != "call_function" or C.is_collective(n) or C.is_wait(n):
             return None
-        if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+        if isinstance(n.target, OpOverload) and torch_compat.op_schema(n.target).is_mutable:
             return None
         stack.extend(n.all_input_nodes)
     params = [n for n in chain if n.op == "placeholder"]

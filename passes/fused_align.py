@@ -33,10 +33,13 @@ import functools
 
 import torch
 
+from passes import torch_compat
+from passes.torch_compat import OpOverload
+
 _LIST_SLOTS = 5  # self, grads, up to three state lists; then state_steps
 
 
-def _kernel(name: str) -> torch._ops.OpOverload:
+def _kernel(name: str) -> OpOverload:
     packet, overload = name.split(".")
     return getattr(getattr(torch.ops.aten, packet), overload)
 
@@ -62,7 +65,7 @@ def _parsed(kernel: str, options: str) -> _Parsed:
     """``kernel`` resolved, its number of positional lists (``state_steps`` aside), whether it
     takes ``state_steps``, and ``options`` parsed: once per distinct pair of strings."""
     op = _kernel(kernel)
-    positional = [a.name for a in op._schema.arguments if not a.kwarg_only]
+    positional = [a.name for a in torch_compat.op_schema(op).arguments if not a.kwarg_only]
     n_lists = len([n for n in positional if n != "state_steps"])
     return op, n_lists, "state_steps" in positional, tuple(ast.literal_eval(options).items())
 
@@ -114,7 +117,7 @@ def _aligned_fused_optimizer(
                 d if src.dim() == 1 else d.view(src.shape)
                 for d, src in zip(torch.split(flat, parts)[1::2], srcs)
             ]
-            torch._foreach_copy_(inner, srcs)
+            torch_compat.foreach_copy_(inner, srcs)
             for k, seg in zip(ks, segments):
                 bufs[j][k] = seg
             if j != 1:  # grads are the kernel's scratch: nothing to copy back
@@ -128,7 +131,7 @@ def _aligned_fused_optimizer(
         args.append(state_steps)
     op(*args, **kwargs)
     for srcs, inner in copy_backs:
-        torch._foreach_copy_(srcs, inner)
+        torch_compat.foreach_copy_(srcs, inner)
 
 
 _LIB = torch.library.Library("spmd", "FRAGMENT")
@@ -146,7 +149,7 @@ ALIGNED_FUSED = torch.ops.spmd.aligned_fused_optimizer_.default
 
 
 def wrap_args(
-    kernel: torch._ops.OpOverload,
+    kernel: OpOverload,
     values: dict[str, object],
     pre: list[int],
     post: list[int],
@@ -157,7 +160,7 @@ def wrap_args(
     lists: list[list] = []
     options: dict[str, object] = {}
     tensors: dict[str, object] = {}
-    for a in kernel._schema.arguments:
+    for a in torch_compat.op_schema(kernel).arguments:
         v = values.get(a.name, a.default_value if a.has_default_value() else None)
         if not a.kwarg_only:
             if a.name != "state_steps":
@@ -168,6 +171,6 @@ def wrap_args(
             options[a.name] = v
     lists += [[] for _ in range(_LIST_SLOTS - len(lists))]
     steps = list(values.get("state_steps", []))  # type: ignore[call-overload]
-    name = f"{kernel._schema.name.split('::')[1]}.{kernel._overloadname}"
+    name = f"{torch_compat.op_schema(kernel).name.split('::')[1]}.{torch_compat.overload_name(kernel)}"
     args = (*lists, steps, pre, post, channels_last, name, repr(options))
     return args, {k: v for k, v in tensors.items() if v is not None}

@@ -8,7 +8,9 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from passes import torch_compat
 from passes.flat_ops import COPY_OUT
+from passes.torch_compat import OpOverload
 
 
 def _flat_nodes(arg: object) -> list[fx.Node]:
@@ -31,12 +33,12 @@ _UNANNOTATED_WRITES = {
 def mutated_nodes(node: fx.Node) -> list[fx.Node]:
     """The argument nodes that ``node`` writes to in place (``add_``, ``_foreach_mul_``, ``copy_``...)."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, OpOverload):
         return []
     out: list[fx.Node] = []
     if target in _UNANNOTATED_WRITES and len(node.args) > 5 and node.args[5]:
         out.extend(n for i in _UNANNOTATED_WRITES[target] for n in _flat_nodes(node.args[i]))
-    schema = target._schema
+    schema = torch_compat.op_schema(target)
     for i, a in enumerate(schema.arguments):
         if a.alias_info is None or not a.alias_info.is_write:
             continue

@@ -26,7 +26,9 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.graph_utils import storage_of
+from passes.torch_compat import OpOverload
 
 INPLACE = C._c10d.all_reduce_.default
 
@@ -62,9 +64,9 @@ def _dead_fresh(coll: fx.Node) -> bool:
         src = C.collective_of(x)
         # a non-coalesced collective's own output, read by its wait alone
         return not C.is_coalesced(src) and x.args[0] is src and len(src.users) == 1
-    if C.is_collective(x) or not isinstance(x.target, torch._ops.OpOverload):
+    if C.is_collective(x) or not isinstance(x.target, OpOverload):
         return False
-    schema = x.target._schema
+    schema = torch_compat.op_schema(x.target)
     if any(r.alias_info is not None for r in schema.returns):
         return False  # a view or an in-place op: it returns (part of) an input
     # ``_unsafe_view`` and friends alias without saying so in their schema: check the storage.

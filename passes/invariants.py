@@ -61,6 +61,7 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.cross_step import CARRIED, check_carried
 from passes.flat_ops import COPY_IN, COPY_OUT
 from passes.graph_utils import PASS_THROUGH_OPS, mutated_nodes
@@ -68,6 +69,7 @@ from passes.memory import buffer_liveness
 from passes.meta import MICROBATCH, PHASE, RESHARD, ROLE, Phase, Role, module_of
 from passes.optimizer_overlap import check_optimizer_split
 from passes.reuse import REUSED, check_reuse
+from passes.torch_compat import OpOverload
 
 # How many violations one error message lists before it summarises the rest.
 _MAX_LISTED = 20
@@ -105,7 +107,7 @@ def describe(node: fx.Node) -> str:
         return f"{kind}{extra} of [{ins}] on group {C.group_of(node)!r}, {where} ({node.name})"
     if node.op == "call_function":
         what = getattr(node.target, "__name__", str(node.target))
-        if isinstance(node.target, torch._ops.OpOverload):
+        if isinstance(node.target, OpOverload):
             what = str(node.target)
         return f"{what} -> {_shape_str(node)}, {where} ({node.name})"
     return f"{node.op} {_shape_str(node)}, {where} ({node.name})"
@@ -281,7 +283,7 @@ def _check_flat(node: fx.Node) -> list[Violation]:
 
 def _returns_nothing(node: fx.Node) -> bool:
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and len(target._schema.returns) == 0
+    return isinstance(target, OpOverload) and len(torch_compat.op_schema(target).returns) == 0
 
 
 def _check_meta(node: fx.Node) -> list[Violation]:

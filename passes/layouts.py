@@ -44,7 +44,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from passes import torch_compat
 from passes.meta import LAYOUT_FIX, copy_meta, module_of
+from passes.torch_compat import OpOverload
 
 log = logging.getLogger("spmd.passes")
 
@@ -183,11 +185,11 @@ _RANDOM_FILLS = frozenset(
 
 
 def _insensitive(target: Any) -> bool:
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return True  # operator.getitem and other Python callables read no layout
     if target in _INSENSITIVE:
         return True
-    name = target._schema.name
+    name = torch_compat.op_schema(target).name
     if name.startswith("_c10d_functional::wait_tensor") or name in ("spmd::tag_grad", "spmd::restride"):
         return True
     if name in _RANDOM_FILLS:
@@ -197,10 +199,10 @@ def _insensitive(target: Any) -> bool:
 
 def _written_args(target: Any, node: fx.Node) -> set[fx.Node]:
     """The argument nodes ``node`` writes in place."""
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return set()
     out: set[fx.Node] = set()
-    schema = target._schema.arguments
+    schema = torch_compat.op_schema(target).arguments
     values = list(node.args) + [node.kwargs.get(a.name) for a in schema[len(node.args) :]]
     for arg, value in zip(schema, values):
         if arg.alias_info is not None and arg.alias_info.is_write:

@@ -42,11 +42,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.meta import PHASE, WORKSPACE
+from passes.torch_compat import OpOverload, pytree
 
 __all__ = [
     "Liveness",
@@ -106,9 +107,9 @@ def _tensors(val: Any) -> list[torch.Tensor | None]:
 def _schema_aliased_args(node: fx.Node) -> list[fx.Node]:
     """The argument nodes the op's schema says its result aliases (``view``, ``add_``, ``split``)."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return []
-    schema = target._schema
+    schema = torch_compat.op_schema(target)
     ret_infos = [r.alias_info for r in schema.returns if r.alias_info is not None]
     if not ret_infos:
         return []

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
+
+from passes import torch_compat
+from passes.torch_compat import OpOverload, pytree
 
 _DTYPE_KEY = {
     torch.bfloat16: "bf16",
@@ -39,7 +41,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _storage_key(t: torch.Tensor) -> Any:
     try:
-        return t.untyped_storage()._cdata
+        return torch_compat.storage_key(t)
     except (NotImplementedError, RuntimeError):
         return None
 
@@ -62,8 +64,8 @@ def _is_free(node: fx.Node) -> bool:
     if node.target is operator.getitem:
         return True
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        rets = [r.alias_info for r in target._schema.returns]
+    if isinstance(target, OpOverload):
+        rets = [r.alias_info for r in torch_compat.op_schema(target).returns]
         if rets and all(a is not None and not a.is_write for a in rets):
             return True
         if not rets or any(a is not None for a in rets):
@@ -75,10 +77,10 @@ def _is_free(node: fx.Node) -> bool:
 def _written(node: fx.Node) -> list[tuple[Any, Any]]:
     """(schema argument, value) of each argument the op writes (in place, or an ``out=``)."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return []
     out = []
-    for i, a in enumerate(target._schema.arguments):
+    for i, a in enumerate(torch_compat.op_schema(target).arguments):
         if a.alias_info is not None and a.alias_info.is_write:
             v = node.kwargs.get(a.name) if a.kwarg_only or i >= len(node.args) else node.args[i]
             out.append((a, v))
@@ -92,7 +94,7 @@ def _written_args(node: fx.Node) -> list[Any]:
 def _returned(node: fx.Node, arg: Any) -> bool:
     """Whether the op returns (an alias of) the written argument ``arg`` (its schema argument)."""
     sets = set(arg.alias_info.before_set)
-    rets = node.target._schema.returns  # type: ignore[union-attr]
+    rets = torch_compat.op_schema(node.target).returns  # type: ignore[union-attr]
     return any(r.alias_info is not None and sets & set(r.alias_info.before_set) for r in rets)
 
 
@@ -136,10 +138,10 @@ def _arg(node: fx.Node, values: Any, name: str) -> Any:
     """The value of the schema argument ``name`` (its default where not given; None where the
     op has no such argument)."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return None
     args, kwargs = values
-    for i, a in enumerate(target._schema.arguments):
+    for i, a in enumerate(torch_compat.op_schema(target).arguments):
         if a.name == name:
             if name in kwargs:
                 return kwargs[name]
@@ -195,8 +197,8 @@ def _moved_bytes(node: fx.Node, values: Any) -> int:
     args, kwargs = values
     total = sum(_nbytes(t) for t in _tensors(values))
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        for i, a in enumerate(target._schema.arguments):
+    if isinstance(target, OpOverload):
+        for i, a in enumerate(torch_compat.op_schema(target).arguments):
             if a.is_out:
                 v = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
                 total -= sum(_nbytes(t) for t in _tensors(v))
@@ -306,8 +308,8 @@ def ragged_copy_bytes(target: Any, args: Sequence[Any]) -> int:
 def _fresh_bytes(node: fx.Node) -> list[int]:
     """The bytes of each output an op allocates (none for an in-place or aliasing op)."""
     target = node.target
-    if isinstance(target, torch._ops.OpOverload) and any(
-        r.alias_info is not None for r in target._schema.returns
+    if isinstance(target, OpOverload) and any(
+        r.alias_info is not None for r in torch_compat.op_schema(target).returns
     ):
         return []
     if _written_args(node):  # out= variants and in-place ops write an existing buffer

@@ -83,9 +83,11 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from passes import torch_compat
 from passes.graph_utils import mutated_nodes, storage_of, written_storages
 from passes.meta import CAST_OF, INPUT_CAST, MICROBATCH, MODULE, PHASE, ROLE, Phase, Role
 from passes.prefetch import unit_path
+from passes.torch_compat import OpOverload
 
 log = logging.getLogger("spmd.passes")
 
@@ -166,16 +168,16 @@ def _unit(n: fx.Node) -> str:
 
 
 def _is_aten(target: Any) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims")
+    return isinstance(target, OpOverload) and target.namespace in ("aten", "prims")
 
 
 def _is_random(n: fx.Node) -> bool:
     """Whether ``n`` draws from a random generator. Attention ops are tagged
     ``nondeterministic_seeded`` for their dropout: with ``dropout_p == 0`` they draw nothing."""
     target = n.target
-    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+    if not isinstance(target, OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
         return False
-    for i, a in enumerate(target._schema.arguments):
+    for i, a in enumerate(torch_compat.op_schema(target).arguments):
         if a.name == "dropout_p":
             p = n.kwargs.get("dropout_p", n.args[i] if i < len(n.args) else a.default_value)
             return bool(p != 0.0)
@@ -272,7 +274,7 @@ def _analyse(gm: fx.GraphModule) -> _Graph:
         if n.target is operator.getitem:
             ok = n.args[0] in recomputable  # type: ignore[operator]
         else:
-            tags = n.target.tags if isinstance(n.target, torch._ops.OpOverload) else ()
+            tags = n.target.tags if isinstance(n.target, OpOverload) else ()
             ok = (
                 _is_aten(n.target)
                 and not _is_random(n)
@@ -305,7 +307,7 @@ def _base_bans(g: _Graph) -> set[fx.Node]:
 
 
 def _is_expensive(n: fx.Node) -> bool:
-    return isinstance(n.target, torch._ops.OpOverload) and n.target.overloadpacket in _EXPENSIVE
+    return isinstance(n.target, OpOverload) and n.target.overloadpacket in _EXPENSIVE
 
 
 def _min_cut(g: _Graph, banned: set[fx.Node]) -> set[fx.Node]:
@@ -365,11 +367,11 @@ def node_flops(n: fx.Node) -> int:
     from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
     target = n.target
-    if not isinstance(target, torch._ops.OpOverload) or target.overloadpacket not in flop_registry:
+    if not isinstance(target, OpOverload) or target.overloadpacket not in flop_registry:
         return 0
     args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
     vals = [v for v in _tensors(n.meta.get("val"))]
-    mode = torch._guards.detect_fake_mode(vals)
+    mode = torch_compat.detect_fake_mode(vals)
     counter = FlopCounterMode(display=False)
     if mode is None:
         return 0
@@ -398,7 +400,7 @@ def _choose(g: _Graph, policy: Policy) -> set[fx.Node]:
     if top <= floor:
         return keep_sel
     budget = floor + policy * (top - floor)
-    from torch._functorch._activation_checkpointing.knapsack import dp_knapsack
+    from passes.torch_compat import dp_knapsack
 
     items = sorted(expensive, key=g.order.__getitem__)
     items = [n for n in items if _storage_bytes(n) > 0]

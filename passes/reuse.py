@@ -38,7 +38,9 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.memory import Liveness, buffer_liveness, tensor_bytes
+from passes.torch_compat import OpOverload
 
 log = logging.getLogger("spmd.passes")
 
@@ -49,7 +51,7 @@ REUSED = "spmd_reused_buffer"
 
 # functional op -> (its out= overload, the argument positions whose buffer the result may take).
 # Each entry is proven bit for bit, with ``out`` aliasing each listed argument, in test_reuse.py.
-REUSABLE: dict[torch._ops.OpOverload, tuple[torch._ops.OpOverload, tuple[int, ...]]] = {
+REUSABLE: dict[OpOverload, tuple[OpOverload, tuple[int, ...]]] = {
     aten._log_softmax.default: (aten._log_softmax.out, (0,)),
     aten._log_softmax_backward_data.default: (aten._log_softmax_backward_data.out, (0, 1)),
     aten._softmax.default: (aten._softmax.out, (0,)),
@@ -60,10 +62,12 @@ REUSABLE: dict[torch._ops.OpOverload, tuple[torch._ops.OpOverload, tuple[int, ..
 }
 
 
-def _out_name(op: torch._ops.OpOverload) -> str:
+def _out_name(op: OpOverload) -> str:
     """The keyword-only argument an ``out=`` overload writes (``out``, ``grad_input``)."""
     return next(
-        a.name for a in op._schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write
+        a.name
+        for a in torch_compat.op_schema(op).arguments
+        if a.kwarg_only and a.alias_info and a.alias_info.is_write
     )
 
 
@@ -86,7 +90,7 @@ def _allocator_ok(node: fx.Node) -> bool:
     target = node.target
     return (
         node.op == "call_function"
-        and isinstance(target, torch._ops.OpOverload)
+        and isinstance(target, OpOverload)
         and target.namespace in ("aten", "prims")
         and not C.is_collective(node)
         and not C.is_wait(node)
@@ -187,7 +191,7 @@ def check_reuse(gm: fx.GraphModule) -> list[tuple[str, str]]:
     index = {n: i for i, n in enumerate(lv.nodes)}
     found: list[tuple[str, str]] = []
     for node in marked:
-        out_name = _out_name(node.target) if isinstance(node.target, torch._ops.OpOverload) else ""
+        out_name = _out_name(node.target) if isinstance(node.target, OpOverload) else ""
         arg = node.kwargs.get(out_name)
         if not isinstance(arg, fx.Node):
             found.append(

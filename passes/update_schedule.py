@@ -45,14 +45,15 @@ import heapq
 import operator
 from typing import Any, cast
 
-import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.cleanup import untagged_name
 from passes.graph_utils import mutated_nodes, storage_of
 from passes.meta import PHASE, Phase
+from passes.torch_compat import OpOverload
 
 SPLIT_OF = "spmd_optimizer_split"  # the same key as passes.optimizer_overlap
 
@@ -61,9 +62,9 @@ def is_foreach(node: fx.Node) -> bool:
     t = node.target
     return (
         node.op == "call_function"
-        and isinstance(t, torch._ops.OpOverload)
+        and isinstance(t, OpOverload)
         and t.namespace == "aten"
-        and t._schema.name.split("::")[-1].startswith("_foreach_")
+        and torch_compat.op_schema(t).name.split("::")[-1].startswith("_foreach_")
     )
 
 
@@ -130,7 +131,7 @@ def _is_barrier(node: fx.Node) -> bool:
         return True
     if node.target is operator.getitem:
         return False
-    if not isinstance(node.target, torch._ops.OpOverload):
+    if not isinstance(node.target, OpOverload):
         return True  # a Python function: what it touches is unknown
     return any(storage_of(m) is None for m in mutated_nodes(node))
 

@@ -93,7 +93,7 @@ def build(
     if seq > cfg.seq:
         raise ValueError(f"seq {seq} exceeds {name}'s context length {cfg.seq}")
     if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        from passes.torch_compat import FakeTensorMode
 
         with FakeTensorMode():
             model = GPT(cfg)
@@ -206,7 +206,7 @@ def build_hf(
     cfg = hf_config(source)
     AutoModelForCausalLM = _transformers().AutoModelForCausalLM
     if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        from passes.torch_compat import FakeTensorMode
 
         with FakeTensorMode():
             model = AutoModelForCausalLM.from_config(cfg)

@@ -9,12 +9,11 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.bucketing import bucket_collectives
 from passes.chunked_loss import chunk_loss_heads
 from passes.cleanup import strip_grad_tags
@@ -29,6 +28,7 @@ from passes.prefetch import default_unit_of, prefetch_all_gathers
 from passes.remat import check_policy, rematerialize
 from passes.reuse import reuse_dead_buffers
 from passes.scheduling import limit_inflight, sink_waits
+from passes.torch_compat import resolve_process_group as _resolve_process_group
 from passes.units import assign_units
 from spmd.errors import ConfigError, PassError
 from spmd.parallel import DataParallel, ParallelMode
@@ -307,7 +307,7 @@ def gloo_concurrent(gm: fx.GraphModule) -> bool:
             group = _resolve_process_group(name)  # type: ignore[arg-type]
             if str(dist.get_backend(group)) != "gloo":
                 continue
-            threads = group._get_backend(torch.device("cpu")).options._threads  # type: ignore[attr-defined]
+            threads = torch_compat.gloo_threads(group)
         except (RuntimeError, ValueError, KeyError, AttributeError):
             continue
         if threads > 1:

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from passes import torch_compat
 from spmd.errors import StalePrefetchError
 
 log = logging.getLogger("spmd")
@@ -67,9 +68,9 @@ def install() -> None:
     """Count DCP loads: wrap ``torch.distributed.checkpoint.state_dict_loader._load_state_dict``,
     which ``dcp.load`` and ``dcp.load_state_dict`` call on every rank (a collective load), so the
     count is the same on every rank."""
-    from torch.distributed.checkpoint import state_dict_loader as loader
+    from passes.torch_compat import dcp_state_dict_loader as loader
 
-    fn = loader._load_state_dict
+    fn = getattr(loader, torch_compat.DCP_LOAD_STATE_DICT)
     if getattr(fn, "__spmd_counts__", False):
         return
 
@@ -78,7 +79,7 @@ def install() -> None:
         return fn(*args, **kwargs)
 
     counting.__spmd_counts__ = True  # type: ignore[attr-defined]
-    loader._load_state_dict = counting
+    setattr(loader, torch_compat.DCP_LOAD_STATE_DICT, counting)
 
 
 class CarriedGathers:

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from passes import torch_compat
 from spmd.errors import LoweringError
 
 log = logging.getLogger("spmd")
@@ -68,7 +69,7 @@ def sharing_safe(settings: dict[str, Any]) -> bool:
         return False
     if dist.get_backend() == "fake":
         return False  # simulation: one process stands for every rank
-    from torch._inductor import config
+    from passes.torch_compat import inductor_config as config
 
     with config.patch(settings):
         return bool(config.fx_graph_cache) and not bool(config.force_disable_caches)
@@ -77,7 +78,7 @@ def sharing_safe(settings: dict[str, Any]) -> bool:
 def graph_key(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], extra: Sequence[Any]) -> str:
     """A hash of what inductor compiles for ``gm``, plus the host and the cache directory:
     equal keys on two ranks mean equal compiles that can share one cache entry."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from passes.torch_compat import inductor_cache_dir as cache_dir
 
     h = hashlib.sha256()
     for part in (socket.gethostname(), cache_dir(), torch.__version__, gm.code, *map(repr, extra)):
@@ -98,7 +99,7 @@ def compile_once_per_host(
         LoweringError: on a follower, when the leader's compile failed or did not finish
             within ``timeout_s`` (default: the process group's timeout).
     """
-    store = dist.distributed_c10d._get_default_store()
+    store = torch_compat.get_default_store()
     prefix = f"spmd/lower/{key}"
     rank = dist.get_rank()
     if store.add(f"{prefix}/claims", 1) == 1:
@@ -152,7 +153,7 @@ def compile_once_per_host(
 
 
 def _bypasses() -> int:
-    from torch._dynamo.utils import counters
+    from passes.torch_compat import dynamo_counters as counters
 
     return int(counters["inductor"]["fxgraph_cache_bypass"])
 

@@ -26,10 +26,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections.abc import Iterator
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from passes import torch_compat
 from spmd.errors import ConfigError
 
 
@@ -47,12 +49,10 @@ def gloo_threads(n: int = 1) -> Iterator[None]:
     base = dist.ProcessGroupGloo
 
     class _GlooWithThreads(base):  # type: ignore[misc, valid-type]
-        def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
-            options = base._Options()  # type: ignore[attr-defined]
-            options._threads = n
-            options._devices = [base.create_default_device()]
-            options._timeout = timeout
-            super().__init__(store, rank, size, options)
+        def __init__(
+            self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, **kwargs: Any
+        ) -> None:
+            super().__init__(store, rank, size, torch_compat.gloo_options(n, timeout, **kwargs))
 
     before = c10d.ProcessGroupGloo
     c10d.ProcessGroupGloo = _GlooWithThreads  # type: ignore[misc]

@@ -21,7 +21,9 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
+from passes import torch_compat
 from passes.stages import rebuilt
+from passes.torch_compat import OpOverload
 from spmd.backend import gemm_policy
 
 # Smallest matmul (m * k * n) inductor_gemm="onednn" sends to oneDNN: its per-call setup made the
@@ -35,10 +37,10 @@ _ONEDNN_MIN_MACS = 1 << 22
 
 def _is_fused_optimizer(target: Any) -> bool:
     return (
-        isinstance(target, torch._ops.OpOverload)
+        isinstance(target, OpOverload)
         and target.namespace == "aten"
-        and target._schema.name.startswith("aten::_fused_")
-        and target._schema.is_mutable
+        and torch_compat.op_schema(target).name.startswith("aten::_fused_")
+        and torch_compat.op_schema(target).is_mutable
     )
 
 
@@ -46,16 +48,16 @@ _LIB = torch.library.Library("spmd_lowering", "FRAGMENT")
 
 
 @functools.cache
-def _opaque(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
+def _opaque(op: OpOverload) -> OpOverload:
     """A custom op with ``op``'s schema that calls ``op``: AOTAutograd cannot see through it.
 
     ATen fused optimizers have registered functional twins, which functionalization
     uses (new tensors plus copies back); an opaque op with mutable arguments is
     wrapped in ``auto_functionalized`` instead, which inductor reinplaces.
     """
-    base = op._schema.name.split("::", 1)[1].strip("_")
-    name = f"{base}_{op._overloadname}" if op._overloadname != "default" else base
-    schema = str(op._schema).split("(", 1)[1]
+    base = torch_compat.op_schema(op).name.split("::", 1)[1].strip("_")
+    name = f"{base}_{torch_compat.overload_name(op)}" if torch_compat.overload_name(op) != "default" else base
+    schema = str(torch_compat.op_schema(op)).split("(", 1)[1]
     _LIB.define(f"{name}({schema}")
 
     def impl(*args: Any, **kwargs: Any) -> None:
@@ -156,7 +158,7 @@ def _inline_adam(n: fx.Node) -> Callable[..., None] | None:
     through the Python function (inductor sees its ATen ops), and the in-place updates of
     parameters and state become input mutations that inductor stores straight into them.
     """
-    name = n.target._schema.name  # type: ignore[union-attr]
+    name = torch_compat.op_schema(n.target).name  # type: ignore[union-attr]
     if name not in ("aten::_fused_adam_", "aten::_fused_adamw_"):
         return None
     kw = n.kwargs

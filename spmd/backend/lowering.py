@@ -52,6 +52,7 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes.torch_compat import OpOverload
 from spmd.backend.compile_once import Role, compile_once_per_host, graph_key, sharing_safe
 from spmd.backend.inductor_rewrites import for_inductor
 from spmd.errors import LoweringError, check_choice
@@ -133,9 +134,8 @@ def compile_graph(
     backend = check_backend(backend)
     if backend == "eager":
         return Lowered(gm, "eager", "", 0.0, graph_order(gm))
-    from torch._inductor import config as inductor_config_module
-    from torch._inductor.compile_fx import compile_fx
-    from torch._inductor.graph import GraphLowering
+    from passes.torch_compat import GraphLowering, compile_fx
+    from passes.torch_compat import inductor_config as inductor_config_module
 
     _refuse_restored_rng(gm)
     t0 = time.perf_counter()
@@ -215,9 +215,9 @@ def check_gemm(gemm: Any) -> str:
 def _fake(example_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
     """Static-shaped fake copies of the inputs under a fake mode with a ShapeEnv, entered as the
     tracing context: inductor's FX graph cache bypasses a compile without one ("No shape env")."""
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from passes.torch_compat import FakeTensorMode, TracingContext, tracing
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes: list[torch.Tensor] = [mode.from_tensor(t, static_shapes=True) for t in example_inputs]
@@ -355,7 +355,7 @@ def _refuse_restored_rng(gm: fx.GraphModule) -> None:
     draws = [
         n
         for n in nodes
-        if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
+        if isinstance(n.target, OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
     ]
     if restores and draws:
         ops = sorted({str(n.target.overloadpacket.__name__) for n in draws})

@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from passes import collectives as C
-from passes import cross_step
+from passes import cross_step, torch_compat
 from passes.invariants import check_collective_buffers
 from passes.layouts import FAILING_NODE, fix_layouts
 from passes.meta import Role
+from passes.torch_compat import pytree
 from spmd.backend.carry import CarriedGathers
 from spmd.backend.step_aside import EAGER, INDUCTOR, StepAside, deciding_groups
 from spmd.errors import CollectiveError, KernelError, ModelChangedError, PassError, SpmdError
@@ -430,9 +430,8 @@ def _collective_message(exc: BaseException, gm: fx.GraphModule, node: fx.Node | 
 def _pg_timeout_s() -> float | None:
     """The default process group's collective timeout, when the backend exposes it."""
     try:
-        pg = dist.distributed_c10d._get_default_group()
-        for device in pg._device_types:
-            return pg._get_backend(device).options._timeout.total_seconds()
+        pg = torch_compat.get_default_group()
+        return torch_compat.pg_timeout_s(pg)
     except Exception:  # noqa: BLE001 - private API: the message just leaves the value out
         pass
     return None

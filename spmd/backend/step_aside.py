@@ -160,7 +160,7 @@ def deciding_groups(gm: fx.GraphModule) -> list[tuple[str, torch.device]]:
 def _max_over_ranks(values: torch.Tensor, groups: Sequence[tuple[str, torch.device]]) -> torch.Tensor:
     """``values`` reduced by max over every rank of ``groups``: one group after the other, so on
     a 2-D mesh (hybrid_shard) the max over the shard group, then over the replicas."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from passes.torch_compat import resolve_process_group as _resolve_process_group
 
     for name, device in groups:
         t = values.to(device)

@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from passes import torch_compat
 from passes.cost_model import DeviceProfile, ring_bus_factor
 from spmd.calibrate.calls import (
     measure_call_costs,
@@ -216,7 +217,7 @@ def measure_op_curves(repeats: int = 5) -> dict[str, list[list[float]]]:
     [[bytes, seconds], ...] at the element counts ``_NUMELS``, each call timed in a graph
     (:func:`_in_graph`). Bytes as the cost model counts them for that call
     (``passes.cost_model.node_bytes``: tensor inputs and outputs)."""
-    import torch.utils._pytree as pytree
+    from passes.torch_compat import pytree
 
     pts: dict[str, list[tuple[float, float]]] = {}
     for numel in _NUMELS:
@@ -299,7 +300,7 @@ def measure_per_tensor(repeats: int = 5, n: int = 256) -> float:
     lr = torch.tensor(1e-3)
 
     def step() -> None:
-        torch._fused_adamw_(
+        torch_compat.fused_adamw_(
             p, g, m, v, [], steps, lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8,
             amsgrad=False, maximize=False,
         )  # fmt: skip

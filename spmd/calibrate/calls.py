@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from passes import torch_compat
 from spmd.calibrate.timing import _NUMELS, _best, _curve, _graph_of, _in_graph
 
 
@@ -59,7 +60,7 @@ def measure_optimizer_curve(repeats: int = 5) -> dict[str, list[list[float]]]:
         step = [torch.zeros(())]
 
         def call(p=p, g=g, m=m, v=v, step=step) -> None:  # noqa: ANN001 - bound per size
-            torch._fused_adamw_(
+            torch_compat.fused_adamw_(
                 [p], [g], [m], [v], [], step, lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8,
                 amsgrad=False, maximize=False,
             )  # fmt: skip

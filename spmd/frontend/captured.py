@@ -21,8 +21,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
 
+from passes.torch_compat import FakeTensor
 from spmd.errors import CapturedTensorError
 
 _MARKER = "Please convert all Tensors to FakeTensors"

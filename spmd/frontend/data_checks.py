@@ -31,9 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot
 
+from passes import torch_compat
+from passes.torch_compat import FakeTensor, OpOverload, unset_fake_temporarily
 from spmd.errors import DataCheckError
 from spmd.frontend.captured import is_internal_file
 
@@ -124,9 +125,9 @@ def _evaluate(t: FakeTensor, inputs: dict[int, torch.Tensor]) -> tuple[torch.Ten
             order.append(node)
             return True
         target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        if node.op != "call_function" or not isinstance(target, OpOverload):
             return False
-        if torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable:
+        if torch.Tag.nondeterministic_seeded in target.tags or torch_compat.op_schema(target).is_mutable:
             return False
         if not all(visit(arg) for arg in node.all_input_nodes):
             return False
@@ -176,7 +177,7 @@ def data_branches(inputs: dict[int, torch.Tensor]) -> Iterator[list[_Recorded]]:
     alone (``inputs``: placeholder position -> the real tensor); yields the list of conditions read,
     for :func:`build_checks`."""
     recorded: list[_Recorded] = []
-    base = torch._C.TensorBase.__bool__
+    base = torch_compat.TensorBase.__bool__
     had_own = "__bool__" in torch.Tensor.__dict__
     own = torch.Tensor.__dict__.get("__bool__")
 

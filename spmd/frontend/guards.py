@@ -37,6 +37,8 @@ import torch
 import torch.nn as nn
 import torch.utils.hooks
 
+from passes import torch_compat
+
 log = logging.getLogger("spmd")
 
 # Values a graph can bake in as constants; anything else (tensors, modules, containers)
@@ -146,13 +148,7 @@ def install() -> None:
 
 def global_hooks_key() -> tuple[int, ...]:
     """How many global module hooks are registered (``register_module_forward_hook`` & co.)."""
-    m = torch.nn.modules.module
-    return (
-        len(m._global_forward_hooks),
-        len(m._global_forward_pre_hooks),
-        len(m._global_backward_hooks),
-        len(m._global_backward_pre_hooks),
-    )
+    return tuple(len(d) for d in torch_compat.global_module_hook_dicts())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,6 +37,19 @@ trace, ``LOSS_MAPPING["ForCTC"]`` keeps the targets as ``(batch, U)`` rows with 
 first (:func:`_padded_ctc_targets`), which ``F.ctc_loss`` reads the same way: the loss and the
 gradients are eager's bit for bit. Nothing else in ``transformers`` is changed; without
 ``transformers`` imported this is a no-op.
+
+Versions (``tests/unit/test_hf_compat.py``, ``tests/unit/test_eager_branches.py``): the position-ids
+shim applies to transformers 5.17.0 and 5.24.0 (the current release), checked on both. The CTC shim
+applies where ``LOSS_MAPPING`` has a ``"ForCTC"`` entry: 5.24.0 has it, 5.17.0 does not (its
+``Wav2Vec2ForCTC`` computes the loss inline with ``masked_select``, and the shim leaves everything
+unchanged). Training an HF ``*ForCTC`` model with ``labels=`` under spmd needs a release with the entry:
+on 5.17.0 the trace is refused (``DataDependentControlFlowError`` at Wav2Vec2's LayerDrop test
+``if not skip_the_layer``, before the loss is reached). The experts hint
+(:func:`hf_data_dependent_hint`) reads ``config._experts_implementation`` and
+``transformers/integrations/moe.py``, present in both; but 5.17.0's Mixtral counts tokens per expert
+with ``torch.bincount`` (a data-dependent shape), so training it is refused there whatever the experts
+implementation (``tests/unit/test_foreign_models.py::test_hf_moe_eager_experts_refused_with_the_fix``
+fails on 5.17.0 for that reason).
 """
 
 from __future__ import annotations
@@ -50,8 +63,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot
+
+from passes import torch_compat
+from passes.torch_compat import FakeTensor, OpOverload, unset_fake_temporarily
 
 log = logging.getLogger("spmd")
 
@@ -77,9 +92,9 @@ def constant_value(t: Any) -> torch.Tensor | None:
             return True
         seen.add(node)
         target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        if node.op != "call_function" or not isinstance(target, OpOverload):
             return False
-        schema = target._schema
+        schema = torch_compat.op_schema(target)
         if torch.Tag.nondeterministic_seeded in target.tags or schema.is_mutable:
             return False
         for arg in node.all_input_nodes:

@@ -34,23 +34,23 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch._prims_common import suggest_memory_format
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from passes import torch_compat
+from passes.torch_compat import (
+    FakeTensor,
+    FakeTensorMode,
+    HigherOrderOperator,
+    OpOverload,
+    suggest_memory_format,
+)
 from spmd.frontend import ctc
 
 aten = torch.ops.aten
 
 # Batch-norm ops whose CPU kernel writes its first output in the suggested memory format of
 # this argument (the input; the backward's second argument).
-BATCH_NORM_OPS: dict[torch._ops.OpOverload, int] = {
-    aten.native_batch_norm.default: 0,
-    aten._native_batch_norm_legit.default: 0,
-    aten._native_batch_norm_legit.no_stats: 0,
-    aten._native_batch_norm_legit_no_training.default: 0,
-    aten._native_batch_norm_legit_functional.default: 0,
-    aten.native_batch_norm_backward.default: 1,  # (grad_out, input, ...)
-}
+# (and, from torch 2.14 on, group norm: passes.torch_compat.CPU_SUGGESTED_FORMAT_NORM_OPS).
+BATCH_NORM_OPS: dict[OpOverload, int] = torch_compat.CPU_SUGGESTED_FORMAT_NORM_OPS
 
 # Ops with a rule of this mode that is not about layouts (dtype, shapes: the docstring's end).
 _OTHER_RULES = frozenset({aten._grouped_mm.default, aten._ctc_loss.Tensor, aten._ctc_loss_backward.Tensor})
@@ -66,7 +66,7 @@ class KernelLayoutFakeMode(FakeTensorMode):
     supports_higher_order_operators = True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        if isinstance(func, HigherOrderOperator):
             rule = func.python_key_table.get(FakeTensorMode)
             if rule is None:
                 raise NotImplementedError(f"no fake-tensor rule for the higher-order operator {func.name()}")

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from passes import torch_compat
+
 log = logging.getLogger("spmd")
 
 # Keys of a param group that are not hyperparameters.
@@ -58,7 +60,7 @@ def register_fused_meta_kernels() -> list[str]:
         packet, overload = name.split(".")
         op = getattr(getattr(torch.ops.aten, packet), overload)
         # (not the "computed" table: that reports a Meta kernel which only raises NotImplementedError)
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
+        if not torch_compat.dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
             missing.append(op)
     if missing:
         if _meta_lib is None:
@@ -80,20 +82,20 @@ def traceable_optimizers(optimizer: torch.optim.Optimizer | None = None) -> Iter
     Hugging Face's Mamba, for one, switches its scan to another algorithm (other rounding)
     when it is true. So the flag is true only inside ``optimizer.step()``: a step pre-hook on
     this optimizer sets it, a post-hook clears it, and forward and backward see eager's
-    answer. The one place that touches the private ``torch.compiler._is_compiling_flag``.
+    answer. The one place that sets the private is-compiling flag (``passes.torch_compat``).
     Also makes sure the fused kernels can be traced without running them
     (:func:`register_fused_meta_kernels`).
     """
     register_fused_meta_kernels()
-    old = torch.compiler._is_compiling_flag
+    old = torch_compat.get_compiling_flag()
     handles = []
     if optimizer is not None:
 
         def set_flag(opt: Any, args: Any, kwargs: Any) -> None:
-            torch.compiler._is_compiling_flag = True
+            torch_compat.set_compiling_flag(True)
 
         def clear_flag(opt: Any, args: Any, kwargs: Any) -> None:
-            torch.compiler._is_compiling_flag = old
+            torch_compat.set_compiling_flag(old)
 
         # Registered last: the user's own step pre-hooks run before, with eager's answer.
         handles = [optimizer.register_step_pre_hook(set_flag), optimizer.register_step_post_hook(clear_flag)]
@@ -102,7 +104,7 @@ def traceable_optimizers(optimizer: torch.optim.Optimizer | None = None) -> Iter
     finally:
         for h in handles:
             h.remove()
-        torch.compiler._is_compiling_flag = old
+        torch_compat.set_compiling_flag(old)
 
 
 def _adam_family(opt: torch.optim.Optimizer) -> bool:

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
+from passes import torch_compat
 from passes.meta import Role
+from passes.torch_compat import pytree
 from spmd.errors import InvalidArgumentsError, ModelChangedError
 from spmd.frontend import optim as optim_utils
 
@@ -272,7 +273,7 @@ def compute_device(t: torch.Tensor) -> torch.device:
     """The device ``t`` computes on in the traced step: its own, except for an offloaded
     DTensor (local tensor on the CPU, mesh on an accelerator), which computes on the mesh's."""
     if isinstance(t, DTensor):
-        loc, mesh_type = t._local_tensor.device, t.device_mesh.device_type
+        loc, mesh_type = torch_compat.local_tensor(t).device, t.device_mesh.device_type
         if loc.type == mesh_type:
             return loc
         handle = getattr(torch, mesh_type, None)

@@ -18,12 +18,13 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+from passes import torch_compat
 from passes.meta import INPUT_CAST, Phase
 from passes.ops import get_device_rng_state, get_rng_state, set_device_rng_state, set_rng_state, tag_grad
 from passes.prefetch import unit_path
+from passes.torch_compat import pytree
 from spmd.frontend import optim as optim_utils
 
 log = logging.getLogger("spmd")
@@ -336,7 +337,7 @@ def backward_phases(state: BackwardState | None = None) -> Iterator[list[int]]:
         seq_modules = _seq_nr_modules(graph) if graph is not None else {}
         handles = []
         for fn in _autograd_nodes(roots):
-            path = seq_modules.get(fn._sequence_nr())
+            path = seq_modules.get(torch_compat.autograd_sequence_nr(fn))
             if path is not None:
 
                 def prehook(grad_outputs: Any, path: str = path) -> None:

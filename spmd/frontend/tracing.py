@@ -33,17 +33,17 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.nn.utils.stateless import _reparametrize_module
 
+from passes import torch_compat
 from passes.cleanup import strip_grad_tag
 from passes.graph_utils import mutated_nodes
 from passes.meta import CAST_OF, GRAD_OF, MICROBATCH, MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
 from passes.ops import TAG_GRAD, keep_rnn_workspaces
 from passes.stages import copy_graph, rebuilt
+from passes.torch_compat import FakeTensorMode, pytree
+from passes.torch_compat import reparametrize_module as _reparametrize_module
 from spmd.errors import (
     DataDependentControlFlowError,
     SpmdError,
@@ -115,7 +115,7 @@ def copy_graph_module(gm: fx.GraphModule, *, lazy: bool = False) -> fx.GraphModu
     graph's Python) waits until its code is read or it is called: what ``spmd.plan`` wants of a
     graph it only analyses (each recompile of a 25k-node step takes seconds)."""
     if lazy:
-        from torch.fx._lazy_graph_module import _LazyGraphModule
+        from passes.torch_compat import LazyGraphModule as _LazyGraphModule
 
         lazy_gm = _LazyGraphModule(gm, copy_graph(gm.graph), class_name="GraphModule")
         lazy_gm.meta = dict(gm.meta)
@@ -137,8 +137,9 @@ def copy_traced(traced: TracedStep) -> TracedStep:
 
 
 def _trace_error_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
-    from torch._subclasses import fake_tensor
     from torch.fx.experimental import symbolic_shapes
+
+    from passes.torch_compat import fake_tensor
 
     data_dependent = (
         fake_tensor.DataDependentOutputException,
@@ -237,7 +238,7 @@ def _raise_trace_error(exc: BaseException, module: nn.Module) -> None:
             "out of the step, or wrap the submodule with an spmd.Override that supplies a traceable stand-in."
         ) from exc
     if isinstance(exc, untraceable):
-        from torch._subclasses.fake_tensor import DynamicOutputShapeException
+        from passes.torch_compat import DynamicOutputShapeException
 
         fix = (
             " Wrap this submodule with an spmd.Override (module_override=[...]) whose replacement is "
@@ -483,7 +484,7 @@ def _finish_metadata(gm: fx.GraphModule, slots: list[Slot]) -> None:
         # Readable placeholder names in dumps: p_layers_0_weight, s_layers_0_weight_exp_avg, x_input_0,
         # g_layers_0_weight (its .grad).
         readable = slot.key if slot.role is Role.PARAM_GRAD else slot.name
-        n._rename(prefixes[slot.role] + "_" + re.sub(r"\W", "_", readable))
+        torch_compat.rename_node(n, prefixes[slot.role] + "_" + re.sub(r"\W", "_", readable))
         n.target = n.name
         n.meta[ROLE] = slot.role
         n.meta[PHASE] = Phase.FORWARD

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.invariants import describe, fingerprint
 from spmd.errors import RankDivergenceError
 from spmd.parallel.plan import group_label
@@ -55,7 +56,7 @@ def check_rank_agreement(
     fp = [*(entry for entry, _ in before), *fingerprint(gm, group_key=group_label)]
     where = [*(text for _, text in before), *(describe(c) for c in C.collectives(gm.graph))]
     digest = hashlib.sha256(repr(fp).encode()).hexdigest()[:32]
-    store = dist.distributed_c10d._get_default_store()
+    store = torch_compat.get_default_store()
     prefix = f"spmd/agree/{step_name}"
     seq = store.add(f"{prefix}/clock", 1)
     store.set(f"{prefix}/fp/{digest}/{rank}", "1")

@@ -63,6 +63,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
+from passes import torch_compat
 from spmd.errors import ConfigError, ShardingPropagationError
 from spmd.frontend import optim as optim_utils
 from spmd.parallel import sharding
@@ -187,7 +188,7 @@ class DTensorExpandMode(ParallelMode):
         else:
             shape, names = tuple(self.mesh), None
         shape = _fill_shape(shape, sharding.world_info()[1])
-        group = torch.distributed.distributed_c10d._get_default_group()
+        group = torch_compat.get_default_group()
         # Cached with sharding's default meshes, which are dropped with their process group.
         key = (device_type, id(group), sharding.world_info()[1], ("expand", shape, names))
         meshes: dict[Any, DeviceMesh] = sharding._DEFAULT_MESHES  # type: ignore[assignment]
@@ -198,7 +199,7 @@ class DTensorExpandMode(ParallelMode):
             if names is not None and len(names) > 1:
                 # A flattened dimension lets DTensor reduce a value partial over every dimension
                 # with one all-reduce instead of one per dimension.
-                mesh[names]._flatten()
+                torch_compat.flatten_mesh(mesh[names])
             meshes[key] = mesh
         return meshes[key]
 
@@ -284,13 +285,13 @@ class DTensorExpandMode(ParallelMode):
                 _check_dims(f"parameter {fqn!r}", p.shape, placements[id(p)])
         new_of: dict[int, nn.Parameter] = {}
         for _, mod in module.named_modules(remove_duplicate=False):
-            for name, p in list(mod._parameters.items()):
+            for name, p in list(torch_compat.module_parameters(mod).items()):
                 if p is None or isinstance(p, DTensor):
                     continue
                 if id(p) not in new_of:
                     dt = distribute_tensor(p.detach(), mesh, placements[id(p)], src_data_rank=None)
                     new_of[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
-                mod._parameters[name] = new_of[id(p)]
+                torch_compat.module_parameters(mod)[name] = new_of[id(p)]
         sharding.rekey_optimizer(optimizer, new_of, mesh)
         _MESH_OF[module] = mesh
         log.info("spmd: DTensorExpandMode distributed %d parameters on %s", len(new_of), mesh)

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.linear_cross_entropy import LINEAR_CROSS_ENTROPY
 from passes.meta import (
     CAST_OF,
@@ -37,6 +37,7 @@ from passes.meta import (
     Role,
 )
 from passes.ops import TAG_GRAD
+from passes.torch_compat import pytree
 from spmd.errors import ShardingPropagationError
 from spmd.frontend.kernel_layouts import KernelLayoutFakeMode
 from spmd.parallel import expand_rules, tp_loss
@@ -121,7 +122,7 @@ class _Expander(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         region = self._region(n)
         try:
-            with self._set_current_node(n):
+            with torch_compat.interpreter_current_node(self, n):
                 args = fx.node.map_arg(n.args, lambda a: self._fetch(a, n, region))
                 kwargs = fx.node.map_arg(n.kwargs, lambda a: self._fetch(a, n, region))
                 out = getattr(self, n.op)(n.target, args, kwargs)
@@ -209,7 +210,7 @@ class _Expander(fx.Interpreter):
                     return x
                 if not own and tuple(x.placements) != tuple(want):
                     x = x.redistribute(self.mesh, want)
-                return x._local_tensor
+                return torch_compat.local_tensor(x)
 
             self._into[key] = pytree.tree_map(conv, v)
         return self._into[key]
@@ -243,7 +244,7 @@ class _Expander(fx.Interpreter):
             if isinstance(g, DTensor):
                 if want is not None and tuple(g.placements) != tuple(want):
                     g = g.redistribute(self.mesh, want)
-                local = average(g._local_tensor)
+                local = average(torch_compat.local_tensor(g))
                 return _wrap(TAG_GRAD(local, name), self.mesh, g.placements, g)
             return TAG_GRAD(average(g), name)
         q_at = expand_rules.ATTENTION_Q.get(target)
@@ -279,7 +280,7 @@ class _Expander(fx.Interpreter):
                 return x
             if tuple(x.placements) != rep:
                 x = x.redistribute(self.mesh, rep)
-            return x._local_tensor
+            return torch_compat.local_tensor(x)
 
         largs, lkwargs = pytree.tree_map(to_local, (args, kwargs))
         out = target(*largs, **lkwargs)
@@ -380,7 +381,7 @@ def _wrap(
 ) -> DTensor:
     """A DTensor over ``local`` with the global shape of ``like``; records no op (``from_local``
     would record a view)."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from passes.torch_compat import DTensorSpec, TensorMeta
 
     spec = DTensorSpec(mesh, tuple(placements), TensorMeta(like.shape, like.stride(), like.dtype))
     return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
@@ -500,7 +501,9 @@ def expand_graph(
             ins.append(_wrap(t, view.mesh, pl, ph.meta["val"]))
         with implicit_replication():
             outs = expander.run(*ins)
-        return [o._local_tensor if isinstance(o, DTensor) else o for o in pytree.tree_leaves(outs)]
+        return [
+            torch_compat.local_tensor(o) if isinstance(o, DTensor) else o for o in pytree.tree_leaves(outs)
+        ]
 
     mode = KernelLayoutFakeMode(allow_non_fake_inputs=True)
     with mode:
@@ -566,7 +569,7 @@ def _finish(
     graph = gm.graph
     new_ph = [n for n in graph.nodes if n.op == "placeholder"]
     for n, o, pl in zip(new_ph, old_placeholders, in_specs):
-        n._rename(o.name)
+        torch_compat.rename_node(n, o.name)
         n.target = n.name
         for k in (*_COPIED, STATE_NAME):
             if k in o.meta:

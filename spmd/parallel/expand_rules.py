@@ -100,9 +100,15 @@ def register() -> None:
     if _done:
         return
     _done = True
-    from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo, StrategyType
-    from torch.distributed.tensor._ops._pointwise_ops import _register_single_dim_pointwise
-    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
+    from passes.torch_compat import (
+        OpSchema,
+        OpStrategy,
+        RuntimeSchemaInfo,
+        StrategyType,
+        expand_to_full_mesh_op_strategy,
+        register_op_strategy,
+    )
+    from passes.torch_compat import register_single_dim_pointwise as _register_single_dim_pointwise
 
     for op in RULES[:2]:
         _register_single_dim_pointwise(op)

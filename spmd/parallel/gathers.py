@@ -28,6 +28,7 @@ import torch.fx as fx
 from passes import collectives as C
 from passes.graph_utils import mutated_nodes, storage_of
 from passes.meta import CAST_OF, MICROBATCH, MODULE, PHASE, RESHARD, Phase, Role, copy_meta
+from passes.torch_compat import OpOverload
 from spmd.errors import ConfigError
 from spmd.parallel import layout
 from spmd.parallel.partition_state import PartitionState
@@ -196,7 +197,7 @@ def _derived_only_from(root: fx.Node) -> list[fx.Node]:
             continue
         if not all(i in ok for i in n.all_input_nodes):
             continue
-        if isinstance(n.target, torch._ops.OpOverload) and (
+        if isinstance(n.target, OpOverload) and (
             torch.Tag.nondeterministic_seeded in n.target.tags or mutated_nodes(n)
         ):
             continue

@@ -34,8 +34,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from passes import torch_compat
+from passes.torch_compat import StridedShard as _StridedShard
 from spmd.errors import ConfigError
 from spmd.parallel.sharding import ShardLayout
 
@@ -133,7 +134,7 @@ def whole_group(mesh: DeviceMesh) -> dist.ProcessGroup:
         return mesh.get_group()
     if mesh.size() == dist.get_world_size():
         return dist.group.WORLD  # type: ignore[return-value]
-    return mesh._flatten().get_group()
+    return torch_compat.flatten_mesh(mesh).get_group()
 
 
 def data_group(mesh: DeviceMesh, dims: tuple[int, ...]) -> dist.ProcessGroup:
@@ -145,7 +146,7 @@ def data_group(mesh: DeviceMesh, dims: tuple[int, ...]) -> dist.ProcessGroup:
     names = mesh.mesh_dim_names
     if names is None:
         raise ConfigError("spmd.DataParallel: a mesh with a 'tp' dimension must name all its dimensions.")
-    return mesh[tuple(names[d] for d in dims)]._flatten().get_group()
+    return torch_compat.flatten_mesh(mesh[tuple(names[d] for d in dims)]).get_group()
 
 
 # ----------------------------------------------------------------------------- placements
@@ -360,7 +361,7 @@ def describe(p: torch.Tensor, comm: ParamComm) -> str:
 def group_ranks(name: str) -> list[int]:
     """The global ranks of the process group called ``name`` (empty if unknown here)."""
     try:
-        pg = dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
+        pg = torch_compat.resolve_process_group(name)  # type: ignore[arg-type]
         return dist.get_process_group_ranks(pg)
     except Exception:  # noqa: BLE001 - a name from another process group world
         return []

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.graph_utils import PASS_THROUGH_OPS
 from passes.meta import GRAD_OF, ROLE, Role
 from passes.ops import TAG_GRAD
@@ -95,7 +96,7 @@ def reduce_grads(ps: PartitionState) -> None:
         while (
             dead is not send
             and not dead.users
-            and dead.target in (aten.detach.default, aten._to_copy.default)
+            and (dead.target in torch_compat.DETACH_OPS or dead.target is aten._to_copy.default)
         ):
             up = dead.args[0]
             ps.graph.erase_node(dead)
@@ -118,7 +119,7 @@ def _hoist_upcast(g: fx.Node) -> fx.Node | None:
     chain, n = [], g
     while (
         n.op == "call_function"
-        and n.target in (aten.detach.default, aten._to_copy.default)
+        and (n.target in torch_compat.DETACH_OPS or n.target is aten._to_copy.default)
         and len(n.all_input_nodes) == 1
         and n.all_input_nodes[0] is n.args[0]
     ):
@@ -144,7 +145,7 @@ def _to_reduce_dtype(ps: PartitionState, g: fx.Node, like: fx.Node) -> fx.Node:
     if rd is None or g.meta["val"].dtype == rd:
         return g
     up = g
-    while up.target is aten.detach.default and isinstance(up.args[0], fx.Node):
+    while up.target in torch_compat.DETACH_OPS and isinstance(up.args[0], fx.Node):
         up = up.args[0]  # autograd hands over p.grad detached
     if up.target is aten._to_copy.default:
         src = up.args[0]

@@ -23,8 +23,10 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.fused_align import ALIGNED_FUSED, wrap_args
 from passes.meta import GRAD_OF, PHASE, ROLE, STATE_NAME, Phase, Role
+from passes.torch_compat import OpOverload
 from spmd.errors import TraceError
 from spmd.parallel.offload import CPU
 from spmd.parallel.partition_state import PartitionState
@@ -123,7 +125,7 @@ def align_fused_optimizer(ps: PartitionState) -> None:
             channels_last[k] = len(shape) if name in ps.perms else 0
         if not any(pre) and not any(post):
             continue
-        schema = node.target._schema
+        schema = torch_compat.op_schema(node.target)
         values = {a.name: node.args[i] for i, a in enumerate(schema.arguments) if i < len(node.args)}
         values.update(node.kwargs)
         args, kwargs = wrap_args(node.target, values, pre, post, channels_last)
@@ -181,14 +183,14 @@ def _inputs(n: fx.Node) -> list[fx.Node]:
 
 def _elementwise(n: fx.Node) -> bool:
     t = n.target
-    if not isinstance(t, torch._ops.OpOverload):
+    if not isinstance(t, OpOverload):
         return t.__name__ == "getitem" if callable(t) else False
-    name = t._schema.name
+    name = torch_compat.op_schema(t).name
     if torch.Tag.pointwise in t.tags or "_foreach_" in name or "_fused_" in name:
         return True
     return t in (
         aten.clone.default,
-        aten.detach.default,
+        *torch_compat.DETACH_OPS,
         aten.copy_.default,
         aten.zero_.default,
         aten.fill_.Scalar,

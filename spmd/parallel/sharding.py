@@ -26,9 +26,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from passes import torch_compat
+from passes.torch_compat import DTensorSpec, TensorMeta
+from passes.torch_compat import StridedShard as _StridedShard
 from spmd.errors import ConfigError
 from spmd.parallel.offload import CPUOffloadPolicy, to_host
 
@@ -55,7 +56,7 @@ def default_mesh(
     again (tests, ``spmd.simulate``) gets a new mesh.
     """
     shape = tuple(shape) if shape is not None else (dist.get_world_size(),)
-    group = dist.distributed_c10d._get_default_group()
+    group = torch_compat.get_default_group()
     key = (device_type, id(group), dist.get_world_size(), shape, tuple(names or ()))
     if key not in _DEFAULT_MESHES:
         if any(k[1] != id(group) for k in _DEFAULT_MESHES):
@@ -101,7 +102,7 @@ def is_sharded(t: torch.Tensor) -> bool:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor the graph reads: a DTensor's local tensor, or ``t`` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return torch_compat.local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def _to_dtensor(
@@ -184,7 +185,7 @@ def distribute_state(
     """
     new_of: dict[int, nn.Parameter] = dict(replaced or {})
     for prefix, mod in module.named_modules(remove_duplicate=False):
-        for name, p in list(mod._parameters.items()):
+        for name, p in list(torch_compat.module_parameters(mod).items()):
             if p is None or isinstance(p, DTensor):
                 continue
             if id(p) not in new_of:
@@ -194,7 +195,7 @@ def distribute_state(
                 new_of[id(p)] = nn.Parameter(
                     _to_dtensor(p, mesh, placements, offload), requires_grad=p.requires_grad
                 )
-            mod._parameters[name] = new_of[id(p)]
+            torch_compat.module_parameters(mod)[name] = new_of[id(p)]
     rekey_optimizer(optimizer, new_of, mesh, offload)
     return len(new_of)
 
@@ -281,22 +282,28 @@ def materialize_meta(
     new_of: dict[int, nn.Parameter] = {}
     new_buf_of: dict[int, torch.Tensor] = {}
     for fqn, mod in module.named_modules():
-        metas = [(n, p) for n, p in mod._parameters.items() if p is not None and p.is_meta]
-        meta_bufs = [(n, b) for n, b in mod._buffers.items() if b is not None and b.is_meta]
+        metas = [
+            (n, p) for n, p in torch_compat.module_parameters(mod).items() if p is not None and p.is_meta
+        ]
+        meta_bufs = [
+            (n, b) for n, b in torch_compat.module_buffers(mod).items() if b is not None and b.is_meta
+        ]
         if not metas and not meta_bufs:
             continue
         init = _initializer(fqn, mod, [n for n, _ in metas + meta_bufs], param_init_fn)
         with torch.no_grad():
             for n, p in metas:
-                mod._parameters[n] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+                torch_compat.module_parameters(mod)[n] = nn.Parameter(
+                    torch.empty_like(p, device=device), p.requires_grad
+                )
             for n, b in meta_bufs:
-                mod._buffers[n] = torch.empty_like(b, device=device)
+                torch_compat.module_buffers(mod)[n] = torch.empty_like(b, device=device)
             init(mod)
             fresh = [(n, p) for n, p in metas if id(p) not in new_of]
             fresh_bufs = [(n, b) for n, b in meta_bufs if id(b) not in new_buf_of]
             for kind, table, items in (
-                ("parameter", mod._parameters, fresh),
-                ("buffer", mod._buffers, fresh_bufs),
+                ("parameter", torch_compat.module_parameters(mod), fresh),
+                ("buffer", torch_compat.module_buffers(mod), fresh_bufs),
             ):
                 for n, _ in items:
                     t = table[n]
@@ -310,7 +317,7 @@ def materialize_meta(
                         dist.broadcast(t.data, src=0)
             for n, p in metas:
                 if id(p) not in new_of:
-                    full = mod._parameters[n]
+                    full = torch_compat.module_parameters(mod)[n]
                     assert full is not None
                     name = f"{fqn}.{n}" if fqn else n
                     placements = placements_of(name, full) if mesh is not None else None
@@ -320,10 +327,10 @@ def materialize_meta(
                         new_of[id(p)] = nn.Parameter(
                             _to_dtensor(full, mesh, placements, offload), full.requires_grad
                         )
-                mod._parameters[n] = new_of[id(p)]
+                torch_compat.module_parameters(mod)[n] = new_of[id(p)]
             for n, b in meta_bufs:
-                new_buf_of.setdefault(id(b), mod._buffers[n])  # type: ignore[arg-type]
-                mod._buffers[n] = new_buf_of[id(b)]
+                new_buf_of.setdefault(id(b), torch_compat.module_buffers(mod)[n])  # type: ignore[arg-type]
+                torch_compat.module_buffers(mod)[n] = new_buf_of[id(b)]
     log.info(
         "spmd: materialised %d meta parameters and %d buffers on %s module by module",
         len(new_of),

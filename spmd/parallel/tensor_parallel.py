@@ -45,10 +45,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from passes import torch_compat
+from passes.torch_compat import FakeTensorMode
 from spmd.errors import ConfigError
 from spmd.parallel import plan
 from spmd.parallel.base import OVERRIDE_PLACEMENTS
@@ -271,7 +272,7 @@ def _tp_piece(t: torch.Tensor, mesh: DeviceMesh, tp: int, fake: FakeTensorMode) 
         d = pl.dim % t.dim()
         shape[d] = Shard.local_shard_size_and_offset(shape[d], mesh.size(tp), mesh.get_local_rank(tp))[0]
     with fake:
-        return torch.empty(shape, dtype=t.dtype, device=t._local_tensor.device)
+        return torch.empty(shape, dtype=t.dtype, device=torch_compat.local_tensor(t).device)
 
 
 def expand_tp(

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.linear_cross_entropy import REDUCTION_MEAN
 from passes.vocab_parallel_loss import VP_LCE_GRADS, VP_LSE_STATS
 
@@ -37,9 +38,9 @@ def vocab_parallel_head(mesh: DeviceMesh, args: tuple[Any, ...], wrap: Any) -> t
     def local(t: Any) -> Any:
         if not isinstance(t, DTensor):
             return t
-        return (t.redistribute(mesh, rep) if tuple(t.placements) != rep else t)._local_tensor
+        return torch_compat.local_tensor(t.redistribute(mesh, rep) if tuple(t.placements) != rep else t)
 
-    xl, tl, gl, wl = local(x), local(target), local(grad_loss), weight._local_tensor
+    xl, tl, gl, wl = local(x), local(target), local(grad_loss), torch_compat.local_tensor(weight)
     group = mesh.get_group(0).group_name
     start = Shard.local_shard_size_and_offset(weight.shape[0], mesh.size(0), mesh.get_local_rank(0))[1]
     row_max, sumexp, t_logit = VP_LSE_STATS(xl, wl, tl, chunk, start, ignore_index, logits_dtype)

@@ -230,7 +230,7 @@ def _scaled_batch(example_args: tuple[Any, ...], kwargs: dict[str, Any], tp: int
 
 
 def _group_info(gpus_per_node: int) -> Any:
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from passes.torch_compat import resolve_process_group as _resolve_process_group
 
     cache: dict[str, GroupInfo] = {}
 

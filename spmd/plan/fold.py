@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from passes import torch_compat
 from passes.meta import MODULE, PHASE
 from spmd.frontend import step_inputs
 
@@ -127,17 +128,17 @@ def _truncated_module(model: nn.Module, path: str, n: int) -> nn.Module:
     on the path are shallow copies (their own ``_modules``), everything else is shared."""
     names = path.split(".")
     root = copy.copy(model)
-    root._modules = dict(model._modules)  # type: ignore[assignment]
+    torch_compat.set_module_children(root, dict(torch_compat.module_children(model)))  # type: ignore[assignment]
     parent = root
     for name in names[:-1]:
-        child = copy.copy(parent._modules[name])
+        child = copy.copy(torch_compat.module_children(parent)[name])
         assert child is not None
-        child._modules = dict(child._modules)  # type: ignore[assignment]
-        parent._modules[name] = child
+        torch_compat.set_module_children(child, dict(torch_compat.module_children(child)))  # type: ignore[assignment]
+        torch_compat.module_children(parent)[name] = child
         parent = child
-    full = parent._modules[names[-1]]
+    full = torch_compat.module_children(parent)[names[-1]]
     assert isinstance(full, nn.ModuleList)
-    parent._modules[names[-1]] = nn.ModuleList(list(full)[:n])
+    torch_compat.module_children(parent)[names[-1]] = nn.ModuleList(list(full)[:n])
     return root
 
 

@@ -28,10 +28,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 from torch.distributed.tensor import DTensor
 
 from passes.cost_model import DeviceProfile
+from passes.torch_compat import FakeCopyMode, FakeTensorMode
 from spmd.api import CompiledStep
 from spmd.errors import ConfigError, SpmdError
 from spmd.frontend import step_inputs
@@ -200,7 +200,7 @@ def fake_world(world_size: int) -> Iterator[None]:
     # sharding.default_mesh caches a mesh per device type; one from a destroyed group is stale.
     saved_meshes = dict(sharding._DEFAULT_MESHES)
     sharding._DEFAULT_MESHES.clear()
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from passes.torch_compat import FakeStore
 
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
