@@ -57,7 +57,7 @@ _SCHEMA = (
 )
 
 
-_Parsed = tuple[torch._ops.OpOverload, int, bool, tuple[tuple[str, object], ...]]
+_Parsed = tuple[OpOverload, int, bool, tuple[tuple[str, object], ...]]
 
 
 @functools.cache

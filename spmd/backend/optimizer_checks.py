@@ -14,7 +14,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from passes import torch_compat
 from passes.fused_align import ALIGNED_FUSED
+from passes.torch_compat import OpOverload
 from spmd.errors import ConfigError
 
 _PACKETS = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_")
@@ -23,7 +25,7 @@ _PACKETS = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_")
 def _lists(n: fx.Node) -> list[tuple[str, list[Any]]]:
     """The per-parameter tensor lists of a fused optimizer node, by name (``state_steps`` aside:
     one scalar per parameter); empty for any other node."""
-    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+    if n.op != "call_function" or not isinstance(n.target, OpOverload):
         return []
     if n.target is ALIGNED_FUSED:
         names = ("params", "grads", "state0", "state1", "state2")
@@ -31,7 +33,7 @@ def _lists(n: fx.Node) -> list[tuple[str, list[Any]]]:
     if n.target.name().split("::")[-1].split(".")[0] not in _PACKETS:
         return []
     out = []
-    for i, a in enumerate(n.target._schema.arguments):
+    for i, a in enumerate(torch_compat.op_schema(n.target).arguments):
         if a.kwarg_only or a.name == "state_steps":
             continue
         v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name, [])
