@@ -51,8 +51,8 @@ def _train(rank: int, style: str, batch_rows: int | None = None, **options: Any)
 
 def shared_compile(rank: int, world: int) -> dict[str, Any]:
     """The same graph on both ranks with the shared compile (on: the test sets
-    SPMD_SHARE_COMPILE=1), then each rank compiling itself (caches off), then different graphs per rank (uneven local batches),
-    then a leader whose inductor fails."""
+    SPMD_SHARE_COMPILE=1), then each rank compiling itself (caches off), then different graphs
+    per rank (uneven local batches), then a leader whose inductor fails."""
     out: dict[str, Any] = {
         "shared": _train(rank, "replicate"),
         "own": _train(rank, "replicate", inductor_config={"force_disable_caches": True}),
@@ -66,7 +66,11 @@ def shared_compile(rank: int, world: int) -> dict[str, Any]:
         calls.append(1)
         raise RuntimeError("injected inductor failure")
 
-    with mock.patch("torch._inductor.compile_fx.compile_fx", broken):
+    # spmd reaches inductor through passes.torch_compat, which keeps what it resolved: patch both.
+    with (
+        mock.patch("torch._inductor.compile_fx.compile_fx", broken),
+        mock.patch("passes.torch_compat.compile_fx", broken, create=True),
+    ):
         try:
             _train(rank, "replicate", batch_rows=1)  # the same graph on both, not compiled before
             out["failure"] = None
