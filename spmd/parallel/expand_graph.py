@@ -31,6 +31,7 @@ from passes.meta import (
     Role,
 )
 from passes.ops import TAG_GRAD
+from passes.remat import REMAT
 from passes.torch_compat import pytree
 from spmd.errors import ShardingPropagationError
 from spmd.frontend.kernel_layouts import KernelLayoutFakeMode
@@ -143,7 +144,7 @@ class _Expander(fx.Interpreter):
 
         out: list[tuple[Placement, ...]] = []
         ordered = sorted(self.boundaries, key=len, reverse=True)
-        if a.meta.get(PHASE) is Phase.BACKWARD and consumer.meta.get(PHASE) is Phase.BACKWARD:
+        if _phase(a) is Phase.BACKWARD and _phase(consumer) is Phase.BACKWARD:
             # A gradient entering a planned module's backward (the gradient of its output) takes
             # the layout eager's autograd gives it: the gradient of the output before the output
             # was redistributed (row-parallel: of a partial sum, so replicated).
@@ -152,7 +153,7 @@ class _Expander(fx.Interpreter):
                 if grad_pl is not None and inside(dst, b) and not inside(src, b):
                     return [grad_pl]
             return []
-        if a.meta.get(PHASE) is not Phase.FORWARD or consumer.meta.get(PHASE) is Phase.OPTIMIZER:
+        if _phase(a) is not Phase.FORWARD or consumer.meta.get(PHASE) is Phase.OPTIMIZER:
             return []
         if a.op == "placeholder" and a.meta.get(ROLE) is not Role.INPUT:
             return []
@@ -172,7 +173,7 @@ class _Expander(fx.Interpreter):
         in_pl, out_pl = self.regions[region]
         # Forward values (the stand-in's inputs, saved for backward too) take the input
         # placements; backward values flowing in are gradients of its outputs.
-        want = out_pl if a.meta.get(PHASE) is Phase.BACKWARD else in_pl
+        want = out_pl if _phase(a) is Phase.BACKWARD else in_pl
         own = a.op == "placeholder" and a.meta.get(ROLE) in (Role.PARAM, Role.BUFFER)
         key = (a, None if own else want)
         if key not in self._into:
@@ -198,7 +199,7 @@ class _Expander(fx.Interpreter):
                 for p, i in zip(own, in_pl)
             )
         else:
-            want = in_pl if a.meta.get(PHASE) is Phase.BACKWARD else out_pl
+            want = in_pl if _phase(a) is Phase.BACKWARD else out_pl
         vals: Any = a.meta.get("val")
 
         def wrap(x: Any, like: Any) -> Any:
@@ -329,6 +330,12 @@ class _LocalView:
             return [self.outer(p) for p in pl]
         it = iter(pl)
         return tuple(Replicate() if k in self.local else next(it) for k in range(self.ndim))
+
+
+def _phase(n: fx.Node) -> Any:
+    """The phase whose layouts ``n`` takes at planned modules' boundaries: a forward node's copy
+    that remat recomputes in backward (``REMAT``) is forward there, as the node it copies."""
+    return Phase.FORWARD if REMAT in n.meta else n.meta.get(PHASE)
 
 
 def _sub_mesh(mesh: DeviceMesh, local: Sequence[int], keep: Sequence[int]) -> DeviceMesh:

@@ -22,11 +22,11 @@ from spmd.plan import NamedPlan, plan
 # Hugging Face model types with Llama's module names (spmd.parallel.tp_plans.llama), and the plan
 # the command line searches tensor parallelism with for them (Mixtral: experts replicated over tp).
 _LLAMA_FAMILY = {
-    "llama": "tp_plans.llama()",
-    "mistral": "tp_plans.llama()",
-    "qwen2": "tp_plans.llama()",
-    "qwen3": "tp_plans.llama()",
-    "mixtral": "tp_plans.llama(mlp=False)",
+    "llama": "tp_plans.llama(sequence_parallel=True)",
+    "mistral": "tp_plans.llama(sequence_parallel=True)",
+    "qwen2": "tp_plans.llama(sequence_parallel=True)",
+    "qwen3": "tp_plans.llama(sequence_parallel=True)",
+    "mixtral": "tp_plans.llama(mlp=False, sequence_parallel=True)",
 }
 
 

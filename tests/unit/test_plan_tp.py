@@ -107,5 +107,32 @@ def test_scaled_batch_repeats_the_batch_tp_times() -> None:
 def test_command_line_uses_the_llama_plan_for_llama_family_configs() -> None:
     args = argparse.Namespace(hf_config=None, preset="llama3.1-8b", model=None)
     p = default_tp_plan(args)
-    assert isinstance(p, NamedPlan) and repr(p) == "tp_plans.llama()" and p.keys() == tp_plans.llama().keys()
+    assert isinstance(p, NamedPlan) and repr(p) == "tp_plans.llama(sequence_parallel=True)"
+    assert p.keys() == tp_plans.llama(sequence_parallel=True).keys()
     assert default_tp_plan(argparse.Namespace(hf_config=None, preset=None, model="tiny")) is None
+
+
+def _tiny_llama() -> tuple:
+    cfg = dict(models.PRESETS["llama3.1-8b"], model_type="llama", vocab_size=256)
+    cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+    cfg.update(num_attention_heads=8, num_key_value_heads=4)  # GQA, 1 key/value head per tp rank
+    return models.build_hf(cfg, batch=2, seq=64)
+
+
+def test_full_remat_recomputes_the_forward_with_its_tp_layouts() -> None:
+    """remat="full" under TP on HF Llama: the recomputed forward (phase backward, copies of
+    forward nodes) takes the forward's layouts at the planned modules' boundaries, not the
+    gradients', so it lowers (it did not: the recomputed norm output entered q_proj split on
+    the hidden dimension, and attention's output could not be viewed back) and repeats exactly
+    the forward's tensor-parallel collectives."""
+    tp_bytes = {}
+    for remat in (None, "full"):
+        mode = spmd.DataParallel("fully_shard", tp_size=4, tp_plan=tp_plans.llama())
+        step = spmd.compile(parallel_mode=mode, remat=remat)(models.causal_lm_step)
+        rep = spmd.simulate(step, *_tiny_llama(), world_size=W)
+        tp_bytes[remat] = {k: c.bytes for k, c in rep.collectives_by_dim["tp"].items()}
+    # The recompute repeats the first layer's forward (backward reads the last layer's as
+    # saved): its two row-parallel outputs' all-reduces (batch x seq x d, fp32) and the
+    # vocabulary-parallel loss head's [tokens, 1] statistics; nothing else is added.
+    extra = sum(tp_bytes["full"].values()) - sum(tp_bytes[None].values())
+    assert extra == 2 * (2 * 64 * 256 * 4) + 2 * 64 * 4
