@@ -154,8 +154,8 @@ HEADLINE_QUOTES: list[tuple[str, str, str]] = [
     ("README.md", r"simulated ([\d. /]+) GiB per rank", "remat none / selective"),
     (
         "docs/remat.md",
-        r"\| `None` \| ([\d.]+) GiB[^\n]*\n\| `\"selective\"` \| ([\d.]+) GiB[^\n]*\n\| `0\.5` \| ([\d.]+) GiB"
-        r"[^\n]*\n\| `\"full\"` \| ([\d.]+) GiB",
+        r"\| `None` \| ([\d.]+) GiB[^\n]*\n\| `\"selective\"` \| ([\d.]+) GiB[^\n]*\n"
+        r"\| `0\.5` \| ([\d.]+) GiB[^\n]*\n\| `\"full\"` \| ([\d.]+) GiB",
         "remat none / selective",
     ),
 ]

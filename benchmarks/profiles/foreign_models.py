@@ -1,4 +1,5 @@
-"""Models we did not write at world size 1 and in simulation: the table of benchmarks/results/foreign-models.md.
+"""Models we did not write at world size 1 and in simulation (the table of
+benchmarks/results/foreign-models.md).
 
     OMP_NUM_THREADS=1 python benchmarks/profiles/foreign_models.py                 # the Hugging Face models
                                             # added to tests/sweep_models.py last (HF_MORE)
