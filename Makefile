@@ -62,11 +62,11 @@ examples-smoke: install
 
 # spmd vs DDP and FSDP2 on 2 gloo ranks (1 thread each): prints tables, writes bench.json. ~20-25 min on 2 cores (the plan check and a 6-minute crash hunt included; --no-plan-check, --hunt-minutes 0 skip them).
 bench: install
-	$(BIN)/python benchmarks/run.py
+	$(BIN)/python benchmarks/bench/run.py
 
 # The same harness on small models with a few steps: a smoke run (a few minutes).
 bench-quick: install
-	$(BIN)/python benchmarks/run.py --quick
+	$(BIN)/python benchmarks/bench/run.py --quick
 
 lint: install
 	$(BIN)/ruff check spmd passes tests examples benchmarks

@@ -38,6 +38,14 @@ def load_text(limit: int = 2_000_000) -> str:
     return "".join(c if ord(c) < 128 else "?" for c in "".join(parts)[:limit])
 
 
+def encode_text(limit: int = 2_000_000) -> tuple[str, torch.Tensor]:
+    """(the characters of ``load_text(limit)`` in sorted order, the text as their indices)."""
+    text = load_text(limit)
+    chars = "".join(sorted(set(text)))
+    lut = {c: i for i, c in enumerate(chars)}
+    return chars, torch.tensor([lut[c] for c in text], dtype=torch.long)
+
+
 class Block(nn.Module):
     def __init__(self, d: int, heads: int):
         super().__init__()

@@ -5,16 +5,10 @@
     python examples/override_moe.py --smoke                               # a few steps (CI)
 
 MoE routes each token to its top-1 expert the eager way: `nonzero` picks each expert's tokens, a
-data-dependent shape, so compiling the step fails (the script tries, on a copy, and prints the error):
-
-    spmd.UntraceableOpError: spmd.compile: an operation cannot be traced in module 'moe' at
-    examples/override_moe.py:NN ('idx = (choice == e).nonzero().squeeze(1)') (op aten.nonzero.default) ...
-
-(branching on a value, e.g. `if (choice == e).any():`, raises spmd.DataDependentControlFlowError). The fix:
-an spmd.Override whose replacement(fqn, module) returns DenseMoE, holding the very same router and experts
-(so the optimizer trains the real weights), which runs every expert on every token and weights them with
-one-hot gates. Non-chosen experts are multiplied by exactly zero, so outputs and gradients equal the
-routed module's (checked first, up to matmul summation order), at n_experts times the expert compute.
+data-dependent shape, so compiling the step raises spmd.UntraceableOpError naming that line (shown on a
+copy). The fix: an spmd.Override whose replacement(fqn, module) returns DenseMoE on the very same router and
+experts, which runs every expert on every token with one-hot gates: the same outputs and gradients (checked
+first, up to summation order) at n_experts times the expert compute.
 """
 
 import argparse
@@ -25,9 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from gpt import load_text
+from gpt import encode_text
 
 import spmd
+from spmd.models import train_step  # next-token cross entropy, backward, optimizer step, zero_grad
 
 # ----------------------------------------------------------------------------- settings
 p = argparse.ArgumentParser()
@@ -35,9 +30,8 @@ p.add_argument("--steps", type=int, default=60)  # optimizer steps
 p.add_argument("--smoke", action="store_true")  # a few steps (CI)
 args = p.parse_args()
 steps = 6 if args.smoke else args.steps
-d_model = 32  # embedding width
+d_model, d_hidden = 32, 64  # embedding width, hidden width of each expert's MLP
 n_experts = 4  # experts in the MoE layer; each token uses one
-d_hidden = 64  # hidden width of each expert's MLP
 block, batch = 32, 16  # characters per sequence, sequences per rank per step
 lr = 1e-2  # AdamW learning rate
 data_chars = 200_000  # characters of stdlib source to learn from (see examples/gpt.py)
@@ -97,22 +91,12 @@ class Net(nn.Module):
         return self.head(x + self.moe(self.ln(x)))
 
 
-def train_step(model, optim, x, y):
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
-
-
 def dense_vs_routed(moe: MoE, x: torch.Tensor) -> float:
-    """Asserts DenseMoE's output and gradients match the routed MoE's on x; returns the largest
-    difference relative to the largest entry of its tensor (a gradient sums over all tokens, and
-    summing in another order moves its small entries by more than rtol of themselves)."""
+    """Asserts DenseMoE's output and gradients match the routed MoE's on x; returns the largest difference
+    relative to the largest entry of its tensor (another summation order moves small entries by more)."""
     params, res = list(moe.parameters()), []
     for m in (moe, DenseMoE(moe)):
-        y = m(x)
-        grads = torch.autograd.grad(y.square().mean(), params, allow_unused=True)  # unused expert: None
+        grads = torch.autograd.grad((y := m(x)).square().mean(), params, allow_unused=True)  # unused: None
         res.append([y] + [torch.zeros_like(q) if g is None else g for g, q in zip(grads, params)])
     scales = [b.abs().max().item() for b in res[0]]
     for a, b, s in zip(*res, scales):
@@ -126,10 +110,7 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     say = print if rank == 0 else (lambda *a, **k: None)
-    text = load_text(data_chars)
-    chars = sorted(set(text))
-    lut = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([lut[c] for c in text], dtype=torch.long)
+    chars, data = encode_text(data_chars)
     gen = torch.Generator().manual_seed(1234 + rank)  # a different batch stream per rank
 
     def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,41 +123,30 @@ def main() -> None:
     diff = dense_vs_routed(model.moe, model.ln(model.tok(get_batch()[0])).detach())
     say(f"check: DenseMoE == routed MoE, output and gradients: allclose, max |diff| / max|x| {diff:.1e}")
 
-    # 1. Without an Override the routed MoE cannot be compiled (tried on a copy: the error is the point).
-    twin = copy.deepcopy(model)
-    try:
-        plain = spmd.compile(parallel_mode=spmd.DataParallel("replicate"))(train_step)
-        plain(twin, torch.optim.AdamW(twin.parameters(), lr=lr, fused=True), *get_batch())
+    try:  # 1. Without an Override the routed MoE cannot be compiled (shown on a copy).
+        twin = copy.deepcopy(model)
+        spmd.compile()(train_step)(twin, torch.optim.AdamW(twin.parameters(), fused=True), *get_batch())
         raise SystemExit("expected the routed MoE to be untraceable")
     except (spmd.UntraceableOpError, spmd.DataDependentControlFlowError) as e:
         say(f"without an Override: {type(e).__name__}: {str(e)[:150]}...")
 
     # 2. With it, `moe` becomes DenseMoE before tracing and the whole step compiles into one graph.
     routed, optim = model.moe, torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
-    step = spmd.compile(module_override=[DenseExperts()], parallel_mode=spmd.DataParallel("replicate"))(
-        train_step
-    )
-    say(f"vocab {len(chars)}, {sum(q.numel() for q in model.parameters()) / 1e3:.1f}K params, world {world}")
+    step = spmd.compile(module_override=[DenseExperts()], parallel_mode=spmd.DataParallel())(train_step)
     losses = []
     for i in range(1, steps + 1):
         losses.append(step(model, optim, *get_batch()).item())  # this rank's loss
         if i == 1 or i % max(steps // 6, 1) == 0:
             say(f"step {i}: loss {losses[-1]:.3f}")
     assert type(model.moe) is DenseMoE and model.moe.experts is routed.experts  # the real weights trained
-    if world == 1:  # (at world > 1 the weights are now DTensors, which the eager check does not take)
-        diff = dense_vs_routed(routed, model.ln(model.tok(get_batch()[0])).detach())
-        say(f"check after training: routed MoE == trained DenseMoE (max |diff| / max|x| {diff:.1e})")
     say(f"final: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps; {step.num_graphs} graph(s)")
     if distributed:
         dist.barrier()  # leave together (see train_gpt.py)
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     try:
         main()
-    finally:
-        # Every exit path, an error's included, destroys the group: a gloo group left alive to
-        # the interpreter's exit can abort the rank there (benchmarks/results/crashes.md, "Teardown").
+    finally:  # every exit path destroys the group: a gloo group alive at exit can abort the rank
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -7,8 +7,8 @@
     python examples/train_gpt.py --smoke                                      # world size 1, a few steps
     python examples/sample.py                                                 # generate from the checkpoint
 
-The whole train step (forward, backward, fused AdamW) is compiled into one graph per rank; every
-stage of it is written to spmd_dump/. Each rank draws its own batches, as with DDP.
+The whole train step (forward, backward, fused AdamW) is compiled into one graph per rank, every stage
+written to spmd_dump/; each rank draws its own batches, as with DDP. GPUs: docs/gpu-quickstart.md.
 """
 
 import argparse
@@ -20,8 +20,9 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from gpt import GPT, init_device, load_text
+from gpt import GPT, encode_text, init_device
 
 import spmd
 
@@ -59,12 +60,8 @@ def main() -> None:
         with spmd.gloo_threads(1):  # gloo: one worker thread, so spmd may overlap collectives safely
             dist.init_process_group(**group)
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    text = load_text(data_chars)
-    chars = sorted(set(text))
-    lut = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([lut[c] for c in text], dtype=torch.long)
-    n = int(0.9 * len(data))
-    train_data, val_data = data[:n], data[n:]
+    chars, data = encode_text(data_chars)
+    train_data, val_data = data.tensor_split([int(0.9 * len(data))])  # 90% train, 10% validation
 
     torch.manual_seed(0)  # same initial weights on every rank
     model = GPT(len(chars), d_model, n_layer, n_head, block).to(device)
@@ -73,9 +70,8 @@ def main() -> None:
 
     def get_batch(split: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ix = torch.randint(len(split) - block - 1, (batch,), generator=gen)
-        x = torch.stack([split[i : i + block] for i in ix])
-        y = torch.stack([split[i + 1 : i + block + 1] for i in ix])
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        xy = torch.stack([split[i : i + block + 1] for i in ix]).to(device, non_blocking=True)
+        return xy[:, :-1], xy[:, 1:]  # inputs, next-character targets
 
     bf16 = spmd.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mode = spmd.DataParallel(args.style, mixed_precision=bf16 if args.mixed_precision == "bf16" else None)
@@ -93,19 +89,15 @@ def main() -> None:
         return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
     def val_loss(step_fn) -> float:
-        total = torch.zeros((), device=device)
-        for _ in range(eval_batches):
-            total += step_fn(model, *get_batch(val_data)).detach()
+        total = sum(step_fn(model, *get_batch(val_data)).detach() for _ in range(eval_batches))
         if distributed:
             dist.all_reduce(total)
         return total.item() / (eval_batches * world)
 
     if rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())
-        what = f"{args.style}/{args.backend}, {device.type}"
-        print(f"vocab {len(chars)}, {n_params / 1e6:.2f}M params, world {world}, {what}")
-    # Step 0 runs eagerly (.__wrapped__ is the plain function): the first compiled call should be train_step,
-    # which distributes model *and* optimizer state (as FSDP2 wants fully_shard before the optimizer).
+        print(f"vocab {len(chars)}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
+              f"world {world}, {args.style}/{args.backend}, {device.type}")
+    # Step 0 runs eagerly (__wrapped__): train_step's first call distributes model *and* optimizer state.
     with torch.no_grad():
         first_val = val_loss(eval_step.__wrapped__)
     if rank == 0:
@@ -122,12 +114,10 @@ def main() -> None:
             flops, mem = report.step_flops, report.peak_memory_bytes
             if rank == 0:
                 print(report)
-        if rank == 0:
-            loss_v = loss.item()  # waits for the step: the times below are the device's
-            dt = max(time.perf_counter() - t0, 1e-9)
-            if device.type == "cuda":
-                mem = torch.cuda.max_memory_allocated(device)  # measured on the GPU
-            peak = (args.peak_tflops or 0) * 1e12
+        if rank == 0:  # loss.item() waits for the step, so the times are the device's
+            loss_v, dt = loss.item(), max(time.perf_counter() - t0, 1e-9)
+            mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else mem  # GPU: measured
+            peak = (args.peak_tflops or 0) * 1e12  # the device's dense peak, FLOP/s
             mfu = f" MFU {flops * (step - 1) / dt / peak:.1%}" if peak else ""  # model FLOPs / peak
             bar = "#" * (30 * step // steps)
             print(f"\r[{bar:<30}] {step}/{steps} loss {loss_v:.3f} {tokens / dt:,.0f} tok/s "
@@ -141,26 +131,21 @@ def main() -> None:
 
     os.makedirs(ckpt_dir, exist_ok=True)
     if distributed:  # DTensor state (sharded or replicated) -> DCP writes each rank's piece
-        import torch.distributed.checkpoint as dcp
-
         warnings.filterwarnings("ignore", "Detected an existing checkpoint")  # overwriting is intended
         dcp.save({"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id=ckpt_dir)
     else:
         torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, f"{ckpt_dir}/model.pt")
     if rank == 0:
-        meta = dict(chars="".join(chars), d_model=d_model, n_layer=n_layer, n_head=n_head, block=block)
+        meta = dict(chars=chars, d_model=d_model, n_layer=n_layer, n_head=n_head, block=block)
         torch.save(meta, f"{ckpt_dir}/meta.pt")  # what sample.py needs to rebuild the model
         print(f"checkpoint saved to {ckpt_dir}/")
     if distributed:  # leave together, so no rank tears the group down while rank 0 writes meta.pt
         dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     try:
         main()
-    finally:
-        # Every exit path destroys the group: a gloo group alive at exit can abort the rank there
-        # (docs/troubleshooting.md, gloo).
+    finally:  # every exit path destroys the group: a gloo group alive at exit can abort the rank
         if dist.is_initialized():
             dist.destroy_process_group()

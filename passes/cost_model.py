@@ -336,7 +336,7 @@ def chunked_head_time(values: Any, flops_s: float, bytes_s: float, launch_s: flo
     work on the chunk's [rows, V] logits (cast, log-softmax, loss, its backward, cast back: about
     eight passes). Each matmul takes the longer of its FLOPs and its bytes; the elementwise passes
     take their bytes. With few rows per chunk the matmuls are bound by re-reading ``W`` and
-    ``grad_W`` once per chunk: measured on an H100 (benchmarks/cuda_check.py llama, 2 blocks of the
+    ``grad_W`` once per chunk: measured on an H100 (benchmarks/bench/cuda_check.py llama, 2 blocks of the
     Llama 3.1 8B's shapes, 8,192 tokens, 2026-11-25), 256-row chunks (the default rule) made the
     step 25 ms slower than one chunk, 1,024-row chunks 2.5 ms, 2,048 0.7 ms."""
     (x, w, _target, _grad, chunk, *rest), _ = values

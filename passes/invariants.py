@@ -159,7 +159,7 @@ def check_invariants(gm: fx.GraphModule) -> None:
 # reference at the issue: the process group's work object holds the input (``all_reduce_``,
 # the all-gathers, ``all_to_all_single``), or the op copied it when issued (the functional
 # ``all_reduce``, ``reduce_scatter_tensor``, ``broadcast`` send a clone). Measured on gloo,
-# torch 2.13.0 (``benchmarks/collective_refs.py``: the input's reference count after the issue,
+# torch 2.13.0 (``benchmarks/diagnostics/collective_refs.py``: the input's reference count after the issue,
 # and a correct result after the input is dropped and the heap churned while the peer joins
 # late); ``tests/dist/test_collective_refs.py`` keeps it true on the installed torch.
 INPUT_HELD = frozenset(

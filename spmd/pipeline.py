@@ -296,7 +296,8 @@ def gloo_concurrent(gm: fx.GraphModule) -> bool:
     thread (``torch.distributed.init_process_group("gloo")`` makes two), where two collectives
     in flight run at once -- and on torch 2.13's gloo, two at once can corrupt the heap: a
     rank aborts with "malloc(): unaligned tcache chunk detected" or computes on in silence
-    (reproduced without spmd: ``benchmarks/gloo_concurrent_collectives.py``; docs/troubleshooting.md).
+    (reproduced without spmd: ``benchmarks/diagnostics/gloo_concurrent_collectives.py``;
+    docs/troubleshooting.md).
     spmd then keeps one collective in flight at a time. A group made under
     ``spmd.gloo_threads(1)`` runs its collectives one after another itself and keeps the
     overlap between collectives."""

@@ -188,7 +188,7 @@ def test_train_gpt_cuda_path_up_to_the_device(monkeypatch) -> None:
     assert device == torch.device("cuda", 3) and calls == [device]
     assert group == {"backend": "nccl", "device_id": device}
     src = (EXAMPLES / "train_gpt.py").read_text()  # the example puts the model and each batch there
-    assert "init_process_group(**group)" in src and ".to(device)" in src and "x.to(device" in src
+    assert "init_process_group(**group)" in src and ".to(device)" in src and ".to(device, non_blocking" in src
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device (none here)")

@@ -8,7 +8,7 @@
 #   MODE=demo benchmarks/diagnostics/crash_hunt.sh 20        # torchrun examples/train_gpt.py --smoke in a loop
 #   MODE=steps benchmarks/diagnostics/crash_hunt.sh 20       # benchmarks/diagnostics/crash_hunt_steps.py: STEPS compiled
 #                                                # steps of 5 configs, two copies compared bit for bit
-#   MODE=plan_check benchmarks/diagnostics/crash_hunt.sh 30  # benchmarks/plan_check.py: 10 configurations of the
+#   MODE=plan_check benchmarks/diagnostics/crash_hunt.sh 30  # benchmarks/plan_validation/plan_check.py: 10 configurations of the
 #                                                # bench models in one torchrun job (a rank's SIGSEGV seen there)
 #   MODE=teardown CASE=unwaited RUNS=50 STRESS=0 benchmarks/diagnostics/crash_hunt.sh 30
 #                                                # benchmarks/diagnostics/valgrind_workloads.py teardown: 2 tiny torchrun
@@ -97,7 +97,7 @@ while [ "$(date +%s)" -lt "$end" ] && { [ -z "${RUNS:-}" ] || [ "$runs" -lt "$RU
   elif [ "$MODE" = plan_check ]; then
     # Where a rank died of SIGSEGV once (2026-11-25, GPT fully_shard, eager backend, under load):
     # the calibration, then 10 configurations compiled and run one after another in one process.
-    TMPDIR=$OUT_DIR nice -n 15 timeout 1800 "$PY" benchmarks/plan_check.py --out "$OUT_DIR/plan_check.json" >"$log" 2>&1
+    TMPDIR=$OUT_DIR nice -n 15 timeout 1800 "$PY" benchmarks/plan_validation/plan_check.py --out "$OUT_DIR/plan_check.json" >"$log" 2>&1
     rc=$?
     cat "$OUT_DIR"/spmd_plan_check_*.log >>"$log" 2>/dev/null
     rm -f "$OUT_DIR"/spmd_plan_check_*.log

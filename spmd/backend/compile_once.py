@@ -3,7 +3,7 @@
 Under ``torchrun`` every rank of a host compiles its final graph at the same moment, on the
 same cores. With data parallelism the graphs are usually identical, so all but one of those
 compiles are wasted, and they slow the one that matters (measured on 2 cores, 2 ranks:
-``benchmarks/compile_time.py --ranks 2``). Here the first rank to reach the lowering of a
+``benchmarks/profiles/compile_time.py --ranks 2``). Here the first rank to reach the lowering of a
 given graph on a host (the *leader*) compiles it; every other rank with the same graph on
 that host (a *follower*) waits until the leader is done, then compiles too, and its compile
 is a hit in inductor's on-disk caches (FX graph cache, with the kernels in the code cache

@@ -57,7 +57,7 @@ _BUDGET_S = 0.3
 _MIN_REPS, _MAX_REPS = 3, 15
 # oneDNN must beat ATen (inductor's own choice) by more than this fraction of ATen's median:
 # medians of the same call differ by a few percent between runs on loaded cores (two runs of
-# benchmarks/gemm_shapes.py here, 2026-11-25), so a closer call keeps inductor's default.
+# benchmarks/profiles/gemm_shapes.py here, 2026-11-25), so a closer call keeps inductor's default.
 _MARGIN = 0.05
 _CACHE_FILE = "gemm_policy.json"
 

@@ -5,7 +5,7 @@ for a group made by ``torch.distributed.init_process_group("gloo")``: two collec
 run at once. On torch 2.13 that can corrupt the heap -- a shared-pointer control block of gloo's
 TCP transport (``gloo::transport::tcp::UnboundBuffer``) is released twice -- so a rank aborts
 with "malloc(): unaligned tcache chunk detected" (or another glibc heap message), or goes on
-with a corrupted heap. Reproduced without spmd by ``benchmarks/gloo_concurrent_collectives.py``
+with a corrupted heap. Reproduced without spmd by ``benchmarks/diagnostics/gloo_concurrent_collectives.py``
 (docs/troubleshooting.md). With one thread the group runs collectives one after another, still in the
 background of the caller's compute, and the corruption was not seen.
 

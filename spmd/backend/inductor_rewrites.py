@@ -27,7 +27,7 @@ from passes.torch_compat import OpOverload
 from spmd.backend import gemm_policy
 
 # Smallest matmul (m * k * n) inductor_gemm="onednn" sends to oneDNN: its per-call setup made the
-# ResMLP's 32x64x256 matmuls slower than MKL's (benchmarks/profile_step.py --model overhead), while
+# ResMLP's 32x64x256 matmuls slower than MKL's (benchmarks/profiles/profile_step.py --model overhead), while
 # the GPT's (>= 1024x256x256) are 1.5-3x faster on an AVX-512 EPYC.
 _ONEDNN_MIN_MACS = 1 << 22
 

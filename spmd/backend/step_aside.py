@@ -85,7 +85,7 @@ MAX_CALLS = len(WARM_UP) + 2 * MAX_PAIRS
 # Eager must beat inductor's median by more than this fraction to be kept, and the medians must
 # differ by more than it to stop before MAX_PAIRS: a small floor, so a tie keeps inductor's code,
 # while a real loss of a few percent still steps aside. The noise is larger on loaded cores: with
-# the same callable in both slots (benchmarks/step_aside_noise.py, 2026-11-25, world size 1, 1
+# the same callable in both slots (benchmarks/profiles/step_aside_noise.py, 2026-11-25, world size 1, 1
 # thread, load ~8 on 2 cores, 3+3 steps) the medians differed by a median 2.9% (encoder), 5.9%
 # (GPT), 14% (overhead model); hence the spread test and the longer measurement.
 MARGIN = 0.03

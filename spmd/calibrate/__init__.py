@@ -82,7 +82,7 @@ _N_INTERLEAVED = 20
 
 # A reading of the roofline constants (the matmul rate, the add bandwidth) is the median of this
 # many calls of its function, each on fresh operands: one call (itself the median of 5 repeats of
-# at least 20 ms) varied 2x from call to call on the idle machine (benchmarks/probe_check.py,
+# at least 20 ms) varied 2x from call to call on the idle machine (benchmarks/plan_validation/probe_check.py,
 # 2026-11-25 16:38: 43.1 and 87.8 GFLOP/s on the two ranks at the same point), so a single call
 # says little about the machine. Five: the fewest whose median ignores two outliers.
 READINGS = 5
@@ -95,7 +95,7 @@ def median_reading(measure: Callable[[], float], readings: int = READINGS) -> fl
 
 def probe_readings(readings: int = READINGS) -> tuple[list[float], list[float]]:
     """``readings`` calls each of the fp32 matmul rate and the add bandwidth (FLOP/s, bytes/s):
-    the probe ``benchmarks/plan_check.py`` takes during its rounds, against the same two
+    the probe ``benchmarks/plan_validation/plan_check.py`` takes during its rounds, against the same two
     constants in :func:`measure_compute`."""
     flops = [measure_matmul(torch.float32) for _ in range(readings)]
     return flops, [measure_memory_bandwidth() for _ in range(readings)]

@@ -34,7 +34,7 @@ _NON_HYPER_KEYS = frozenset({"params", "param_names"})
 # In-place fused optimizer kernels that torch 2.13 ships without a Meta kernel. Fake tensor
 # mode then runs the real CPU kernel on zero-filled real copies of every parameter, gradient
 # and state tensor: for GPT-2 small with fused AdamW that is ~2 GB, and the trace took 24.5 s
-# instead of 6.7 s (benchmarks/trace_time.py).
+# instead of 6.7 s (benchmarks/profiles/trace_time.py).
 # They return nothing and change no tensor's metadata, so the Meta kernel has nothing to do.
 _FUSED_INPLACE_OPS = (
     "_fused_adam_.tensor_lr",

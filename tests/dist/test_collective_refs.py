@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.collective_refs import probe
+from benchmarks.diagnostics.collective_refs import probe
 from passes.invariants import INPUT_HELD
 
 

@@ -1,6 +1,6 @@
 """spmd on a gloo group with two worker threads (torch's default) keeps one collective in flight
 at a time: torch's gloo can corrupt the heap when two collectives run at once (benchmarks/results/crashes.md,
-benchmarks/gloo_concurrent_collectives.py). On a group made under ``spmd.gloo_threads(1)`` the
+benchmarks/diagnostics/gloo_concurrent_collectives.py). On a group made under ``spmd.gloo_threads(1)`` the
 collectives overlap each other as before, and cross_step_prefetch (a gather in flight across calls)
 is on only there. Same values either way, bit for bit."""
 

@@ -1,10 +1,11 @@
-"""benchmarks/plan_check.py's summary: the ten original rows apart, and which orderings are noise."""
+"""benchmarks/plan_validation/plan_check.py's summary: the ten original rows apart, and which orderings
+are noise."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import plan_check
+from benchmarks.plan_validation import plan_check
 
 
 def _row(model: str, measured: float, iqr: float, predicted: float) -> dict[str, object]:

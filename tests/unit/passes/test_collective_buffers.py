@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 import spmd
-from benchmarks import models as bench_models
+from benchmarks.bench import models as bench_models
 from passes import collectives as C
 from passes.invariants import INPUT_HELD, InvariantViolation, check_collective_buffers, check_invariants
 from passes.meta import Phase, Role

@@ -1,7 +1,7 @@
 """Per-call cost of ``spmd::aligned_fused_optimizer_`` against the bare fused kernel it wraps.
 
-    OMP_NUM_THREADS=1 python benchmarks/fused_align_overhead.py              # 64 tiny ragged shards
-    OMP_NUM_THREADS=1 python benchmarks/fused_align_overhead.py --params 8 --numel 33
+    OMP_NUM_THREADS=1 python benchmarks/profiles/fused_align_overhead.py              # 64 tiny ragged shards
+    OMP_NUM_THREADS=1 python benchmarks/profiles/fused_align_overhead.py --params 8 --numel 33
 
 What fully_shard runs for one optimizer bucket of a deep stack of tiny blocks (almost every shard
 ragged): ``_fused_adamw_`` on ``--params`` shards of ``--numel`` elements, once bare and once
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from passes.fused_align import ALIGNED_FUSED, wrap_args  # noqa: E402
 
 p = argparse.ArgumentParser()

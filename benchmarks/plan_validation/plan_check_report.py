@@ -1,4 +1,5 @@
-"""The summary and table of ``benchmarks/plan_check.py``: Spearman's rank correlation, the errors
+"""The summary and table of ``benchmarks/plan_validation/plan_check.py``: Spearman's rank correlation, the
+errors
 over the ten original rows and over all rows, and the printed table (split out of plan_check.py)."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Validation of the cost model behind ``spmd.plan``: predicted vs measured, on 2 gloo ranks.
 
-    python benchmarks/plan_check.py                   # calibrate, then one torchrun job (~4 min on 2 cores)
-    python benchmarks/plan_check.py --quick           # small models, few steps
-    python benchmarks/plan_check.py --malloc system   # glibc's default allocator settings
+    python benchmarks/plan_validation/plan_check.py     # calibrate, then one torchrun job (~4 min on 2 cores)
+    python benchmarks/plan_validation/plan_check.py --quick           # small models, few steps
+    python benchmarks/plan_validation/plan_check.py --malloc system   # glibc's default allocator settings
 
 ``make bench`` runs it after the DDP/FSDP2 comparison (``run.py``) and adds its records to
 ``bench.json``. Per configuration (the bench models of ``models.py`` x five spmd data-parallel
@@ -54,12 +54,11 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, HERE)
 
-from malloc_keep import MALLOC_KEEP  # noqa: E402 (one dict, shared with run.py)
-from plan_check_report import ORIGINAL, spearman, summaries, summary, table  # noqa: E402,F401 (re-exported)
+from benchmarks.bench.malloc_keep import MALLOC_KEEP  # noqa: E402 (one dict, shared with run.py)
+from benchmarks.plan_validation.plan_check_report import ORIGINAL, spearman, summaries, summary, table  # noqa: E402,F401 (re-exported)
 
 _PREFETCH_0 = {"forward_prefetch": 0, "backward_prefetch": 0}
 _PREFETCH_2 = {"forward_prefetch": 2, "backward_prefetch": 2}
@@ -84,10 +83,10 @@ MODELS: dict[str, list[tuple[str, dict[str, Any]]]] = {
 
 
 def worker(args: argparse.Namespace) -> None:
-    import models
     import torch
     import torch.distributed as dist
 
+    from benchmarks.bench import models
     from spmd.calibrate import measure_compute
     from spmd.profiles import get_profile
 
@@ -180,9 +179,9 @@ class Row:
     def finish(self, prof: Any) -> dict[str, Any]:
         """The record: measured (the slower rank's step, median and IQR over steps) and MemTracker
         peak, against the cost model's and the report's predictions."""
-        import measure
         import torch.distributed as dist
 
+        from benchmarks.bench import measure
         from passes.cost_model import GroupInfo, estimate_step_time
 
         world = dist.get_world_size()
@@ -454,6 +453,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import rank_main
+    from benchmarks import rank_main
 
     rank_main.run(main)

@@ -1,6 +1,6 @@
 """Llama 3.1 8B at torchtitan's Table 1 setting: predicted tokens/s per GPU and peak, per profile.
 
-    PYTHONPATH=$PWD python benchmarks/plan_llama8b.py [--remat selective] [--layers 32]
+    PYTHONPATH=$PWD python benchmarks/plan_validation/plan_llama8b.py [--remat selective] [--layers 32]
         [--profiles h100-hbm2e-500w,h100-hbm2e-500w@sxm,h100-80gb,h100-80gb-roofline]
 
 The setting (torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``, Table 1; formerly

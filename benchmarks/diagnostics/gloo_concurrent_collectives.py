@@ -1,10 +1,11 @@
 """torch's gloo corrupts the heap when two collectives run at once: torch's own calls, no spmd.
 
     # torch's default group (two worker threads), six functional collectives in flight:
-    torchrun --standalone --nproc_per_node=2 benchmarks/gloo_concurrent_collectives.py
+    torchrun --standalone --nproc_per_node=2 benchmarks/diagnostics/gloo_concurrent_collectives.py
     # the same with one worker thread (spmd.gloo_threads(1)), or one collective in flight:
-    torchrun --standalone --nproc_per_node=2 benchmarks/gloo_concurrent_collectives.py --threads 1
-    torchrun --standalone --nproc_per_node=2 benchmarks/gloo_concurrent_collectives.py --in-flight 1
+    torchrun --standalone --nproc_per_node=2 benchmarks/diagnostics/gloo_concurrent_collectives.py --threads 1
+    torchrun --standalone --nproc_per_node=2 benchmarks/diagnostics/gloo_concurrent_collectives.py \
+        --in-flight 1
 
 Each rank issues ``--in-flight`` functional collectives (all_gather_into_tensor, all_to_all_single,
 all_reduce of 8 to 6,352 floats, the sizes of a small fully_shard step), then waits on them one by
@@ -26,13 +27,16 @@ exit code is 0 when every iteration finished on both ranks.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
-import rank_main
 import torch
 import torch.distributed as dist
 
-import spmd
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import spmd  # noqa: E402
+from benchmarks import rank_main  # noqa: E402
 
 SIZES = [16, 32, 2048, 6352, 64, 8]  # floats; divisible by the 2 ranks
 

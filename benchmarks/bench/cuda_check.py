@@ -2,11 +2,11 @@
 and predicted vs measured step time and peak memory. Not part of the suite (CI has no GPU).
 
     # bit-for-bit sweep (tests/sweep_models.py) against DDP and FSDP2, NCCL, one GPU:
-    torchrun --standalone --nproc_per_node=1 benchmarks/cuda_check.py parity --pg nccl
+    torchrun --standalone --nproc_per_node=1 benchmarks/bench/cuda_check.py parity --pg nccl
     # the same at 2 ranks sharing one GPU (NCCL refuses two ranks on one device; gloo moves CUDA tensors):
-    torchrun --standalone --nproc_per_node=2 benchmarks/cuda_check.py parity --pg gloo
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench/cuda_check.py parity --pg gloo
     # an HF Llama with the 8B's shapes and fewer layers: measured vs the cost model (h100-80gb)
-    torchrun --standalone --nproc_per_node=1 benchmarks/cuda_check.py llama --layers 2 --seq 8192
+    torchrun --standalone --nproc_per_node=1 benchmarks/bench/cuda_check.py llama --layers 2 --seq 8192
 
 Each mode prints one JSON line per case and writes them to ``--out``. ``parity``: per case the
 largest loss and parameter differences from DDP (and FSDP2 where its semantics agree), with
@@ -31,7 +31,7 @@ import zlib
 from typing import Any
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
@@ -406,6 +406,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import rank_main
+    from benchmarks import rank_main
 
     rank_main.run(main)

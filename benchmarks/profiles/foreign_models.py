@@ -1,8 +1,9 @@
-"""Models we did not write at world size 1 and in simulation: the table of docs/limitations.md.
+"""Models we did not write at world size 1 and in simulation (the table of
+benchmarks/results/foreign-models.md).
 
-    OMP_NUM_THREADS=1 python benchmarks/foreign_models.py                 # the Hugging Face models
+    OMP_NUM_THREADS=1 python benchmarks/profiles/foreign_models.py                 # the Hugging Face models
                                             # added to tests/sweep_models.py last (HF_MORE)
-    OMP_NUM_THREADS=1 python benchmarks/foreign_models.py hf_gpt2 hf_opt  # some sweep models by name
+    OMP_NUM_THREADS=1 python benchmarks/profiles/foreign_models.py hf_gpt2 hf_opt  # some sweep models by name
 
 For each model of ``tests/sweep_models.py``: (a) ``spmd.compile()`` of the sweep's train step
 (forward, backward, fused AdamW, zero_grad) against the same eager step, 3 steps from the same
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import spmd  # noqa: E402
 from tests import sweep_models as S  # noqa: E402
 

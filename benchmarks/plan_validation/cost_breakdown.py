@@ -1,9 +1,9 @@
 """Where the cost model's step time goes against where a real step's goes, per op class and per op.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/cost_breakdown.py --models overhead,gpt \
-        [--profile ~/.cache/spmd/cpu-local.json] [--steps 5] [--table 15] [--stamps]
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/plan_validation/cost_breakdown.py \
+        --models overhead,gpt [--profile ~/.cache/spmd/cpu-local.json] [--steps 5] [--table 15] [--stamps]
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD torchrun --standalone --nproc_per_node=2 \
-        benchmarks/cost_breakdown.py --stamps --style replicate --models overhead
+        benchmarks/plan_validation/cost_breakdown.py --stamps --style replicate --models overhead
 
 World size 1 (no process group, no collectives): each bench model's step is compiled with the
 eager backend, timed, then profiled with ``torch.profiler`` for ``--steps`` steps. The CPU time
@@ -40,11 +40,9 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-import models  # noqa: E402
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 import spmd  # noqa: E402
+from benchmarks.bench import models  # noqa: E402
 from passes import collectives as C  # noqa: E402
 from passes import cost_model as cm  # noqa: E402
 from spmd.profiles import get_profile  # noqa: E402
@@ -295,6 +293,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import rank_main
+    from benchmarks import rank_main
 
     rank_main.run(main)

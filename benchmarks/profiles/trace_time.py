@@ -1,15 +1,15 @@
 """How long spmd takes to trace a GPT-2-small-shaped train step, and how big the graph is.
 
-    OMP_NUM_THREADS=1 python benchmarks/trace_time.py            # GPT-2 small: 12 x 768, vocab 50257
-    OMP_NUM_THREADS=1 python benchmarks/trace_time.py --layers 2 # a quicker look
-    OMP_NUM_THREADS=1 python benchmarks/trace_time.py --backend inductor  # + inductor's lowering
+    OMP_NUM_THREADS=1 python benchmarks/profiles/trace_time.py            # GPT-2 small: 12 x 768, vocab 50257
+    OMP_NUM_THREADS=1 python benchmarks/profiles/trace_time.py --layers 2 # a quicker look
+    OMP_NUM_THREADS=1 python benchmarks/profiles/trace_time.py --backend inductor  # + inductor's lowering
                                   # (run twice with one TORCHINDUCTOR_CACHE_DIR: cold, then warm)
 
 Prints the wall time of the first call (trace + partition + passes + one real step), the trace time
 spmd logs for make_fx alone, the node count of graphs['traced'], and the time of a cached step.
 World size 1 (no process group).
 
-    OMP_NUM_THREADS=1 python benchmarks/trace_time.py --simulate 2,1024   # spmd.simulate instead
+    OMP_NUM_THREADS=1 python benchmarks/profiles/trace_time.py --simulate 2,1024   # spmd.simulate instead
 
 With ``--simulate``: for each world size, in one process, the time of ``spmd.simulate`` of the
 model's fully_shard step (trace + partition + passes, under the fake process group, never run)
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import spmd  # noqa: E402
 from spmd import models as spmd_models  # noqa: E402
 from tests.models import TinyGPT  # noqa: E402  (token+pos embedding, pre-LN blocks, SDPA, tied head)

@@ -1,8 +1,8 @@
 """spmd against DDP and FSDP2: step time, peak memory, communication and compile time, in one run.
 
-    python benchmarks/run.py            # = make bench: every model, every variant (~20 min on 2 cores)
-    python benchmarks/run.py --quick    # = make bench-quick: small models, few steps (smoke)
-    python benchmarks/run.py --models gpt --variants no_comm,fsdp2,spmd_fully_shard
+    python benchmarks/bench/run.py            # = make bench: every model, every variant (~20 min on 2 cores)
+    python benchmarks/bench/run.py --quick    # = make bench-quick: small models, few steps (smoke)
+    python benchmarks/bench/run.py --models gpt --variants no_comm,fsdp2,spmd_fully_shard
 
 Each model runs as one ``torchrun --standalone --nproc_per_node=2`` job (gloo, OMP_NUM_THREADS=1 and
 one torch thread per rank) that builds every variant with the same initial weights and per-rank
@@ -68,10 +68,10 @@ import tempfile
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-from malloc_keep import MALLOC_KEEP  # noqa: E402 (one dict, shared with plan_check.py)
-from worker import ABLATIONS, OPTION_VARIANTS, REFERENCES, VARIANTS  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+from benchmarks.bench.malloc_keep import MALLOC_KEEP  # noqa: E402 (one dict, shared with plan_check.py)
+from benchmarks.bench.worker import ABLATIONS, OPTION_VARIANTS, REFERENCES, VARIANTS  # noqa: E402
 
 MODELS = ("overhead", "gpt", "encoder")
 # --malloc keep: glibc serves no allocation by mmap (each fresh mmap'd page faults in as it is
@@ -380,7 +380,8 @@ def overlap_table(rec: dict[str, Any]) -> str:
                 _mib(pr["peak_mem_bytes"]),
             )
         )
-    text = "predicted by the cost model of benchmarks/overlap.py (spmd_fully_shard):\n" + markdown(head, rows)
+    text = "predicted by the cost model of benchmarks/bench/overlap.py (spmd_fully_shard):\n"
+    text += markdown(head, rows)
     for failure in ov.get("inductor", {}).get("failed_first", []):
         text += f"\n(inductor first failed with {failure})"
     return text
@@ -459,7 +460,8 @@ def crash_hunt(minutes: float) -> dict[str, Any] | None:
         env.pop(k, None)
     print(f"== crash hunt: {minutes:g} min of benchmarks/diagnostics/crash_hunt.sh MODE=steps", flush=True)
     # MINUTES is whole minutes; a run that starts before the end finishes (a few minutes at most).
-    cmd = ["bash", os.path.join(HERE, "diagnostics", "crash_hunt.sh"), str(max(1, round(minutes)))]
+    hunt = os.path.join(ROOT, "benchmarks", "diagnostics", "crash_hunt.sh")
+    cmd = ["bash", hunt, str(max(1, round(minutes)))]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     total = next((ln for ln in done.stdout.splitlines() if ln.startswith("TOTAL ")), None)
     if total is None:
@@ -519,7 +521,7 @@ def main() -> None:
         all_records.extend(recs)
     check: dict[str, Any] | None = None
     if not args.no_plan_check:
-        import plan_check
+        from benchmarks.plan_validation import plan_check
 
         print("== plan check: the cost model of spmd.plan, predicted vs measured", flush=True)
         check = plan_check.run(quick=args.quick, log_path=log_path, timeout=timeout, malloc=args.malloc)
@@ -553,7 +555,7 @@ def main() -> None:
     print(
         "\nIQR: interquartile range of the step times over the median; "
         "peak MiB: MemTracker over one step (DDP's C++ gradient buckets and inductor's buffers not seen: "
-        "benchmarks/backend_memory.py measures the inductor backend); "
+        "benchmarks/profiles/backend_memory.py measures the inductor backend); "
         "pred MiB: spmd report(); "
         "comm MiB: per rank per step, larger side of each collective (profiler); min MiB: least the "
         "variant's semantics need; wire MiB: bytes written to sockets (/proc/self/io); colls: collective "
@@ -562,7 +564,7 @@ def main() -> None:
         "(eager / inductor median step over the first steps, and the timed pairs; spmd.backend.step_aside)."
     )
     if check is not None:
-        import plan_check
+        from benchmarks.plan_validation import plan_check
 
         print("\n### plan check: spmd.plan's cost model (cpu-local, calibrated in this run) vs measured\n")
         if "error" in check:

@@ -1,7 +1,7 @@
 """Peak memory of one cached step, backend="eager" against backend="inductor" (world size 1).
 
-    MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1 python benchmarks/backend_memory.py eager
-    MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1 python benchmarks/backend_memory.py inductor
+    MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1 python benchmarks/profiles/backend_memory.py eager
+    MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1 python benchmarks/profiles/backend_memory.py inductor
 
 inductor's buffers bypass both MemTracker and the profiler's allocation events, so this reads the
 process's resident set: the high-water mark is reset (``/proc/self/clear_refs`` 5), one step runs,
@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0])
+sys.path.insert(0, __file__.rsplit("/", 3)[0])
 import spmd  # noqa: E402
 
 # ----------------------------------------------------------------------------- settings

@@ -1,6 +1,6 @@
 """One rank of one benchmark model: every variant, timed in interleaved rounds. Run by run.py.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/worker.py --model gpt --out /tmp/gpt.json
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench/worker.py --model gpt --out /tmp/gpt.json
 
 Per variant: build the model (same seed), wrap it, make fused AdamW, and call the step once
 (for spmd: trace + partition + passes + one step); then ``warmup`` steps. Timing runs in
@@ -36,11 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import measure  # noqa: E402
-import models  # noqa: E402
+from benchmarks.bench import measure, models  # noqa: E402
 
 VARIANTS = (
     "no_comm",
@@ -422,7 +420,7 @@ def main() -> None:
 def run_overlap(v: Variant, rank: int, world: int) -> dict[str, Any] | None:
     """Item 4 (see overlap.py): calibrate on all ranks, analyse on rank 0."""
     try:
-        import overlap
+        from benchmarks.bench import overlap
     except Exception as exc:  # noqa: BLE001
         return {"error": f"unavailable: {one_line(exc)}"}
     try:
@@ -443,6 +441,6 @@ def run_overlap(v: Variant, rank: int, world: int) -> dict[str, Any] | None:
 
 
 if __name__ == "__main__":
-    import rank_main
+    from benchmarks import rank_main
 
     rank_main.run(main)

@@ -1,7 +1,7 @@
 """Host (Python) overhead of a cached compiled step: everything a call does besides running the graph.
 
-    OMP_NUM_THREADS=1 python benchmarks/host_overhead.py              # 24 residual MLP blocks
-    OMP_NUM_THREADS=1 python benchmarks/host_overhead.py --blocks 4   # a smaller model
+    OMP_NUM_THREADS=1 python benchmarks/profiles/host_overhead.py              # 24 residual MLP blocks
+    OMP_NUM_THREADS=1 python benchmarks/profiles/host_overhead.py --blocks 4   # a smaller model
 
 World size 1 (no process group). The compiled step is called once (trace), then its final graph
 is swapped for a null graph that returns the outputs of one real run: the wall time of a call is
@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import spmd  # noqa: E402
 
 # ----------------------------------------------------------------------------- settings

@@ -8,7 +8,7 @@ checks the result. It also prints the input storage's reference count right afte
 issue: above the 1 that the Python tensor holds means the process group's work object
 holds the buffer, so dropping the Python reference does not free it.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/collective_refs.py
+    PYTHONPATH=. .venv/bin/python benchmarks/diagnostics/collective_refs.py
 """
 
 from __future__ import annotations

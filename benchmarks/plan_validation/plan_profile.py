@@ -1,7 +1,8 @@
 """Where the time of ``spmd.plan`` goes: cProfile of one plan, summed by stage.
 
-    python benchmarks/plan_profile.py --preset llama3.1-70b --world-size 1024 --batch 2 --seq 8192 \
-        --mixed-precision bf16 --styles fully_shard --prefetch 1 --min-unit-mb 1 --reshard true
+    python benchmarks/plan_validation/plan_profile.py --preset llama3.1-70b --world-size 1024 \
+        --batch 2 --seq 8192 --mixed-precision bf16 --styles fully_shard \
+        --prefetch 1 --min-unit-mb 1 --reshard true
 
 Takes the model options of ``python -m spmd.plan`` and a narrowed search (default: one
 configuration, no remat), runs the plan under cProfile and prints the cumulative time of each
@@ -19,7 +20,7 @@ import pstats
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 # (stage, (file suffix, function name)): the functions whose cumulative time is the stage's.

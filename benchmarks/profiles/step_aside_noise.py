@@ -1,7 +1,7 @@
 """The noise of the measured choice of ``spmd.backend.step_aside``: what it decides between two
 identical callables, timed as it times inductor's code against the eager backend's graph.
 
-    OMP_NUM_THREADS=1 python benchmarks/step_aside_noise.py --models overhead,gpt,encoder --reps 8
+    OMP_NUM_THREADS=1 python benchmarks/profiles/step_aside_noise.py --models overhead,gpt,encoder --reps 8
 
 World size 1, one thread, the spmd eager backend's step of each bench model. Each repetition runs
 step_aside's schedule with the SAME callable in both slots, A for inductor and B for eager (a
@@ -23,11 +23,9 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-import models  # noqa: E402
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 import spmd  # noqa: E402
+from benchmarks.bench import models  # noqa: E402
 from spmd.backend.step_aside import EAGER, INDUCTOR, choose, iqr, scheduled, settled  # noqa: E402
 
 

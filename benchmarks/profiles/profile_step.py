@@ -1,6 +1,6 @@
 """Where one rank's step time goes, per variant, by category (torch.profiler on CPU).
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/profile_step.py \
+    torchrun --standalone --nproc_per_node=2 benchmarks/profiles/profile_step.py \
         --variants no_comm,no_comm_compiled,spmd_replicate_inductor --steps 6
 
 Every variant (names as in ``worker.py``, plus the inductor-option variants in ``INDUCTOR_OPTIONS``)
@@ -29,10 +29,9 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-import models  # noqa: E402
-from worker import Variant, make_variant  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+from benchmarks.bench import models  # noqa: E402
+from benchmarks.bench.worker import Variant, make_variant  # noqa: E402
 
 log = logging.getLogger("spmd.bench")
 
@@ -199,6 +198,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import rank_main
+    from benchmarks import rank_main
 
     rank_main.run(main)

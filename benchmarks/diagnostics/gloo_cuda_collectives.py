@@ -2,7 +2,7 @@
 
     for c in all_reduce broadcast all_gather_into_tensor all_to_all_single reduce_scatter_tensor \\
              fc_all_reduce fc_all_gather fc_all_to_all; do
-        torchrun --standalone --nproc_per_node=2 benchmarks/gloo_cuda_collectives.py $c
+        torchrun --standalone --nproc_per_node=2 benchmarks/diagnostics/gloo_cuda_collectives.py $c
     done
 
 Two ranks on one GPU (NCCL refuses two ranks on one device; gloo moves CUDA tensors through
@@ -58,6 +58,7 @@ def main(which: str) -> None:
 
 
 if __name__ == "__main__":
-    import rank_main
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from benchmarks import rank_main
 
     rank_main.run(main, sys.argv[1])

@@ -1,6 +1,6 @@
 """The float32 CPU matmuls of a bench model's step, each timed with ATen's ``mm`` and oneDNN's matmul.
 
-    OMP_NUM_THREADS=1 python benchmarks/gemm_shapes.py --models gpt,encoder,overhead
+    OMP_NUM_THREADS=1 python benchmarks/profiles/gemm_shapes.py --models gpt,encoder,overhead
 
 World size 1, one thread. Traces the step with ``spmd.compile`` (eager backend), takes every
 distinct matmul shape and layout of the final graph (:func:`spmd.backend.gemm_policy.gemm_of`) and times
@@ -19,12 +19,10 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-import models  # noqa: E402
-from worker import make_variant  # noqa: E402
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 import spmd  # noqa: E402
+from benchmarks.bench import models  # noqa: E402
+from benchmarks.bench.worker import make_variant  # noqa: E402
 from spmd.backend import gemm_policy  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Where one rank's compiled step goes, without the profiler: per collective and per op category.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/step_timeline.py --variants spmd_fully_shard
+    torchrun --standalone --nproc_per_node=2 benchmarks/profiles/step_timeline.py --variants spmd_fully_shard
 
 Each variant (names as in ``worker.py``) is built and warmed up; then a copy of its final graph is
 run with a stamp (``perf_counter_ns`` and ``thread_time_ns``, about a microsecond each) after every
@@ -34,11 +34,9 @@ import torch.distributed as dist
 import torch.fx as fx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-import models  # noqa: E402
-from worker import make_variant  # noqa: E402
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+from benchmarks.bench import models  # noqa: E402
+from benchmarks.bench.worker import make_variant  # noqa: E402
 from passes import collectives as C  # noqa: E402
 
 log = logging.getLogger("spmd.bench")
@@ -185,6 +183,6 @@ def report(name: str, colls: list[tuple[str, int]], every: list[list[dict[str, A
 
 
 if __name__ == "__main__":
-    import rank_main
+    from benchmarks import rank_main
 
     rank_main.run(main)

@@ -2,10 +2,10 @@
 graph copy per stage, built into a GraphModule on lookup) against the full GraphModule copy per
 stage spmd took before, side by side in one process, alternating.
 
-    OMP_NUM_THREADS=1 python benchmarks/compile_time.py                      # GPT-2-small-shaped, world 1
-    OMP_NUM_THREADS=1 python benchmarks/compile_time.py --world 2            # fully_shard, fake group of 2
-    OMP_NUM_THREADS=1 python benchmarks/compile_time.py --model bench --world 2   # the bench GPT
-    OMP_NUM_THREADS=1 python benchmarks/compile_time.py --variants cheap --backend inductor
+    OMP_NUM_THREADS=1 python benchmarks/profiles/compile_time.py                 # GPT-2-small-shaped, world 1
+    OMP_NUM_THREADS=1 python benchmarks/profiles/compile_time.py --world 2      # fully_shard, fake group of 2
+    OMP_NUM_THREADS=1 python benchmarks/profiles/compile_time.py --model bench --world 2   # the bench GPT
+    OMP_NUM_THREADS=1 python benchmarks/profiles/compile_time.py --variants cheap --backend inductor
                                     # + inductor's phases (fresh TORCHINDUCTOR_CACHE_DIR: cold)
 
 Phases (seconds, first call): state (optimizer state created for tracing), trace (make_fx),
@@ -27,7 +27,7 @@ from unittest import mock
 import torch
 import torch.fx as fx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import spmd  # noqa: E402
 import spmd.api  # noqa: E402
 import spmd.backend.runtime  # noqa: E402
@@ -82,7 +82,7 @@ def build():
         model = TinyGPT(vocab=50257, d_model=768, n_layers=12, n_heads=12, seq=256)
         idx = torch.randint(0, 50257, (1, 257))
         return model, (idx[:, :-1].contiguous(), idx[:, 1:].contiguous()), spmd_models.train_step
-    from benchmarks.models import get
+    from benchmarks.bench.models import get
 
     spec = get("gpt")
 

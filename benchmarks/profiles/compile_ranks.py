@@ -2,9 +2,9 @@
 1 thread each) on one host, cold (a fresh TORCHINDUCTOR_CACHE_DIR) then warm (the same
 directory, a second job), with the shared compile (spmd.backend.compile_once) on and off.
 
-    OMP_NUM_THREADS=1 python benchmarks/compile_ranks.py                  # GPT-2-small shape: 1 and 2 ranks
-    OMP_NUM_THREADS=1 python benchmarks/compile_ranks.py --ranks 2 --share on,off
-    OMP_NUM_THREADS=1 python benchmarks/compile_ranks.py --ranks 1 --compile-threads 1,2 --no-warm
+    OMP_NUM_THREADS=1 python benchmarks/profiles/compile_ranks.py           # GPT-2-small shape: 1 and 2 ranks
+    OMP_NUM_THREADS=1 python benchmarks/profiles/compile_ranks.py --ranks 2 --share on,off
+    OMP_NUM_THREADS=1 python benchmarks/profiles/compile_ranks.py --ranks 1 --compile-threads 1,2 --no-warm
 
 Per rank it prints the report's ``lower_s`` (inductor phase, a follower's wait included), the
 wait, ``compile_s`` (trace .. lowering), the first call's wall time and inductor's FX graph cache
@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 
@@ -127,6 +127,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import rank_main
+    from benchmarks import rank_main
 
     rank_main.run(main)

@@ -4,7 +4,7 @@ at the points of a plan_check job, on 2 gloo ranks at once, to find why a probe 
 (benchmarks/results/plan-validation.md, "Validation on this machine"):
 
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_TOP_PAD_=268435456 OMP_NUM_THREADS=1 \\
-        PYTHONPATH=$PWD torchrun --standalone --nproc_per_node=2 benchmarks/probe_check.py
+        PYTHONPATH=$PWD torchrun --standalone --nproc_per_node=2 benchmarks/plan_validation/probe_check.py
 
 (plan_check's allocator settings; about a minute on the idle 2-core machine.) Probes, each after a
 barrier as plan_check's: twice at the start; ``measure_compute()`` (what the job calibrates; its
@@ -25,7 +25,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository root
 
 
 def main() -> None:
@@ -78,9 +78,8 @@ def main() -> None:
     probe("right after it, again")
     time.sleep(2)
     probe("2 s later")
-    import models
-
     import spmd
+    from benchmarks.bench import models
 
     spec = models.get("gpt", quick=False)
     torch.manual_seed(0)
@@ -98,6 +97,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import rank_main
+    from benchmarks import rank_main
 
     rank_main.run(main)
