@@ -148,10 +148,13 @@ class _Expander(fx.Interpreter):
             # A gradient entering a planned module's backward (the gradient of its output) takes
             # the layout eager's autograd gives it: the gradient of the output before the output
             # was redistributed (row-parallel: of a partial sum, so replicated).
+            # Not where autograd sums the gradients of one input read by several modules: that
+            # sum, tagged with one reader's module, reads that module's own input gradient too
+            # (q_proj's input gradient plus k_proj's and v_proj's is no output gradient of q_proj).
             for b in ordered:
                 grad_pl = self.boundaries[b][2] if len(self.boundaries[b]) > 2 else None
                 if grad_pl is not None and inside(dst, b) and not inside(src, b):
-                    return [grad_pl]
+                    return [] if _sums_own_gradient(consumer, b) else [grad_pl]
             return []
         if _phase(a) is not Phase.FORWARD or consumer.meta.get(PHASE) is Phase.OPTIMIZER:
             return []
@@ -336,6 +339,16 @@ def _phase(n: fx.Node) -> Any:
     """The phase whose layouts ``n`` takes at planned modules' boundaries: a forward node's copy
     that remat recomputes in backward (``REMAT``) is forward there, as the node it copies."""
     return Phase.FORWARD if REMAT in n.meta else n.meta.get(PHASE)
+
+
+def _sums_own_gradient(consumer: fx.Node, module: str) -> bool:
+    """Whether ``consumer`` (a backward node of ``module``) also reads a gradient ``module``'s
+    own backward computed: then it accumulates gradients, it does not start the backward."""
+    for i in consumer.all_input_nodes:
+        mod = i.meta.get(MODULE, "")
+        if _phase(i) is Phase.BACKWARD and (mod == module or mod.startswith(module + ".")):
+            return True
+    return False
 
 
 def _sub_mesh(mesh: DeviceMesh, local: Sequence[int], keep: Sequence[int]) -> DeviceMesh:

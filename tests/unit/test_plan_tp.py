@@ -124,13 +124,17 @@ def test_full_remat_recomputes_the_forward_with_its_tp_layouts() -> None:
     forward nodes) takes the forward's layouts at the planned modules' boundaries, not the
     gradients', so it lowers (it did not: the recomputed norm output entered q_proj split on
     the hidden dimension, and attention's output could not be viewed back) and repeats exactly
-    the forward's tensor-parallel collectives."""
+    the forward's tensor-parallel collectives. Backward's are Megatron's too."""
     tp_bytes = {}
     for remat in (None, "full"):
         mode = spmd.DataParallel("fully_shard", tp_size=4, tp_plan=tp_plans.llama())
         step = spmd.compile(parallel_mode=mode, remat=remat)(models.causal_lm_step)
         rep = spmd.simulate(step, *_tiny_llama(), world_size=W)
         tp_bytes[remat] = {k: c.bytes for k, c in rep.collectives_by_dim["tp"].items()}
+    # Megatron's layout: one all-reduce per tensor-parallel region each way, nothing else on tp.
+    # (Autograd's sum of q/k/v's input gradients once took q_proj's output-gradient layout,
+    # Shard(-1): a reduce-scatter on the hidden dimension and an all-gather back, per layer.)
+    assert set(tp_bytes[None]) == {"all_reduce"}, tp_bytes[None]
     # The recompute repeats the first layer's forward (backward reads the last layer's as
     # saved): its two row-parallel outputs' all-reduces (batch x seq x d, fp32) and the
     # vocabulary-parallel loss head's [tokens, 1] statistics; nothing else is added.
