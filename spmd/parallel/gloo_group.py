@@ -59,7 +59,10 @@ def own_groups(device_type: str) -> Iterator[bool]:
         yield True
 
 
-_WORLD: dict[int, dist.ProcessGroup] = {}
+# id(default group) -> (that group, spmd's copy of it). The default group is held so that its id,
+# which keys the copy here and spmd's cached meshes (spmd.parallel.sharding), cannot be reused by a
+# later default group while they are cached.
+_WORLD: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
 def world_group(device_type: str) -> dist.ProcessGroup:
@@ -68,12 +71,13 @@ def world_group(device_type: str) -> dist.ProcessGroup:
     default = torch_compat.get_default_group()
     if not wanted(device_type):
         return default
-    key = id(default)
-    if key not in _WORLD:
+    entry = _WORLD.get(id(default))
+    if entry is None or entry[0] is not default:
         _WORLD.clear()  # a copy of an earlier (destroyed) default group is dead
         with own_groups(device_type):
-            _WORLD[key] = dist.new_group(backend="gloo", group_desc="spmd_world")
-    return _WORLD[key]
+            entry = (default, dist.new_group(backend="gloo", group_desc="spmd_world"))
+        _WORLD[id(default)] = entry
+    return entry[1]
 
 
 def init_mesh(device_type: str, shape: Sequence[int], names: Sequence[str] | None = None) -> DeviceMesh:
@@ -85,8 +89,9 @@ def init_mesh(device_type: str, shape: Sequence[int], names: Sequence[str] | Non
     mesh_dim_names = tuple(names) if names is not None else None
     if not wanted(device_type):
         return init_device_mesh(device_type, shape, mesh_dim_names=mesh_dim_names)
+    world = world_group(device_type)  # made first on every rank; holds the default group (above)
     if len(shape) == 1 and shape[0] == dist.get_world_size():
-        return DeviceMesh.from_group(world_group(device_type), device_type, mesh_dim_names=mesh_dim_names)
+        return DeviceMesh.from_group(world, device_type, mesh_dim_names=mesh_dim_names)
     with own_groups(device_type):
         return init_device_mesh(
             device_type,

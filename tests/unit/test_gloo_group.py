@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import spmd
@@ -17,6 +18,9 @@ from spmd.parallel import gloo_group, plan, sharding
 
 @pytest.fixture
 def default_group(request: pytest.FixtureRequest) -> Iterator[None]:
+    assert not dist.is_initialized(), "a process group leaked from another test"
+    saved = dict(sharding._DEFAULT_MESHES)
+    sharding._DEFAULT_MESHES.clear()
     threads = request.param
     with spmd.gloo_threads(threads) if threads else _nothing():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -24,6 +28,8 @@ def default_group(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        sharding._DEFAULT_MESHES.clear()
+        sharding._DEFAULT_MESHES.update(saved)
 
 
 class _nothing:
@@ -58,3 +64,20 @@ def test_a_one_thread_default_group_is_used_as_it_is(default_group: None) -> Non
     assert not gloo_group.wanted("cpu")
     assert gloo_group.world_group("cpu") is default
     assert sharding.default_mesh("cpu").get_group() is default
+
+
+def test_a_new_default_group_gets_a_new_copy() -> None:
+    """The copy of the world is made per default group: after destroy_process_group and a new
+    init_process_group, spmd's mesh is on a new, live group (never the destroyed one's copy)."""
+    groups = []
+    for _ in range(2):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            own = gloo_group.world_group("cpu")
+            assert own is not torch_compat.get_default_group() and _threads(own) == 1
+            assert sharding.default_mesh("cpu").get_group() is own
+            dist.all_reduce(torch.ones(1), group=own)  # live
+            groups.append(own)
+        finally:
+            dist.destroy_process_group()
+    assert groups[0] is not groups[1]
