@@ -34,10 +34,11 @@ Policies (``spmd.compile(remat=...)``):
   of the one before) stays saved; everything inside a block is recomputed.
 - a float ``b`` in (0, 1): torch's ``activation_memory_budget``
   (``torch/_functorch/partitioners.py``, ``choose_saved_values_set``): the saved bytes are at
-  most ``floor + b * (top - floor)``, where ``top`` is what ``"selective"`` saves (torch's
-  budget 1: its default min cut, which saves the compute-intensive outputs and recomputes the
-  cheap ops) and ``floor`` what ``"full"`` saves (torch's 0: recompute all that can be; here
-  a recompute never crosses a block). Which matmul/attention outputs stay saved is a 0-1
+  most ``floor + b * (top - floor)``, where ``top`` is what ``"selective"`` saves, the loss
+  head recomputable as torch's partitioner has it (torch's budget 1: its default min cut,
+  which saves the compute-intensive outputs and recomputes the cheap ops) and ``floor`` what
+  ``"full"`` saves (torch's 0: recompute all that can be; here a recompute never crosses a
+  block). Which matmul/attention outputs stay saved is a 0-1
   knapsack over their recompute cost (FLOPs, counted with ``torch.utils.flop_counter``),
   solved by torch's ``dp_knapsack``; ties go to recomputing earlier blocks (what they give up
   is not back in memory at the start of backward). ``1.0`` is ``None`` (nothing recomputed:
