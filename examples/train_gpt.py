@@ -57,8 +57,7 @@ def main() -> None:
     device, group = init_device(args.device)  # cuda: set_device(LOCAL_RANK), NCCL; cpu: gloo
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # launched by torchrun
     if distributed:
-        with spmd.gloo_threads(1):  # gloo: one worker thread, so spmd may overlap collectives safely
-            dist.init_process_group(**group)
+        dist.init_process_group(**group)  # on gloo, spmd makes its own one-thread groups for its collectives
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     chars, data = encode_text(data_chars)
     train_data, val_data = data.tensor_split([int(0.9 * len(data))])  # 90% train, 10% validation

@@ -280,6 +280,8 @@ def compute_time(node: fx.Node, profile: DeviceProfile) -> tuple[float, float]:
         by_flops = cls in ("matmul", "attention")
         t = interpolate(curve, flops if by_flops else nbytes)
         call = curve[0][1]  # the curve's fixed part: a call on almost no data
+        if node.target is LINEAR_CROSS_ENTROPY:  # its matmuls by the curve, its logits' passes by bytes
+            t += _memory_time(chunked_head_traffic(values), profile)
     else:
         peak = profile.peak_flops.get(dtype) or profile.peak_flops["fp32"]
         f_eff = profile.op_efficiency.get(cls, profile.compute_efficiency)
@@ -306,9 +308,7 @@ def compute_time(node: fx.Node, profile: DeviceProfile) -> tuple[float, float]:
             t += calls.get("ragged_call", 0.0) + calls.get("per_ragged", 0.0) * ragged
             copied = ragged_copy_bytes(node.target, values[0])
             if copied:  # at the rate of a copy: the "memory" curve above its fixed part, or the roofline
-                mem = profile.op_curves.get("memory")
-                bw = profile.memory_bandwidth * profile.op_efficiency.get("memory", profile.memory_efficiency)
-                t += interpolate(mem, copied) - mem[0][1] if mem else copied / bw
+                t += _memory_time(copied, profile)
     elif profile.mixed_call_curve:
         # The whole call as a step runs it, after ops of other kinds: the extra at its length.
         last = profile.mixed_call_curve[-1][0]
@@ -332,21 +332,20 @@ def chunked_head_time(values: Any, flops_s: float, bytes_s: float, launch_s: flo
     """Seconds of ``spmd::linear_cross_entropy`` (passes.linear_cross_entropy) on a roofline
     device, chunk by chunk: it is not one kernel but, per chunk of ``rows`` tokens, three matmuls
     -- the logits ``xc @ W.T`` and ``grad_x`` rows ``g @ W`` each read the whole head ``W`` [V, D],
-    and ``grad_W.addmm_(g.T, xc)`` reads and writes the whole ``grad_W`` -- and the elementwise
-    work on the chunk's [rows, V] logits (cast, log-softmax, loss, its backward, cast back: about
-    eight passes). Each matmul takes the longer of its FLOPs and its bytes; the elementwise passes
-    take their bytes. With few rows per chunk the matmuls are bound by re-reading ``W`` and
-    ``grad_W`` once per chunk: measured on an H100 (benchmarks/bench/cuda_check.py llama, 2 blocks of the
-    Llama 3.1 8B's shapes, 8,192 tokens, 2026-11-25), 256-row chunks (the default rule) made the
-    step 25 ms slower than one chunk, 1,024-row chunks 2.5 ms, 2,048 0.7 ms."""
-    (x, w, _target, _grad, chunk, *rest), _ = values
+    and ``grad_W.addmm_(g.T, xc)`` reads and writes the whole ``grad_W`` (float32 under 16-bit
+    weights) -- and the traffic over the chunk's [rows, V] logits (:func:`chunked_head_traffic`).
+    Each matmul takes the longer of its FLOPs and its bytes; the logits' passes take their bytes.
+    With few rows per chunk the matmuls are bound by re-reading ``W`` and ``grad_W`` once per
+    chunk: measured on an H100 (benchmarks/bench/cuda_check.py llama, 2 blocks of the Llama 3.1 8B's
+    shapes, 8,192 tokens, 2026-11-25), 256-row chunks (the default rule) made the step 25 ms
+    slower than one chunk, 1,024-row chunks 2.5 ms, 2,048 0.7 ms."""
+    (x, w, _target, _grad, chunk, *_rest), _ = values
     n, d = x.shape
     v = w.shape[0]
     rows = max(1, min(int(chunk), n))
     chunks = -(-n // rows)
     wbytes = v * d * w.element_size()
-    logits_dtype = rest[2] if len(rest) > 2 and rest[2] is not None else x.dtype
-    item = torch.empty((), dtype=logits_dtype).element_size()
+    acc = v * d * _head_acc_item(w)  # grad_W's accumulator
 
     def mm(m: int, nbytes: float) -> float:
         return max(2 * m * v * d / flops_s, nbytes / bytes_s)
@@ -355,10 +354,56 @@ def chunked_head_time(values: Any, flops_s: float, bytes_s: float, launch_s: flo
     for start in range(0, n, rows):
         m = min(rows, n - start)
         act = m * d * x.element_size()
-        accumulate = wbytes if chunks == 1 else 2 * wbytes  # one chunk writes grad_W once
-        total += mm(m, wbytes + act + m * v * item) + mm(m, wbytes + act) + mm(m, accumulate + act)
-        total += 8 * m * v * item / bytes_s + 6 * launch_s
-    return total
+        accumulate = acc if chunks == 1 else 2 * acc  # one chunk writes grad_W once
+        total += mm(m, wbytes + act) + mm(m, wbytes + act) + mm(m, accumulate + act)
+        total += 8 * launch_s
+    if chunks > 1 and acc != wbytes:
+        total += (acc + wbytes) / bytes_s + launch_s  # the accumulator rounded to W's dtype once
+    return total + chunked_head_traffic(values) / bytes_s
+
+
+def _memory_time(nbytes: float, profile: DeviceProfile) -> float:
+    """Seconds of moving ``nbytes`` through memory: the "memory" curve above its fixed part where
+    the profile has one, else the roofline's bandwidth."""
+    mem = profile.op_curves.get("memory")
+    if mem:
+        return interpolate(mem, nbytes) - float(mem[0][1])
+    bw = profile.memory_bandwidth * profile.op_efficiency.get("memory", profile.memory_efficiency)
+    return nbytes / bw
+
+
+def _head_acc_item(w: torch.Tensor) -> int:
+    return 4 if w.dtype in (torch.bfloat16, torch.float16) else w.element_size()
+
+
+def chunked_head_traffic(values: Any) -> float:
+    """Bytes ``spmd::linear_cross_entropy`` moves over its [N, V] logits, all chunks together (the
+    loop of passes.linear_cross_entropy, per element of the logits): the logits matmul writes
+    them (the activations' dtype), a cast to ``logits_dtype`` reads and writes them, the
+    log-softmax reads them twice (max, sum of exp) and writes its output, ``nll_loss_backward``
+    writes the gradient, the log-softmax backward reads it and the log-softmax and writes it
+    (in place), a cast back to the activations' dtype reads and writes it, and the ``grad_x`` and
+    ``grad_W`` matmuls each read it (``grad_W``'s, chunked under 16-bit weights, through a float32
+    copy). 40 bytes an element in float32, 54 for chunked bf16 activations with float32 logits:
+    113 GB a step at the Llama 3.1 8B's 16,384 tokens x 128,256 vocabulary (the pricing before
+    counted 36 of the 54)."""
+    (x, w, _target, _grad, chunk, *rest), _ = values
+    n = x.shape[0]
+    v = w.shape[0]
+    xb = x.element_size()
+    logits_dtype = rest[2] if len(rest) > 2 and rest[2] is not None else None
+    lb = torch.empty((), dtype=logits_dtype).element_size() if logits_dtype is not None else xb
+    chunked = int(chunk) < n
+    per = xb  # the logits, written by the mm
+    per += (xb + lb) if logits_dtype is not None else 0  # the cast (a copy even to the same dtype)
+    per += 3 * lb  # log-softmax: max and sum passes, the output written
+    per += lb  # nll_loss_backward: the gradient written
+    per += 3 * lb  # log-softmax backward: the gradient and the log-softmax read, the gradient written
+    per += (lb + xb) if lb != xb else 0  # the gradient cast back to the activations' dtype
+    per += xb  # grad_x = g @ W reads it
+    acc = _head_acc_item(w)
+    per += xb + 2 * acc if chunked and acc != xb else xb  # grad_W: g.T (through a float32 copy) @ x
+    return float(per * n * v)
 
 
 def collective_time(kind: str, nbytes: float, group: GroupInfo, profile: DeviceProfile) -> float:

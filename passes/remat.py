@@ -18,15 +18,27 @@ Policies (``spmd.compile(remat=...)``):
 
 - ``"selective"``: outputs of matmuls, convolutions, attention and collectives stay saved;
   the cheap ops between them (elementwise, activations, norms, rotary, views, casts,
-  softmax, embedding look-ups) are recomputed.
+  softmax, embedding look-ups) are recomputed. The loss head -- what runs after the last
+  block: the final norm, the output projection, the loss's cast to float32 and its
+  log-softmax -- is not recomputed, as torchtitan's checkpointing (which wraps each block
+  and nothing else) leaves it: recomputing the log-softmax of the [tokens, vocab] logits
+  saves memory but costs a pass over them (about 18 ms a step at the Llama 3.1 8B's shapes).
+- ``"op"``: torchtitan's op-level selective checkpointing (``activation_checkpoint.mode =
+  "selective"``, ``selective_ac_option = "op"``; ``_custom_policy`` in torchtitan's
+  ``parallelize_llama.py`` / ``activation_checkpoint.py``): as ``"selective"``, but of each
+  block's matmuls (``mm``/``addmm``, counted in forward order per block and micro-batch, as
+  torchtitan's per-block counter) every second one is not kept (the 2nd, 4th, ...: in a Llama
+  block k, o and up projections): the min cut recomputes it where that saves bytes. More
+  matmul FLOPs, less memory than ``"selective"``; the loss head is kept as there.
 - ``"full"``: only what crosses a block boundary (the input of each block, i.e. the output
   of the one before) stays saved; everything inside a block is recomputed.
 - a float ``b`` in (0, 1): torch's ``activation_memory_budget``
   (``torch/_functorch/partitioners.py``, ``choose_saved_values_set``): the saved bytes are at
-  most ``floor + b * (top - floor)``, where ``top`` is what ``"selective"`` saves (torch's
-  budget 1: its default min cut, which saves the compute-intensive outputs and recomputes the
-  cheap ops) and ``floor`` what ``"full"`` saves (torch's 0: recompute all that can be; here
-  a recompute never crosses a block). Which matmul/attention outputs stay saved is a 0-1
+  most ``floor + b * (top - floor)``, where ``top`` is what ``"selective"`` saves, the loss
+  head recomputable as torch's partitioner has it (torch's budget 1: its default min cut,
+  which saves the compute-intensive outputs and recomputes the cheap ops) and ``floor`` what
+  ``"full"`` saves (torch's 0: recompute all that can be; here a recompute never crosses a
+  block). Which matmul/attention outputs stay saved is a 0-1
   knapsack over their recompute cost (FLOPs, counted with ``torch.utils.flop_counter``),
   solved by torch's ``dp_knapsack``; ties go to recomputing earlier blocks (what they give up
   is not back in memory at the start of backward). ``1.0`` is ``None`` (nothing recomputed:
@@ -100,6 +112,10 @@ Policy = str | float | None
 
 _aten = torch.ops.aten
 
+# The matmuls "op" counts per block, every second one not kept (torchtitan's policy counts aten.mm;
+# addmm is a linear with a bias, which torchtitan's Llama does not have).
+_COUNTED_MM = {_aten.mm, _aten.addmm}
+
 # Outputs that "selective" keeps saved: compute-heavy ops (what torchtitan's selective policy
 # and Megatron's selective recomputation keep) and communication.
 _EXPENSIVE = {
@@ -126,7 +142,7 @@ _EXPENSIVE = {
 
 def check_policy(remat: object) -> Policy:
     """``remat`` if it is a valid policy, else ValueError naming the valid ones."""
-    if remat is None or remat in ("selective", "full"):
+    if remat is None or remat in ("selective", "full", "op"):
         return remat  # type: ignore[return-value]
     if isinstance(remat, int | float) and not isinstance(remat, bool):
         b = float(remat)
@@ -139,6 +155,7 @@ def check_policy(remat: object) -> Policy:
         )
     raise ValueError(
         f"remat={remat!r}: must be None (save what autograd saves), 'selective' (recompute cheap ops), "
+        "'op' (torchtitan's selective_ac_option='op': also every second matmul of a block), "
         "'full' (recompute each block from its input) or a float in (0, 1] (a memory budget: "
         "torch's activation_memory_budget, from 'full' near 0 to 'selective' near 1; 1.0 is None)."
     )
@@ -306,6 +323,35 @@ def _base_bans(g: _Graph) -> set[fx.Node]:
     return banned
 
 
+def _is_block(unit: str) -> bool:
+    """Whether a unit path is one of a stack's blocks (``layers.3``), not the model's root or head."""
+    return any(p.isdigit() for p in unit.split("."))
+
+
+def _loss_head(g: _Graph) -> set[fx.Node]:
+    """The forward nodes after the last block's (in graph order, per micro-batch): the final norm,
+    the output projection and the loss. Empty where the model has no numbered blocks."""
+    last: dict[int, int] = {}
+    for n in g.forward:
+        if _is_block(_unit(n)):
+            last[_mb(n)] = g.order[n]
+    return {n for n in g.forward if _mb(n) in last and g.order[n] > last[_mb(n)] and not _is_block(_unit(n))}
+
+
+def _every_second_mm(g: _Graph) -> set[fx.Node]:
+    """The 2nd, 4th, ... matmul (``mm``/``addmm``) of each block and micro-batch's forward."""
+    count: dict[tuple[str, int], int] = {}
+    out: set[fx.Node] = set()
+    for n in g.forward:
+        if not (isinstance(n.target, OpOverload) and n.target.overloadpacket in _COUNTED_MM):
+            continue
+        key = (_unit(n), _mb(n))
+        count[key] = count.get(key, 0) + 1
+        if count[key] % 2 == 0 and _is_block(key[0]):
+            out.add(n)
+    return out
+
+
 def _is_expensive(n: fx.Node) -> bool:
     return isinstance(n.target, OpOverload) and n.target.overloadpacket in _EXPENSIVE
 
@@ -387,7 +433,9 @@ def _choose(g: _Graph, policy: Policy) -> set[fx.Node]:
         return _min_cut(g, base)
     expensive = {n for n in g.forward if n in g.recomputable and n not in base and _is_expensive(n)}
     if policy == "selective":
-        return _min_cut(g, base | expensive)
+        return _min_cut(g, base | expensive | _loss_head(g))
+    if policy == "op":
+        return _min_cut(g, base | (expensive - _every_second_mm(g)) | _loss_head(g))
     assert isinstance(policy, float)
     # torch's activation_memory_budget (torch/_functorch/partitioners.py, choose_saved_values_set):
     # the budget is a point between the bytes of the least that can be saved (0: recompute all

@@ -21,7 +21,9 @@ and used in place.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,9 +252,10 @@ def set_compiling_flag(value: bool) -> None:
     torch.compiler._is_compiling_flag = value
 
 
-def flatten_mesh(mesh: Any) -> Any:
-    """``DeviceMesh._flatten()``: one flattened dimension over all of ``mesh``'s dimensions."""
-    return mesh._flatten()
+def flatten_mesh(mesh: Any, backend_override: str | None = None) -> Any:
+    """``DeviceMesh._flatten()``: one flattened dimension over all of ``mesh``'s dimensions (its group
+    made with ``backend_override``, as ``init_device_mesh``'s, where given)."""
+    return mesh._flatten(backend_override=backend_override) if backend_override else mesh._flatten()
 
 
 def global_module_hook_dicts() -> tuple[dict, dict, dict, dict]:
@@ -334,6 +337,32 @@ def gloo_options(threads: int, timeout: Any, **kwargs: Any) -> Any:
     for name, value in kwargs.items():
         setattr(options, name, value)
     return options
+
+
+@contextlib.contextmanager
+def gloo_groups_with_threads(threads: int) -> Iterator[None]:
+    """Within the block, every gloo process group torch makes (``init_process_group``, ``new_group``,
+    ``DeviceMesh``'s groups) runs ``threads`` worker threads.
+
+    ``init_process_group`` and ``new_group`` take no gloo options (torch 2.13 ignores ``pg_options`` for
+    gloo), but both construct the class named ``ProcessGroupGloo`` in ``torch.distributed.distributed_c10d``:
+    the block swaps that name for a subclass whose constructor sets the thread count (checked on
+    2.13.0, 2.14.1 and 2.15.0 by ``tests/unit/test_gloo_threads.py``)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    base = dist.ProcessGroupGloo
+
+    class _GlooWithThreads(base):  # type: ignore[misc, valid-type]
+        def __init__(self, store: Any, rank: int, size: int, timeout: Any, **kwargs: Any) -> None:
+            super().__init__(store, rank, size, gloo_options(threads, timeout, **kwargs))
+
+    before = c10d.ProcessGroupGloo
+    c10d.ProcessGroupGloo = _GlooWithThreads  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        c10d.ProcessGroupGloo = before  # type: ignore[misc]
 
 
 def pg_timeout_s(pg: Any) -> float | None:

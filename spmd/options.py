@@ -31,10 +31,11 @@ OPTIONS: dict[str, str] = {
     "that runs over chunks of tokens, so the [tokens, vocab] logits never exist: 'auto' (default: when "
     "one logits buffer is >= 1 GiB), True (whenever recognised), False (never) or an int (tokens per "
     "chunk); data-parallel modes only; see docs/loss-head.md",
-    "remat": "None (default: save what autograd saves), 'selective' (recompute cheap ops in backward), "
-    "'full' (recompute each block from its input) or a float in (0, 1) (a memory budget, torch's "
-    "activation_memory_budget: saved bytes from those of 'full' near 0 to 'selective' near 1; 1.0 is "
-    "None); see passes.remat and docs/remat.md",
+    "remat": "None (default: save what autograd saves), 'selective' (recompute cheap ops in backward; "
+    "not the loss head), 'op' (torchtitan's selective_ac_option='op': 'selective' and every second "
+    "matmul of a block), 'full' (recompute each block from its input) or a float in (0, 1) (a memory "
+    "budget, torch's activation_memory_budget: saved bytes from those of 'full' near 0 to 'selective' "
+    "near 1; 1.0 is None); see passes.remat and docs/remat.md",
     "share_compile": "backend='inductor': ranks of a host with the same graph compile it once and load it "
     "from inductor's caches (default False: no gain measured with 2 ranks on 2 cores; True or env "
     "SPMD_SHARE_COMPILE=1 turns it on where safe; see spmd.backend.compile_once)",

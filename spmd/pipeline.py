@@ -300,7 +300,9 @@ def gloo_concurrent(gm: fx.GraphModule) -> bool:
     docs/troubleshooting.md).
     spmd then keeps one collective in flight at a time. A group made under
     ``spmd.gloo_threads(1)`` runs its collectives one after another itself and keeps the
-    overlap between collectives."""
+    overlap between collectives; so do the groups spmd makes for its own meshes where the
+    default group has several threads (``spmd.parallel.gloo_group``): this applies to a mesh
+    the user passes in."""
     if not dist.is_initialized():
         return False
     for name in {C.group_of(c) for c in C.collectives(gm.graph)}:
@@ -328,8 +330,9 @@ def _warn_serial_once(group: str, threads: int) -> None:
         "spmd: process group %r is gloo with %d worker threads: two collectives in flight would run at "
         "once, and torch's gloo can corrupt the heap then (a rank aborts with 'malloc(): unaligned tcache "
         "chunk detected'; docs/troubleshooting.md). spmd keeps one collective in flight at a time on it. "
-        'Create the group under `with spmd.gloo_threads(1): dist.init_process_group("gloo", ...)` to keep '
-        "collectives overlapped with each other safely.",
+        "It is the group of a mesh given to the parallel mode (spmd's own meshes get one-thread groups): "
+        'make that mesh\'s groups under `with spmd.gloo_threads(1):` (or `init_process_group("gloo", ...)` '
+        "under it), or pass no mesh, to keep collectives overlapped with each other safely.",
         group,
         threads,
     )

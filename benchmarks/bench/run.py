@@ -99,7 +99,7 @@ p.add_argument(
     default=1,
     help="worker threads of each job's gloo group, every variant alike (default 1, spmd.gloo_threads(1): "
     "torch's gloo can corrupt the heap running two collectives at once, benchmarks/results/crashes.md; "
-    "0: torch's default of two, on which spmd keeps one collective in flight)",
+    "0: torch's default of two, beside which spmd makes one-thread groups of its own)",
 )
 p.add_argument(
     "--hunt-minutes",

@@ -3,6 +3,7 @@
     python benchmarks/plan_validation/plan_check.py     # calibrate, then one torchrun job (~4 min on 2 cores)
     python benchmarks/plan_validation/plan_check.py --quick           # small models, few steps
     python benchmarks/plan_validation/plan_check.py --malloc system   # glibc's default allocator settings
+    python benchmarks/plan_validation/plan_check.py --group default   # the job's group as a new user makes it
 
 ``make bench`` runs it after the DDP/FSDP2 comparison (``run.py``) and adds its records to
 ``bench.json``. Per configuration (the bench models of ``models.py`` x five spmd data-parallel
@@ -34,6 +35,15 @@ and the hypervisor's steal (``/proc/stat``), and ``spmd.calibrate``'s matmul and
 at the start of each round over the same two measurements in the job's calibration (1.00: as fast
 as when the predictions' constants were measured; with rank 0's absolute readings).
 
+The process group: by default made under ``spmd.gloo_threads(1)``, as ``make bench`` makes it.
+``--group default`` makes it as a new user's script does, ``init_process_group("gloo")`` (torch's
+two worker threads): spmd then runs its collectives on one-thread groups of its own
+(``spmd.parallel.gloo_group``), so the overlap the cost model prices (a prefetched gather beside
+a reduce-scatter) is what runs. Before that, spmd kept one collective in flight on such a group
+and the prefetch rows measured 24-35% slower than predicted (issue 39, item 7). Each record says
+the job's group (``group``), the worker threads of the groups its collectives ran on
+(``spmd_gloo_threads``) and the most collectives its final graph keeps in flight.
+
 Printed: a table, Spearman's rank correlation and the median absolute error of the step times
 (over the ten rows of the overhead and GPT models, and over all rows; on the median and on the
 25th percentile), the machine lines, the worst peak error.
@@ -42,6 +52,7 @@ Printed: a table, Spearman's rank correlation and the median absolute error of t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -93,7 +104,8 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     from spmd.backend.gloo_threads import gloo_threads
 
-    with gloo_threads(1):  # spmd's full schedule, safely (benchmarks/results/crashes.md), as make bench
+    # one-thread: as make bench (benchmarks/results/crashes.md); default: as a new user's script.
+    with gloo_threads(1) if args.group == "one-thread" else contextlib.nullcontext():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
     # The compute constants again, on both ranks at once: what one rank gets of the machine
@@ -116,7 +128,7 @@ def worker(args: argparse.Namespace) -> None:
         spec = models.get(model_name, quick=args.quick)
         gen = torch.Generator().manual_seed(1000 + rank)
         batches = [spec.batch(gen) for _ in range(4)]
-        rows = [Row(model_name, label, opts, spec, batches) for label, opts in MODELS[model_name]]
+        rows = [Row(model_name, label, opts, spec, batches, args.group) for label, opts in MODELS[model_name]]
         for row in rows:
             row.build(warmup=args.warmup)
         time_rows(rows, steps=args.steps, rounds=args.rounds, min_time_s=args.min_time, reference=reference)
@@ -146,8 +158,11 @@ class Row:
     """One configuration of one model on this rank: its compiled step, and the slower rank's
     time of each timed step."""
 
-    def __init__(self, model: str, label: str, opts: dict[str, Any], spec: Any, batches: list[Any]) -> None:
+    def __init__(
+        self, model: str, label: str, opts: dict[str, Any], spec: Any, batches: list[Any], group: str
+    ) -> None:
         self.model, self.label, self.opts, self.spec, self.batches = model, label, opts, spec, batches
+        self.group = group
         self.times: list[float] = []  # this rank's
         self.cpu: list[float] = []  # this rank's main-thread CPU time of each timed step
         self.machine: dict[str, float] = {}  # what else ran during this model's timed rounds
@@ -208,6 +223,8 @@ class Row:
             "model": self.model,
             "config": self.label,
             "options": self.opts,
+            "group": self.group,
+            **_collective_shape(gm),
             "predicted_step_ms_roofline": before.step_s * 1e3,
             "measured_step_ms": statistics.median(per_step) * 1e3,
             "measured_iqr": (q3 - q1) / med,
@@ -335,6 +352,26 @@ def _machine_share(
     }
 
 
+def _collective_shape(gm: Any) -> dict[str, Any]:
+    """The worker threads of the gloo groups the final graph's collectives run on, and the most
+    collectives it keeps in flight at once (1: spmd serialised them on a several-thread group)."""
+    from passes import collectives as C
+    from passes import torch_compat
+
+    threads = sorted(
+        {torch_compat.gloo_threads(torch_compat.resolve_process_group(g)) for g in _group_names(gm)}
+    )
+    outstanding: set[Any] = set()
+    most = 0
+    for n in gm.graph.nodes:
+        if C.is_collective(n):
+            outstanding.add(n)
+            most = max(most, len(outstanding))
+        elif C.is_wait(n):
+            outstanding.discard(C.collective_of(n))
+    return {"spmd_gloo_threads": threads, "most_in_flight": most}
+
+
 def _group_names(gm: Any) -> set[str]:
     from passes import collectives as C
 
@@ -344,11 +381,20 @@ def _group_names(gm: Any) -> set[str]:
 # ----------------------------------------------------------------------------- driver
 
 
-def run(*, quick: bool, log_path: str, timeout: int = 1500, malloc: str = "keep") -> dict[str, Any]:
+def run(
+    *,
+    quick: bool,
+    log_path: str,
+    timeout: int = 1500,
+    malloc: str = "keep",
+    group: str = "one-thread",
+    models: str | None = None,
+) -> dict[str, Any]:
     """Calibrate, run the job, and return ``{"records", "summary", "profile"}`` (or ``{"error"}``).
 
     ``malloc="keep"``: the calibration and the job run with :data:`MALLOC_KEEP`; ``"system"``:
-    with the environment as it is."""
+    with the environment as it is. ``group``: the job's process group (see the module doc);
+    ``models``: a comma-separated subset of :data:`MODELS` (None: all)."""
     t0 = time.perf_counter()
     # A rank that dies of a signal prints its Python stacks into the log (issue 23).
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
@@ -374,6 +420,8 @@ def run(*, quick: bool, log_path: str, timeout: int = 1500, malloc: str = "keep"
         f"--rounds={rounds}",
         f"--warmup={1 if quick else 2}",
         f"--min-time={0.5 if quick else 2.0}",
+        f"--group={group}",
+        *([f"--models={models}"] if models else []),
     ]
     if quick:
         cmd.append("--quick")
@@ -411,6 +459,7 @@ def run(*, quick: bool, log_path: str, timeout: int = 1500, malloc: str = "keep"
         "profile": prof,
         "job_profile": job_prof,  # what the predictions used: compute constants of both ranks at once
         "malloc": malloc,
+        "group": group,
         "took_s": time.perf_counter() - t0,
     }
 
@@ -434,16 +483,23 @@ def main() -> None:
         default="keep",
         help="keep (as run.py --malloc): glibc keeps freed memory (MALLOC_KEEP); system: its defaults",
     )
+    p.add_argument(
+        "--group",
+        choices=("one-thread", "default"),
+        default="one-thread",
+        help="the job's gloo group: one-thread (spmd.gloo_threads(1), as make bench) or default "
+        '(init_process_group("gloo") as a new user writes it: two worker threads)',
+    )
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
     log_path = os.path.join(tempfile.gettempdir(), f"spmd_plan_check_{os.getpid()}.log")
-    res = run(quick=args.quick, log_path=log_path, malloc=args.malloc)
+    res = run(quick=args.quick, log_path=log_path, malloc=args.malloc, group=args.group, models=args.models)
     if "error" in res:
         sys.exit(res["error"])
     print(table(res["records"], res["summary"]))
-    print(f"({res['took_s']:.0f} s, malloc {res['malloc']}; log: {log_path})")
+    print(f"({res['took_s']:.0f} s, malloc {res['malloc']}, group {res['group']}; log: {log_path})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

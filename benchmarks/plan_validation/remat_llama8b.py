@@ -1,7 +1,7 @@
 """Predicted peak and recompute FLOPs of a Llama 3.1 8B-shaped train step under each remat policy.
 
     PYTHONPATH=$PWD python benchmarks/plan_validation/remat_llama8b.py \
-        [--policies none selective 0.7 0.5 0.3 0.1 full] [--layers 32] [--live 20]
+        [--policies none selective op 0.7 0.5 0.3 0.1 full] [--layers 32] [--live 20]
 
 Hugging Face ``LlamaConfig`` (32 layers, d 4096, 32/8 heads, ffn 14336, vocab 128256), built under
 FakeTensorMode (no memory); bf16 params with fp32 reduction (spmd.MixedPrecision), local batch 2,
@@ -75,7 +75,7 @@ def main() -> None:
         attn_implementation="sdpa",
     )  # fmt: skip
     for pol in args.policies:
-        remat = None if pol == "none" else pol if pol in ("selective", "full") else float(pol)
+        remat = None if pol == "none" else pol if pol in ("selective", "op", "full") else float(pol)
         with FakeTensorMode():
             model = transformers.LlamaForCausalLM(cfg)
         optim = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)

@@ -10,26 +10,21 @@ with a corrupted heap. Reproduced without spmd by ``benchmarks/diagnostics/gloo_
 background of the caller's compute, and the corruption was not seen.
 
 ``init_process_group`` takes no gloo options (torch ignores ``pg_options`` for gloo), so this
-context manager swaps the class it constructs for the time of the call: a subclass whose
-constructor sets the thread count. Groups made inside (``init_process_group``, ``new_group``,
-``DeviceMesh``'s groups) get ``n`` threads; nothing changes outside. It relies on the name
-``torch.distributed.distributed_c10d.ProcessGroupGloo``, which ``tests/unit/test_gloo_threads.py``
-checks on the installed torch.
+context manager swaps the class it constructs for the time of the call
+(``passes.torch_compat.gloo_groups_with_threads``). Groups made inside (``init_process_group``,
+``new_group``, ``DeviceMesh``'s groups) get ``n`` threads; nothing changes outside.
 
-spmd itself keeps one collective in flight at a time on a gloo group with more than one
-thread (``spmd.pipeline.gloo_concurrent``), so the default group is safe without this; a
-one-thread group lets spmd overlap collectives with each other again.
+A user no longer needs it for spmd's sake: where torch's default group is gloo with several
+threads, spmd makes its own one-thread groups for its collectives (``spmd.parallel.gloo_group``).
+It is for the other code of a script that keeps several gloo collectives in flight (DDP, FSDP2's
+prefetch), and for a mesh a user builds and passes in: on a gloo group with more than one thread
+spmd keeps one collective in flight at a time (``spmd.pipeline.gloo_concurrent``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 from collections.abc import Iterator
-from typing import Any
-
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from passes import torch_compat
 from spmd.errors import ConfigError
@@ -46,17 +41,5 @@ def gloo_threads(n: int = 1) -> Iterator[None]:
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ConfigError(f"spmd.gloo_threads: the number of threads must be an int >= 1, got {n!r}.")
-    base = dist.ProcessGroupGloo
-
-    class _GlooWithThreads(base):  # type: ignore[misc, valid-type]
-        def __init__(
-            self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, **kwargs: Any
-        ) -> None:
-            super().__init__(store, rank, size, torch_compat.gloo_options(n, timeout, **kwargs))
-
-    before = c10d.ProcessGroupGloo
-    c10d.ProcessGroupGloo = _GlooWithThreads  # type: ignore[misc]
-    try:
+    with torch_compat.gloo_groups_with_threads(n):
         yield
-    finally:
-        c10d.ProcessGroupGloo = before  # type: ignore[misc]

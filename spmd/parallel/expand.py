@@ -60,13 +60,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from passes import torch_compat
 from spmd.errors import ConfigError, ShardingPropagationError
 from spmd.frontend import optim as optim_utils
-from spmd.parallel import sharding
+from spmd.parallel import gloo_group, sharding
 from spmd.parallel.base import OVERRIDE_PLACEMENTS, ParallelMode
 from spmd.parallel.expand_graph import expand_graph
 
@@ -195,11 +195,11 @@ class DTensorExpandMode(ParallelMode):
         if key not in meshes:
             if any(k[1] != id(group) for k in meshes):
                 meshes.clear()
-            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            mesh = gloo_group.init_mesh(device_type, shape, names)
             if names is not None and len(names) > 1:
                 # A flattened dimension lets DTensor reduce a value partial over every dimension
                 # with one all-reduce instead of one per dimension.
-                torch_compat.flatten_mesh(mesh[names])
+                gloo_group.flatten(mesh[names])
             meshes[key] = mesh
         return meshes[key]
 

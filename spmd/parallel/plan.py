@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from passes import torch_compat
 from passes.torch_compat import StridedShard as _StridedShard
 from spmd.errors import ConfigError
+from spmd.parallel import gloo_group
 from spmd.parallel.sharding import ShardLayout
 
 # The styles a parameter can have; DataParallel's parallel_style is the default for all of them.
@@ -133,8 +134,8 @@ def whole_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     if mesh.ndim == 1:
         return mesh.get_group()
     if mesh.size() == dist.get_world_size():
-        return dist.group.WORLD  # type: ignore[return-value]
-    return torch_compat.flatten_mesh(mesh).get_group()
+        return gloo_group.world_group(mesh.device_type)
+    return gloo_group.flatten(mesh).get_group()
 
 
 def data_group(mesh: DeviceMesh, dims: tuple[int, ...]) -> dist.ProcessGroup:
@@ -146,7 +147,7 @@ def data_group(mesh: DeviceMesh, dims: tuple[int, ...]) -> dist.ProcessGroup:
     names = mesh.mesh_dim_names
     if names is None:
         raise ConfigError("spmd.DataParallel: a mesh with a 'tp' dimension must name all its dimensions.")
-    return torch_compat.flatten_mesh(mesh[tuple(names[d] for d in dims)]).get_group()
+    return gloo_group.flatten(mesh[tuple(names[d] for d in dims)]).get_group()
 
 
 # ----------------------------------------------------------------------------- placements

@@ -24,13 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from passes import torch_compat
 from passes.torch_compat import DTensorSpec, TensorMeta
 from passes.torch_compat import StridedShard as _StridedShard
 from spmd.errors import ConfigError
+from spmd.parallel import gloo_group
 from spmd.parallel.offload import CPUOffloadPolicy, to_host
 
 log = logging.getLogger("spmd")
@@ -63,9 +64,8 @@ def default_mesh(
             _DEFAULT_MESHES.clear()  # meshes of earlier groups are dead
         if names is None:
             names = ("replicate", "shard") if len(shape) == 2 else None
-        _DEFAULT_MESHES[key] = init_device_mesh(
-            device_type, shape, mesh_dim_names=tuple(names) if names is not None else None
-        )
+        # Where the default group is gloo with several threads, on groups of spmd's own (one thread).
+        _DEFAULT_MESHES[key] = gloo_group.init_mesh(device_type, shape, names)
     return _DEFAULT_MESHES[key]
 
 

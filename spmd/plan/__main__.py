@@ -62,7 +62,7 @@ def _remats(s: str) -> list[Any]:
     for x in (x.strip() for x in s.split(",") if x.strip()):
         if x.lower() == "none":
             out.append(None)
-        elif x in ("selective", "full"):
+        elif x in ("selective", "op", "full"):
             out.append(x)
         else:
             out.append(float(x))
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         "--remat",
         type=_remats,
         default=None,
-        help="remat policies of the sharded styles: none,selective,full or budgets like 0.5 "
+        help="remat policies of the sharded styles: none,selective,op,full or budgets like 0.5 "
         "(default: none,selective,full)",
     )
     p.add_argument(

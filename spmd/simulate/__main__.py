@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--remat",
         default=None,
-        help="rematerialization policy: selective, full, or a float in (0, 1] (default: none)",
+        help="rematerialization policy: selective, op (torchtitan's), full, or a float in (0, 1] "
+        "(default: none)",
     )
     p.add_argument(
         "--device",
@@ -44,11 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     fn, (model, optim, idx, targets), mp = models.build_from_args(args)
     dp = spmd.DataParallel(args.style, reshard_after_forward=not args.no_reshard, mixed_precision=mp)
     remat: str | float | None = args.remat
-    if remat is not None and remat not in ("selective", "full", "none"):
+    if remat is not None and remat not in ("selective", "op", "full", "none"):
         try:
             remat = float(remat)
         except ValueError:
-            p.error(f"--remat {remat!r}: must be selective, full or a float in (0, 1]")
+            p.error(f"--remat {remat!r}: must be selective, op, full or a float in (0, 1]")
     step = spmd.compile(parallel_mode=dp, remat=None if remat == "none" else remat)(fn)
     report = spmd.simulate(step, model, optim, idx, targets, world_size=args.world_size, device=args.device)
     print(report.to_json() if args.json else report)

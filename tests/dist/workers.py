@@ -336,14 +336,21 @@ def elastic_resume(rank: int, world: int, style: str, ckpt_dir: str) -> list[str
     return problems
 
 
-def gloo_threads_step(rank: int, world: int, style: str, knobs: dict[str, Any]) -> dict[str, Any]:
-    """Three fused-AdamW steps of TinyGPT on the group the launcher made: its gloo worker
-    threads, the most collectives the final graph has in flight at once, losses and the
-    full parameters after the steps."""
-    import torch.distributed as dist
+def gloo_threads_step(
+    rank: int, world: int, style: str, knobs: dict[str, Any], user_mesh: bool = False
+) -> dict[str, Any]:
+    """Three fused-AdamW steps of TinyGPT on the group the launcher made (``user_mesh``: on a
+    mesh the script made with ``init_device_mesh``, else on spmd's default mesh): the gloo worker
+    threads of the default group and of the group spmd's collectives run on, the most
+    collectives the final graph has in flight at once, losses and the full parameters after
+    the steps."""
+    from torch.distributed.device_mesh import init_device_mesh
 
     from passes import collectives as C
+    from passes import torch_compat
 
+    if user_mesh:
+        knobs = {**knobs, "mesh": init_device_mesh("cpu", (world,))}
     torch.manual_seed(0)
     model = pm.build("tinygpt")
     opt = shared.make_optimizer("adamw_fused", model)
@@ -362,11 +369,16 @@ def gloo_threads_step(rank: int, world: int, style: str, knobs: dict[str, Any]) 
 
     carry_model = pm.build("tinygpt")
     carry_opt = shared.make_optimizer("adamw_fused", carry_model)
-    carry = spmd.compile(parallel_mode=spmd.DataParallel(style, **knobs), cross_step_prefetch=True)(train_step)
+    carry_mode = spmd.DataParallel(style, **knobs)
+    carry = spmd.compile(parallel_mode=carry_mode, cross_step_prefetch=True)(train_step)
     carry(carry_model, carry_opt, *pm.batch("tinygpt", 0, rank))
     carried = any(CARRIED in n.meta for n in carry.graphs["final"].graph.nodes)
+    groups = {C.group_of(n) for n in C.collectives(step.graphs["final"].graph)}
+    default = torch_compat.get_default_group()
     return {
-        "threads": dist.group.WORLD._get_backend(torch.device("cpu")).options._threads,
+        "threads": torch_compat.gloo_threads(default),
+        "spmd_threads": {torch_compat.gloo_threads(torch_compat.resolve_process_group(g)) for g in groups},
+        "spmd_on_default": any(torch_compat.resolve_process_group(g) is default for g in groups),
         "most_in_flight": most,
         "carried": carried,
         "losses": losses,

@@ -249,24 +249,60 @@ def test_the_chunked_loss_head_counts_its_three_matmuls() -> None:
     mm.finish(mm_node)
     assert node_flops(head) == 6 * n * d * v == 3 * node_flops(mm_node)
     assert op_class(head) == "matmul"
-    # Its matmuls by FLOPs (they dominate their bytes here) and the chunks' elementwise passes
-    # over the [rows, V] logits by bytes (passes.cost_model.chunked_head_time).
-    elementwise = 8 * n * v * 4 / PROFILE.memory_bandwidth
+    # Its matmuls by FLOPs (they dominate their bytes here) and the passes over the [rows, V]
+    # logits by bytes (passes.cost_model.chunked_head_traffic): written by the mm, log-softmax (3),
+    # nll_loss_backward (1), log-softmax backward (3), read by the grad_x and grad_W matmuls.
+    elementwise = 10 * n * v * 4 / PROFILE.memory_bandwidth
     assert compute_time(head, PROFILE)[0] == pytest.approx(
         6 * n * d * v / PROFILE.peak_flops["fp32"] + elementwise
     )
 
 
-def _head(n: int, d: int, v: int, chunk: int):  # noqa: ANN202
+def _head(n: int, d: int, v: int, chunk: int, dtype: torch.dtype = torch.float32, logits=None):  # noqa: ANN001, ANN202
     from passes.linear_cross_entropy import LINEAR_CROSS_ENTROPY, REDUCTION_MEAN
 
     b = Builder()
-    x, w = b.input("x", n, d), b.input("w", v, d)
+    x, w = b.input("x", n, d, dtype=dtype), b.input("w", v, d, dtype=dtype)
     target = b.input("target", n, dtype=torch.int64, role=Role.INPUT)
     grad_loss = b.input("grad_loss", dtype=torch.float32, role=Role.INPUT)
-    node = b.op(LINEAR_CROSS_ENTROPY, x, w, target, grad_loss, chunk, REDUCTION_MEAN, -100, None)
+    node = b.op(LINEAR_CROSS_ENTROPY, x, w, target, grad_loss, chunk, REDUCTION_MEAN, -100, logits)
     b.finish(node)
     return node
+
+
+def test_the_chunked_heads_logits_traffic_counts_its_casts() -> None:
+    """bf16 activations with float32 logits (the 8B's head under mixed precision): per element of
+    the [N, V] logits the mm writes 2 bytes, the cast to float32 moves 6, the log-softmax 12,
+    nll_loss_backward 4, its backward 12, the cast back 6, the grad_x matmul reads 2 and, chunked,
+    the grad_W accumulation in float32 reads a float32 copy (2 + 8): 54 bytes, where 36 were
+    priced before (#39 item 3)."""
+    from passes.cost_model import chunked_head_traffic
+
+    n, d, v = 64, 32, 512
+    head = _head(n, d, v, 16, torch.bfloat16, torch.float32)
+    values = torch.fx.node.map_aggregate(
+        (head.args, head.kwargs), lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a
+    )
+    assert chunked_head_traffic(values) == 54 * n * v
+    one = _head(n, d, v, n, torch.bfloat16, torch.float32)  # one chunk: mm(g.T, x) reads g in bf16
+    values = torch.fx.node.map_aggregate(
+        (one.args, one.kwargs), lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a
+    )
+    assert chunked_head_traffic(values) == 46 * n * v
+
+
+def test_a_calibrated_cpu_prices_the_chunked_heads_logits_too() -> None:
+    """On a profile with measured curves (spmd.calibrate's CPU) the head's matmuls follow the
+    matmul curve by FLOPs and its logits' passes the memory curve by bytes: before, the curve
+    priced the op by its FLOPs alone, and the logits' traffic was free."""
+    n, d, v = 64, 32, 512
+    head = _head(n, d, v, 16)
+    matmul = [[1.0, 1e-6], [1e12, 1.0]]
+    memory = [[1.0, 2e-6], [1e12, 10.0]]
+    cpu = _with(op_curves={"matmul": matmul, "memory": memory})
+    by_flops = interpolate(matmul, 6 * n * d * v)
+    logits = interpolate(memory, 40 * n * v) - 2e-6
+    assert compute_time(head, cpu)[0] == pytest.approx(by_flops + logits)
 
 
 def test_small_chunks_of_the_loss_head_pay_for_rereading_the_head() -> None:

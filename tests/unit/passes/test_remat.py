@@ -175,6 +175,50 @@ def test_selective_keeps_matmuls_and_attention() -> None:
     assert rep.recompute_flops == 0 and rep.activation_recomputed_bytes > 0
 
 
+def _copies_outside_blocks(step) -> list[str]:
+    gm = step.graphs["rematerialize"]
+    return [
+        f"{n.name} ({n.meta.get(MODULE, '')!r})"
+        for n in gm.graph.nodes
+        if REMAT in n.meta and not any(p.isdigit() for p in unit_path(n.meta.get(MODULE, "")).split("."))
+    ]
+
+
+@pytest.mark.parametrize("policy", ["selective", "op"])
+def test_selective_keeps_the_loss_head(policy) -> None:
+    """remat='selective' (and 'op') recompute nothing after the last block -- the final norm, the
+    head's matmul, the loss's log-softmax -- as torchtitan's checkpointing, which wraps only the
+    blocks; inside the blocks they still recompute."""
+    step, _ = _gpt(policy)
+    assert not _copies_outside_blocks(step), _copies_outside_blocks(step)
+    assert step.report().activation_recomputed_bytes > 0
+
+
+def test_op_recomputes_every_second_block_matmul() -> None:
+    """remat='op' is torchtitan's selective_ac_option='op': of each block's forward matmuls the
+    2nd, 4th, ... are not kept, so backward recomputes some of them (never an odd one, never one
+    outside a block), saving fewer bytes than 'selective' for more FLOPs; the result is the same
+    bits as remat=None."""
+    op, args = _gpt("op")
+    sel, _ = _gpt("selective")
+    gm = op.graphs["rematerialize"]
+    mms = {"aten.mm.default", "aten.addmm.default"}
+    by_block: dict[str, list[str]] = {}
+    for n in op.graphs["traced"].graph.nodes:
+        if str(n.target) in mms and n.meta.get(PHASE) is Phase.FORWARD:
+            by_block.setdefault(unit_path(n.meta.get(MODULE, "")), []).append(n.name)
+    second = {name for names in by_block.values() for name in names[1::2]}
+    redone = {n.meta[REMAT] for n in gm.graph.nodes if REMAT in n.meta and str(n.target) in mms}
+    assert redone and redone <= second, (redone, second)
+    s_op, s_sel = summarize(gm), summarize(sel.graphs["rematerialize"])
+    assert s_op.saved_bytes < s_sel.saved_bytes and s_op.recompute_flops > s_sel.recompute_flops == 0
+    ref, ref_args = _gpt(None)
+    for i in range(2):
+        assert torch.equal(op(*args), ref(*ref_args)), f"loss of call {i + 2}"
+    for (name, p), q in zip(args[0].named_parameters(), ref_args[0].parameters()):
+        assert torch.equal(p, q), name
+
+
 def test_budget_is_kept() -> None:
     """A float is torch's activation_memory_budget between "full" (0) and "selective" (1): it saves
     at most ``floor + b * (top - floor)`` bytes, along the whole curve (no step where a budget
@@ -344,7 +388,10 @@ def test_composes_with_user_checkpoint(gloo1) -> None:
         traced = compiled.graphs["traced"]
         order = {n.name: i for i, n in enumerate(traced.graph.nodes)}
         bw_start = min(i for i, n in enumerate(traced.graph.nodes) if n.meta.get(PHASE) is Phase.BACKWARD)
-        assert any(REMAT in n.meta for n in compiled.graphs["rematerialize"].graph.nodes), policy
+        recomputed = any(REMAT in n.meta for n in compiled.graphs["rematerialize"].graph.nodes)
+        # "selective": the checkpoint already recomputes each block's cheap ops, and the loss
+        # head after the blocks is kept (as torchtitan's), so nothing is left to recompute.
+        assert recomputed == (policy != "selective"), policy
         for n in compiled.graphs["rematerialize"].graph.nodes:
             if REMAT in n.meta:
                 assert order[n.meta[REMAT]] < bw_start, (
