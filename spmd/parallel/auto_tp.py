@@ -1,0 +1,594 @@
+"""Automatic tensor-parallel placements: the plan chosen from the traced step.
+
+``DataParallel(style, tp_size=N)`` (or a mesh with a ``"tp"`` dimension) without a
+``tp_plan`` (or with ``tp_plan="auto"``) calls :func:`choose` once per model, before the
+model is distributed. The traced graph has single-device semantics on full-size state
+whatever the placements, so the api traces the step on the undistributed model first
+(:meth:`spmd.api.CompiledStep._entry`), this module chooses, and the choice is written as a
+plan in the manual form (:func:`spmd.parallel.tensor_parallel.resolve_plan`: module name
+patterns to ``ColwiseParallel``/``RowwiseParallel``, parameter names to a ``Placement``).
+From there the manual path runs unchanged: ``prepare`` distributes the state with the plan
+and the step is traced again on it (a second trace: the lifted state is other tensors then,
+so reusing the first trace would mean re-keying every placeholder; a trace is seconds).
+
+How it chooses, from the graph (never from module names or types):
+
+1. **Candidates.** A *parameter matmul* is an ``mm``/``addmm`` whose second operand is a
+   parameter, directly (GPT-2's ``Conv1D``, weight ``(in, out)``) or through a transpose
+   (``nn.Linear``, weight ``(out, in)``); casts and views in between are followed. From each
+   one's output the forward dataflow is followed through every op until it reaches another
+   parameter matmul's activation operand (a *consumer*), the loss (``log_softmax`` /
+   ``nll_loss``) or a *stop*: a reduction or a normalisation (which mixes the features a
+   column split would divide), or a graph output. Producers whose flow ends only in consumers
+   form, with those consumers, a **column -> row region** (q/k/v -> o, gate/up -> down, a
+   fused qkv -> proj, GPT-2's ``c_fc`` -> ``c_proj``; GQA's ``repeat_kv`` and attention are
+   ops on the way). A producer whose flow ends only in the loss is a **vocabulary-parallel
+   head**; an ``embedding`` of a parameter is a **vocabulary-parallel embedding**. Everything
+   else (a matmul whose output reaches a norm first, experts computed by ops DTensor has no
+   strategy for, norms, biases of row-parallel layers) replicates.
+2. **Repeated blocks solved once.** Regions with the same structure (the shapes and split
+   dimensions of their parameters, the ops on their flow) form one class, e.g. the attention
+   of every decoder layer; a class is sharded or replicated as a whole, so every layer gets
+   the same choice. Regions that share a parameter (a tied embedding and head) decide together.
+3. **Checked by DTensor.** All candidate classes are placed at once and the forward of the
+   step runs on DTensors over the tp sub-mesh (fake tensors: nothing is computed) with the
+   same expansion :func:`~spmd.parallel.tensor_parallel.expand_tp` uses. A class is *clean*
+   when DTensor's own sharding propagation runs every op of its flow without a
+   redistribution: the only collectives are the ones the split itself needs, outside the
+   flow (the row output's all-reduce, the loss's). A class whose flow needs one (a fused qkv
+   split unevenly over heads, a key/value head count tp does not divide, an op with no
+   sharding rule, which runs on gathered inputs) is replicated, and the check runs again
+   without it (at most once per class).
+4. **Priced.** Each class is priced per rank: bytes of parameters, gradients and optimizer
+   state saved (``1 - 1/tp`` of them), activation bytes saved on its flow, matmul FLOPs saved
+   (forward and backward), and the collectives the split adds (Megatron's minimum: a column
+   -> row region one all-reduce of its output in forward and one of its input gradient in
+   backward; an embedding one in forward; a head one in backward plus three small ones of
+   the loss). A clean class always saves memory, and is sharded: a tp degree asks for the
+   model to be split. The prices are what the report, the dump and the INFO log show as
+   the reason.
+
+The choice is deterministic: it reads only the graph (node order is the trace's) and the
+shapes, so every rank chooses the same plan. Cost: one forward expansion per round (usually
+one), no solver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+import re
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from passes.meta import MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
+from spmd.errors import ConfigError
+
+log = logging.getLogger("spmd")
+
+aten = torch.ops.aten
+AUTO = "auto"
+_MiB = 1024 * 1024
+
+# Ops a value passes through on its way from a matmul's weight placeholder to the matmul.
+_WEIGHT_PATH = {
+    aten.t.default: True,  # transposes
+    aten.transpose.int: True,
+    aten.permute.default: True,
+    aten.view.default: False,
+    aten._unsafe_view.default: False,
+    aten.alias.default: False,
+    aten.detach.default: False,
+    aten._to_copy.default: False,  # mixed precision's compute cast
+    aten.clone.default: False,
+}
+# Where a value leaves the region: the feature dimension a column split divides is mixed.
+_STOPS = {
+    aten.mean.dim,
+    aten.mean.default,
+    aten.sum.dim_IntList,
+    aten.sum.default,
+    aten.var.correction,
+    aten.var_mean.correction,
+    aten.amax.default,
+    aten.native_layer_norm.default,
+    aten.layer_norm.default,
+    aten.linalg_vector_norm.default,
+}
+_LOSS = {aten._log_softmax.default, aten.log_softmax.int, aten.nll_loss_forward.default}
+
+# model -> its automatic choice (what prepare and the partitioner read, and tp_plan_of shows)
+_CHOSEN: weakref.WeakKeyDictionary[nn.Module, AutoPlan] = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mat:
+    """A parameter matmul: the node, its weight parameter and activation operand."""
+
+    node: fx.Node
+    param: str
+    act: fx.Node
+    col: int  # the parameter dimension of the matmul's output features (column split)
+    row: int  # the dimension of its input features (row split)
+    bias: str | None
+
+
+@dataclasses.dataclass
+class Region:
+    """One candidate split: ``col`` parameters split on output features, ``row`` on input
+    features (vocabulary for an embedding / head: dim 0)."""
+
+    kind: str  # "pair", "head" or "embedding"
+    col: dict[str, int]  # param fqn -> its split dimension
+    row: dict[str, int]
+    flow: set[fx.Node]  # forward nodes between the producers and the consumers
+    mats: list[fx.Node]  # the matmul (or embedding) nodes
+    bias: dict[str, int] = dataclasses.field(default_factory=dict)  # column biases: Shard(0)
+
+    def params(self) -> dict[str, int]:
+        return {**self.col, **self.row, **self.bias}
+
+    def signature(self, shape_of: Callable[[str], tuple[int, ...]]) -> tuple[Any, ...]:
+        ps = sorted(
+            (k, shape_of(p), d)
+            for k, group in (("col", self.col), ("row", self.row), ("bias", self.bias))
+            for p, d in group.items()
+        )
+        ops = sorted(str(n.target) for n in self.flow)
+        return (self.kind, tuple(ps), tuple(ops))
+
+
+@dataclasses.dataclass
+class Price:
+    """What one region saves and adds per rank (bytes, FLOPs per step)."""
+
+    state_bytes: int = 0  # parameters + gradients + optimizer state saved
+    activation_bytes: int = 0  # forward values of the flow saved
+    flops: int = 0  # matmul FLOPs saved, forward and backward
+    collectives: int = 0  # collectives added
+    collective_bytes: int = 0
+
+    def __iadd__(self, o: Price) -> Price:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(o, f.name))
+        return self
+
+
+@dataclasses.dataclass
+class Decision:
+    """One class of identical regions (a repeated block's attention, MLP...) and its choice."""
+
+    regions: list[Region]
+    sharded: bool
+    price: Price  # for all its regions together
+    why: str
+
+    def describe(self) -> str:
+        r = self.regions[0]
+        names = ", ".join(_short(p) for p in r.col)
+        if r.row:
+            names = (
+                f"{names} -> {', '.join(_short(p) for p in r.row)}"
+                if names
+                else ", ".join(_short(p) for p in r.row)
+            )
+        what = {
+            "pair": "column -> row",
+            "head": "vocabulary-parallel head",
+            "embedding": "vocabulary-parallel embedding",
+        }
+        n = f" (x{len(self.regions)})" if len(self.regions) > 1 else ""
+        verdict = "sharded" if self.sharded else "replicated"
+        return f"{names}{n}: {what[r.kind]}, {verdict}: {self.why}"
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPlan:
+    """The automatic choice for one model.
+
+    ``plan``: the equivalent manual plan (``DataParallel(tp_plan=plan)`` runs the same step);
+    ``placements``: each sharded parameter's placement on tp; ``reasons``: parameter fqn -> why
+    (the line of its class); ``decisions``: every class, sharded or not; ``solve_s``: seconds.
+    """
+
+    plan: dict[str, Any]
+    placements: dict[str, Placement]
+    reasons: dict[str, str]
+    decisions: list[Decision]
+    solve_s: float
+
+    def summary(self) -> str:
+        lines = [d.describe() for d in self.decisions]
+        return "\n".join(lines) if lines else "nothing to shard: every parameter replicates"
+
+
+def chosen(module: nn.Module) -> AutoPlan | None:
+    """The automatic choice made for ``module`` (None: none made)."""
+    return _CHOSEN.get(module)
+
+
+# ----------------------------------------------------------------------------- the graph
+
+
+def _placeholder_param(n: fx.Node) -> str | None:
+    if n.op == "placeholder" and n.meta.get(ROLE) is Role.PARAM:
+        return str(n.meta.get(STATE_NAME))
+    return None
+
+
+def _weight(n: Any) -> tuple[str, bool] | None:
+    """(parameter fqn, whether it is used transposed) if ``n`` is a parameter seen through
+    views, casts and transposes."""
+    flips = False
+    while isinstance(n, fx.Node):
+        if (p := _placeholder_param(n)) is not None:
+            return p, flips
+        if n.op != "call_function" or n.target not in _WEIGHT_PATH:
+            return None
+        if _WEIGHT_PATH[n.target]:
+            flips = not flips
+        n = n.args[0]
+    return None
+
+
+def _param_matmuls(gm: fx.GraphModule, shapes: dict[str, tuple[int, ...]]) -> dict[fx.Node, _Mat]:
+    out: dict[fx.Node, _Mat] = {}
+    for n in gm.graph.nodes:
+        if n.meta.get(PHASE) is not Phase.FORWARD or n.op != "call_function":
+            continue
+        if n.target is aten.mm.default:
+            act, w, bias = n.args[0], n.args[1], None
+        elif n.target is aten.addmm.default:
+            act, w, bias = n.args[1], n.args[2], _weight(n.args[0])
+        else:
+            continue
+        found = _weight(w)
+        if found is None or _weight(act) is not None or len(shapes[found[0]]) != 2:
+            continue
+        p, flipped = found
+        # mm(x, W^T): W is (out, in), nn.Linear's layout; mm(x, W): (in, out), GPT-2's Conv1D.
+        col, row = (0, 1) if flipped else (1, 0)
+        b = bias[0] if bias is not None and not bias[1] and len(shapes[bias[0]]) == 1 else None
+        out[n] = _Mat(n, p, act, col, row, b)
+    return out
+
+
+def _flow(mat: fx.Node, mats: dict[fx.Node, _Mat]) -> tuple[set[fx.Node], set[fx.Node], bool, bool]:
+    """(flow nodes, consumer matmuls, reaches the loss, stopped) from ``mat``'s output."""
+    flow: set[fx.Node] = set()
+    consumers: set[fx.Node] = set()
+    loss = stopped = False
+    todo = [mat]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.op == "output":
+                stopped = True
+                continue
+            if u.meta.get(PHASE) is not Phase.FORWARD:
+                continue  # saved for backward
+            if u in mats and mats[u].act is n:
+                consumers.add(u)
+            elif u in mats or u.target in _STOPS:
+                stopped = True
+            elif u.target in _LOSS:
+                loss = True
+            elif u not in flow:
+                flow.add(u)
+                todo.append(u)
+    return flow, consumers, loss, stopped
+
+
+def find_regions(gm: fx.GraphModule, shapes: dict[str, tuple[int, ...]]) -> list[Region]:
+    """The candidate regions of a traced step (see the module docstring), in graph order."""
+    mats = _param_matmuls(gm, shapes)
+    flows = {m: _flow(m, mats) for m in mats}
+    # Union producers that reach a common consumer; a producer that is also a consumer of a
+    # region (row and column at once) cannot be split both ways.
+    parent: dict[fx.Node, fx.Node] = {}
+
+    def find(x: fx.Node) -> fx.Node:
+        while parent.setdefault(x, x) is not x:
+            x = parent[x]
+        return x
+
+    pairs = [m for m, (_, cons, loss, stop) in flows.items() if cons and not loss and not stop]
+    for m in pairs:
+        for c in flows[m][1]:
+            parent[find(c)] = find(m)
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for m in pairs:
+        groups.setdefault(find(m), []).append(m)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    regions: list[Region] = []
+    for members in groups.values():
+        consumers = set().union(*(flows[m][1] for m in members))
+        if consumers & set(members):
+            continue  # a chain (row into column): not one Megatron pair
+        r = Region("pair", {}, {}, set(), sorted([*members, *consumers], key=order.__getitem__))
+        for m in members:
+            r.col[mats[m].param] = mats[m].col
+            if mats[m].bias is not None:
+                r.bias[mats[m].bias] = 0
+            r.flow |= flows[m][0]
+        for c in consumers:
+            r.row[mats[c].param] = mats[c].row
+        regions.append(r)
+    for m, (flow, cons, loss, stop) in flows.items():
+        if loss and not cons and not stop:
+            r = Region("head", {mats[m].param: mats[m].col}, {}, flow, [m])
+            if mats[m].bias is not None:
+                r.bias[mats[m].bias] = 0
+            regions.append(r)
+    for n in gm.graph.nodes:
+        if (
+            n.op == "call_function"
+            and n.target is aten.embedding.default
+            and n.meta.get(PHASE) is Phase.FORWARD
+        ):
+            w = _weight(n.args[0])
+            if w is not None and not w[1] and len(shapes[w[0]]) == 2:
+                regions.append(Region("embedding", {}, {w[0]: 0}, set(), [n]))
+    regions.sort(key=lambda r: order[r.mats[0]])
+    return regions
+
+
+# ----------------------------------------------------------------------------- pricing
+
+
+def _nbytes(n: fx.Node) -> int:
+    v = n.meta.get("val")
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _mm_flops(n: fx.Node) -> int:
+    a, out = n.args[-2], n.meta.get("val")
+    av = a.meta.get("val") if isinstance(a, fx.Node) else None
+    if not isinstance(av, torch.Tensor) or not isinstance(out, torch.Tensor) or av.dim() != 2:
+        return 0
+    return 2 * av.shape[0] * av.shape[1] * out.shape[-1]
+
+
+def _price(r: Region, tp: int, state_bytes: dict[str, int]) -> Price:
+    keep = 1.0 - 1.0 / tp
+    p = Price()
+    p.state_bytes = int(sum(state_bytes.get(q, 0) for q in r.params()) * keep)
+    p.activation_bytes = int(sum(_nbytes(n) for n in r.flow) * keep)
+    if r.kind != "embedding":
+        p.flops = int(3 * sum(_mm_flops(m) for m in r.mats) * keep)  # forward + 2 backward matmuls
+    if r.kind == "pair":
+        producers = [m for m in r.mats if _weight(m.args[-1]) is not None and _weight(m.args[-1])[0] in r.col]  # type: ignore[index]
+        outs = [m for m in r.mats if m not in producers]
+        ins = [m.args[-2] for m in producers]
+        p.collectives = 2
+        p.collective_bytes = sum(_nbytes(m) for m in outs) + max((_nbytes(a) for a in ins), default=0)
+    elif r.kind == "embedding":
+        p.collectives, p.collective_bytes = 1, sum(_nbytes(m) for m in r.mats)
+    else:
+        rows = r.mats[0].meta["val"].shape[0]
+        p.collectives, p.collective_bytes = 4, _nbytes(r.mats[0].args[-2]) + 3 * 4 * rows
+    return p
+
+
+def _size(n: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _why(p: Price) -> str:
+    return (
+        f"saves {_size(p.state_bytes)} of parameters, gradients and optimizer state and "
+        f"{_size(p.activation_bytes)} of activations per rank, {p.flops / 1e6:.1f} MFLOP per step; "
+        f"adds {p.collectives} collectives ({_size(p.collective_bytes)})"
+    )
+
+
+def _short(fqn: str) -> str:
+    return re.sub(r"\.\d+\.", ".*.", fqn)
+
+
+# ----------------------------------------------------------------------------- the solve
+
+
+def choose(module: nn.Module, gm: fx.GraphModule, mesh: Any) -> AutoPlan:
+    """Choose ``module``'s tensor-parallel placements from its traced step ``gm`` (single-device
+    semantics, traced on the undistributed model) for ``mesh``'s ``"tp"`` dimension; remembered
+    for ``module`` (:func:`chosen`) and returned."""
+    from spmd.parallel import plan as plan_mod
+    from spmd.parallel.auto_tp_check import dirty_nodes
+
+    t0 = time.perf_counter()
+    tp_dim = plan_mod.tp_dim(mesh)
+    assert tp_dim is not None
+    tp = mesh.size(tp_dim)
+    shapes: dict[str, tuple[int, ...]] = {}
+    state_bytes: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" or not isinstance(n.meta.get("val"), torch.Tensor):
+            continue
+        name, role, nb = str(n.meta.get(STATE_NAME)), n.meta.get(ROLE), _nbytes(n)
+        if role is Role.PARAM:
+            shapes[name] = tuple(n.meta["val"].shape)
+            state_bytes[name] = state_bytes.get(name, 0) + 2 * nb  # the parameter and its gradient
+        elif role is Role.OPTIM_STATE and n.meta["val"].dim() > 0:
+            owner = name.rsplit(".", 1)[0]
+            state_bytes[owner] = state_bytes.get(owner, 0) + nb
+    regions = [r for r in find_regions(gm, shapes) if _divides(r, shapes, tp)]
+    classes = _classes(regions, shapes)
+    decisions: list[Decision] = []
+    live = list(range(len(classes)))
+    why_not: dict[int, str] = {}
+    for _ in range(len(classes) + 1):
+        placements = _placements([r for i in live for r in classes[i]])
+        plan_ = write_plan(module, placements)
+        bad = dirty_nodes(gm, module, mesh, plan_)
+        hit = [i for i in live if any(n in _region_nodes(r) for r in classes[i] for n in bad)]
+        if not hit:
+            break
+        for i in hit:
+            node = next(n for r in classes[i] for n in _region_nodes(r) if n in bad)
+            why_not[i] = (
+                f"DTensor redistributes inside it (at {node.target} in {node.meta.get(MODULE) or '<root>'!r})"
+            )
+        live = [i for i in live if i not in hit]
+    else:  # pragma: no cover - each round drops at least one class
+        live = []
+    for i, regs in enumerate(classes):
+        price = Price()
+        for r in regs:
+            price += _price(r, tp, state_bytes)
+        ok = i in live
+        decisions.append(Decision(regs, ok, price, _why(price) if ok else why_not.get(i, "not clean")))
+    placements = _placements([r for i in live for r in classes[i]])
+    plan_ = write_plan(module, placements)
+    reasons = {p: d.describe() for d in decisions if d.sharded for r in d.regions for p in r.params()}
+    out = AutoPlan(plan_, placements, reasons, decisions, time.perf_counter() - t0)
+    _CHOSEN[module] = out
+    n_sharded = sum(d.sharded for d in decisions)
+    log.info(
+        "spmd: automatic tensor parallelism over %d ranks: %d of %d candidate classes sharded "
+        "(%d parameters split), solved in %.2f s:\n  %s",
+        tp,
+        n_sharded,
+        len(decisions),
+        len(placements),
+        out.solve_s,
+        out.summary().replace("\n", "\n  "),
+    )
+    return out
+
+
+def _divides(r: Region, shapes: dict[str, tuple[int, ...]], tp: int) -> bool:
+    return all(shapes[p][d] % tp == 0 for p, d in r.params().items())
+
+
+def _region_nodes(r: Region) -> set[fx.Node]:
+    return r.flow | {m for m in r.mats if m.target is not aten.embedding.default}
+
+
+def _classes(regions: list[Region], shapes: dict[str, tuple[int, ...]]) -> list[list[Region]]:
+    """Regions grouped by structure; classes sharing a parameter merged (they decide together)."""
+    by_sig: dict[tuple[Any, ...], int] = {}
+    ids: list[int] = []
+    for r in regions:
+        ids.append(by_sig.setdefault(r.signature(shapes.__getitem__), len(by_sig)))
+    parent = list(range(len(by_sig)))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            x = parent[x]
+        return x
+
+    owner: dict[str, int] = {}
+    for r, c in zip(regions, ids):
+        for p in r.params():
+            if p in owner:
+                parent[find(c)] = find(owner[p])
+            owner.setdefault(p, c)
+    out: dict[int, list[Region]] = {}
+    for r, c in zip(regions, ids):
+        out.setdefault(find(c), []).append(r)
+    return list(out.values())
+
+
+def _placements(regions: Iterable[Region]) -> dict[str, Placement]:
+    out: dict[str, Placement] = {}
+    for r in regions:
+        for p, d in r.params().items():
+            out.setdefault(p, Shard(d))
+    return dict(sorted(out.items()))
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def write_plan(module: nn.Module, placements: dict[str, Placement]) -> dict[str, Any]:
+    """``placements`` as a manual plan: a ``ColwiseParallel``/``RowwiseParallel`` on each module
+    whose style places its parameters exactly so (an ``nn.Linear``, ``nn.Embedding``, GPT-2's
+    ``Conv1D``), a ``Placement`` for every other parameter; repeated names collapsed into
+    ``*`` patterns where a pattern names exactly the same modules."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from spmd.parallel.tensor_parallel import resolve_plan
+
+    modules = dict(module.named_modules())
+    entries: dict[str, Any] = {}
+    placed = set()
+    for fqn, pl in placements.items():
+        if fqn in placed:
+            continue
+        owner, _, attr = fqn.rpartition(".")
+        m = modules.get(owner)
+        style = None
+        if m is not None and attr == "weight" and not isinstance(m, nn.ModuleList):
+            for cand in (ColwiseParallel(), RowwiseParallel()):
+                try:
+                    got = resolve_plan(module, {owner: cand}).params
+                except ConfigError:
+                    continue
+                if all(placements.get(k, Replicate()) == v for k, v in got.items()):
+                    style = cand
+                    break
+        if style is not None:
+            entries[owner] = style
+            placed |= {f"{owner}.{k}" for k, _ in m.named_parameters(recurse=False)}  # type: ignore[union-attr]
+        else:
+            entries[fqn] = pl
+            placed.add(fqn)
+    return _collapse(entries, list(modules), [n for n, _ in module.named_parameters()])
+
+
+def _collapse(entries: dict[str, Any], module_names: list[str], param_names: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    done: set[str] = set()
+    for key, value in entries.items():
+        if key in done:
+            continue
+        pattern = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", key)
+        names = param_names if isinstance(value, Placement) else module_names
+        matched = {n for n in names if fnmatch.fnmatchcase(n, pattern)}
+        same = {k for k, v in entries.items() if fnmatch.fnmatchcase(k, pattern) and _same(v, value)}
+        if pattern != key and matched == same:
+            out[pattern] = value
+            done |= same
+        else:
+            out[key] = value
+            done.add(key)
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Placement) or isinstance(b, Placement):
+        return a == b
+    return type(a) is type(b)
+
+
+def tp_plan_of(model: nn.Module) -> dict[str, Any]:
+    """The tensor-parallel plan spmd chose for ``model`` (automatic placements), in the manual
+    form ``DataParallel(tp_plan=...)`` takes: pass it to run the same placements without the
+    choice, or edit it (a copy; module name patterns to ``ColwiseParallel``/``RowwiseParallel``,
+    parameter names to a ``Placement`` on tp).
+
+    Available after the first call of a step compiled with automatic placements on ``model``.
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"spmd.tp_plan_of: pass the model the step was called with, got {type(model).__name__}."
+        )
+    choice = chosen(model)
+    if choice is None:
+        raise ConfigError(
+            "spmd.tp_plan_of: no automatic tensor-parallel choice was made for this model. Call a step "
+            "compiled with DataParallel(..., tp_size=N) (and no tp_plan) on it first."
+        )
+    return dict(choice.plan)
