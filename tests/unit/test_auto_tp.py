@@ -1,0 +1,138 @@
+"""Automatic tensor-parallel placements (spmd.parallel.auto_tp) on traced steps under the fake
+process group: the solver's choice on a standard Llama block, what the DTensor check refuses,
+determinism, and the configuration around it. The parity tests are tests/dist/test_auto_tp.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import spmd
+from spmd.frontend import optim as optim_utils
+from spmd.frontend import step_inputs, tracing
+from spmd.parallel import auto_tp
+from tests.unit.fake_pg import fake_process_group
+
+V = 64
+
+
+def _llama(kv_heads: int = 2) -> nn.Module:
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=kv_heads, max_position_embeddings=32, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(cfg)
+
+
+def _step(model, optim, ids, labels):
+    model(input_ids=ids, labels=labels).loss.backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _choose(model: nn.Module, tp: int) -> auto_tp.AutoPlan:
+    """Trace the step on the undistributed model (as spmd.compile does) and choose for tp ranks."""
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    ids = torch.randint(0, V, (2, 8))
+    args = step_inputs.split_args((model, optim, ids, ids.roll(-1, 1)), {})
+    optim_utils.ensure_state(optim, list(model.parameters()))
+    traced = tracing.trace_step(
+        _step, args, step_inputs.lift_state(model, optim), casts=None, accumulate_after_reduce=False
+    )
+    mesh = init_device_mesh("cpu", (1, tp), mesh_dim_names=("dp_shard", "tp"))
+    return auto_tp.choose(model, traced.gm, mesh)
+
+
+def test_llama_block_gets_torchtitans_plan() -> None:
+    """Column-parallel q/k/v and gate/up, row-parallel o and down, the embedding and the head
+    split on the vocabulary: torchtitan's Llama plan, found from the graph (grouped-query
+    attention: 4 query, 2 key/value heads, one of each per rank). The repeated layers are one
+    class each for attention and MLP, written as one pattern."""
+    with fake_process_group(2):
+        choice = _choose(_llama(), 2)
+    col, row = ColwiseParallel, RowwiseParallel
+    want = {
+        "model.embed_tokens": row,
+        "model.layers.*.self_attn.q_proj": col,
+        "model.layers.*.self_attn.k_proj": col,
+        "model.layers.*.self_attn.v_proj": col,
+        "model.layers.*.self_attn.o_proj": row,
+        "model.layers.*.mlp.gate_proj": col,
+        "model.layers.*.mlp.up_proj": col,
+        "model.layers.*.mlp.down_proj": row,
+        "lm_head": col,
+    }
+    assert {k: type(v) for k, v in choice.plan.items()} == want
+    assert choice.placements["model.layers.1.self_attn.o_proj.weight"] == Shard(1)
+    kinds = sorted((d.regions[0].kind, len(d.regions), d.sharded) for d in choice.decisions)
+    assert kinds == [("embedding", 1, True), ("head", 1, True), ("pair", 2, True), ("pair", 2, True)]
+    assert "column -> row, sharded: saves" in choice.reasons["model.layers.0.mlp.down_proj.weight"]
+
+
+def test_dtensor_check_replicates_what_would_redistribute() -> None:
+    """tp 4 with 2 key/value heads: k_proj and v_proj split into half heads, so DTensor must
+    redistribute inside attention: the attention class replicates (the reason names the op and
+    module), the MLP still splits. A linear whose output reaches a norm first is no candidate."""
+    with fake_process_group(4):
+        choice = _choose(_llama(kv_heads=2), 4)
+    attn = next(d for d in choice.decisions if "q_proj" in d.describe())
+    assert not attn.sharded and "DTensor redistributes inside it" in attn.why and "self_attn" in attn.why
+    assert choice.placements["model.layers.0.mlp.down_proj.weight"] == Shard(1)
+    assert "model.layers.0.self_attn.q_proj.weight" not in choice.placements
+
+    class NormBetween(nn.Module):  # up -> LayerNorm -> down: a column split would be gathered
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.norm, self.down = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(self.norm(self.up(x)))
+
+    def step(model, optim, x):
+        model(x).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    model = NormBetween()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = step_inputs.split_args((model, optim, torch.randn(4, 8)), {})
+    traced = tracing.trace_step(
+        step, args, step_inputs.lift_state(model, optim), casts=None, accumulate_after_reduce=False
+    )
+    shapes = {"up.weight": (16, 8), "up.bias": (16,), "down.weight": (8, 16), "down.bias": (8,)}
+    assert auto_tp.find_regions(traced.gm, shapes) == []
+
+
+def test_choice_is_deterministic_and_the_plan_reproduces_it() -> None:
+    """Two solves give the same plan; resolving the written plan gives the chosen placements
+    (what tp_plan_of hands a user to freeze)."""
+    from spmd.parallel.tensor_parallel import resolve_plan
+
+    with fake_process_group(2):
+        model = _llama()
+        a, b = _choose(model, 2), _choose(model, 2)
+        assert list(a.plan) == list(b.plan) and a.placements == b.placements
+        resolved = resolve_plan(model, spmd.tp_plan_of(model)).params
+        assert {k: v for k, v in resolved.items() if isinstance(v, Shard)} == a.placements
+
+
+def test_configuration() -> None:
+    """tp ranks without a plan mean automatic placements; the model cannot be distributed before
+    the step is traced; tp_plan_of before any choice names the fix."""
+    mode = spmd.DataParallel("fully_shard", tp_size=2)
+    assert mode.tp_plan == "auto"
+    with pytest.raises(spmd.ConfigError, match="tp_plan must be a dict"):
+        spmd.DataParallel("fully_shard", tp_size=2, tp_plan="automatic")
+    with pytest.raises(spmd.ConfigError, match="no automatic tensor-parallel choice"):
+        spmd.tp_plan_of(nn.Linear(2, 2))
+    with fake_process_group(2):
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        with pytest.raises(spmd.ConfigError, match="Call the step first"):
+            mode.distribute(model)
