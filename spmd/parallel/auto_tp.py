@@ -130,8 +130,13 @@ class Region:
     col: dict[str, int]  # param fqn -> its split dimension
     row: dict[str, int]
     flow: set[fx.Node]  # forward nodes between the producers and the consumers
-    mats: list[fx.Node]  # the matmul (or embedding) nodes
+    producers: list[fx.Node]  # the column-split matmuls (or the embedding)
+    consumers: list[fx.Node] = dataclasses.field(default_factory=list)  # the row-split matmuls
     bias: dict[str, int] = dataclasses.field(default_factory=dict)  # column biases: Shard(0)
+
+    @property
+    def mats(self) -> list[fx.Node]:
+        return [*self.producers, *self.consumers]
 
     def params(self) -> dict[str, int]:
         return {**self.col, **self.row, **self.bias}
@@ -313,11 +318,18 @@ def find_regions(gm: fx.GraphModule, shapes: dict[str, tuple[int, ...]]) -> list
         consumers = set().union(*(flows[m][1] for m in members))
         if consumers & set(members):
             continue  # a chain (row into column): not one Megatron pair
-        r = Region("pair", {}, {}, set(), sorted([*members, *consumers], key=order.__getitem__))
+        r = Region(
+            "pair",
+            {},
+            {},
+            set(),
+            sorted(members, key=order.__getitem__),
+            sorted(consumers, key=order.__getitem__),
+        )
         for m in members:
             r.col[mats[m].param] = mats[m].col
-            if mats[m].bias is not None:
-                r.bias[mats[m].bias] = 0
+            if (b := mats[m].bias) is not None:
+                r.bias[b] = 0
             r.flow |= flows[m][0]
         for c in consumers:
             r.row[mats[c].param] = mats[c].row
@@ -325,8 +337,8 @@ def find_regions(gm: fx.GraphModule, shapes: dict[str, tuple[int, ...]]) -> list
     for m, (flow, cons, loss, stop) in flows.items():
         if loss and not cons and not stop:
             r = Region("head", {mats[m].param: mats[m].col}, {}, flow, [m])
-            if mats[m].bias is not None:
-                r.bias[mats[m].bias] = 0
+            if (b := mats[m].bias) is not None:
+                r.bias[b] = 0
             regions.append(r)
     for n in gm.graph.nodes:
         if (
@@ -365,16 +377,18 @@ def _price(r: Region, tp: int, state_bytes: dict[str, int]) -> Price:
     if r.kind != "embedding":
         p.flops = int(3 * sum(_mm_flops(m) for m in r.mats) * keep)  # forward + 2 backward matmuls
     if r.kind == "pair":
-        producers = [m for m in r.mats if _weight(m.args[-1]) is not None and _weight(m.args[-1])[0] in r.col]  # type: ignore[index]
-        outs = [m for m in r.mats if m not in producers]
-        ins = [m.args[-2] for m in producers]
+        # Forward: the consumers' outputs summed over tp; backward: the producers' input gradient.
+        ins = [m.args[-2] for m in r.producers if isinstance(m.args[-2], fx.Node)]
         p.collectives = 2
-        p.collective_bytes = sum(_nbytes(m) for m in outs) + max((_nbytes(a) for a in ins), default=0)
+        p.collective_bytes = sum(_nbytes(m) for m in r.consumers) + max((_nbytes(a) for a in ins), default=0)
     elif r.kind == "embedding":
         p.collectives, p.collective_bytes = 1, sum(_nbytes(m) for m in r.mats)
-    else:
-        rows = r.mats[0].meta["val"].shape[0]
-        p.collectives, p.collective_bytes = 4, _nbytes(r.mats[0].args[-2]) + 3 * 4 * rows
+    else:  # the input gradient, and the loss's per-row maximum, sum and target logit (fp32)
+        head = r.producers[0]
+        rows = head.meta["val"].shape[0]
+        x = head.args[-2]
+        p.collectives = 4
+        p.collective_bytes = (_nbytes(x) if isinstance(x, fx.Node) else 0) + 3 * 4 * rows
     return p
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.experimental import implicit_replication
 
@@ -84,7 +84,7 @@ def dirty_nodes(gm: fx.GraphModule, module: nn.Module, mesh: Any, tp_plan: dict[
         if not isinstance(val, torch.Tensor):
             ins.append(val)
             continue
-        pl = Replicate()
+        pl: Placement = Replicate()
         if ph.meta.get(ROLE) is Role.PARAM:
             pl = resolved.params.get(str(ph.meta.get(STATE_NAME)), Replicate())
         shape = list(val.shape)
