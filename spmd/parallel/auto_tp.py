@@ -23,7 +23,8 @@ How it chooses, from the graph (never from module names or types):
    form, with those consumers, a **column -> row region** (q/k/v -> o, gate/up -> down, a
    fused qkv -> proj, GPT-2's ``c_fc`` -> ``c_proj``; GQA's ``repeat_kv`` and attention are
    ops on the way). A producer whose flow ends only in the loss is a **vocabulary-parallel
-   head**; an ``embedding`` of a parameter is a **vocabulary-parallel embedding**. Everything
+   head**; an ``embedding`` of a parameter indexed by the step's inputs (token ids, not a
+   range of positions or a buffer of token types) is a **vocabulary-parallel embedding**. Everything
    else (a matmul whose output reaches a norm first, experts computed by ops DTensor has no
    strategy for, norms, biases of row-parallel layers) replicates.
 2. **Repeated blocks solved once.** Regions with the same structure (the shapes and split
@@ -185,14 +186,16 @@ class Decision:
                 if names
                 else ", ".join(_short(p) for p in r.row)
             )
-        what = {
+        words = {
             "pair": "column -> row",
             "head": "vocabulary-parallel head",
             "embedding": "vocabulary-parallel embedding",
         }
-        n = f" (x{len(self.regions)})" if len(self.regions) > 1 else ""
+        kinds = list(dict.fromkeys(x.kind for x in self.regions))
+        what = " and tied ".join(words[k] for k in kinds)
+        n = f" (x{len(self.regions)})" if len(kinds) == 1 and len(self.regions) > 1 else ""
         verdict = "sharded" if self.sharded else "replicated"
-        return f"{names}{n}: {what[r.kind]}, {verdict}: {self.why}"
+        return f"{names}{n}: {what}, {verdict}: {self.why}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +204,7 @@ class AutoPlan:
 
     ``plan``: the equivalent manual plan (``DataParallel(tp_plan=plan)`` runs the same step);
     ``placements``: each sharded parameter's placement on tp; ``reasons``: parameter fqn -> why
-    (the line of its class); ``decisions``: every class, sharded or not; ``solve_s``: seconds.
+    (the line of its candidate class, sharded or replicated); ``decisions``: every class, sharded or not; ``solve_s``: seconds.
     """
 
     plan: dict[str, Any]
@@ -292,6 +295,23 @@ def _flow(mat: fx.Node, mats: dict[fx.Node, _Mat]) -> tuple[set[fx.Node], set[fx
     return flow, consumers, loss, stopped
 
 
+def _from_batch(ids: Any) -> bool:
+    """Whether a lookup's indices come from the step's inputs (token ids), not from a range or a
+    buffer (positions, token types: a table indexed by every rank alike gains nothing split)."""
+    todo, seen = [ids], set()
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            if n.meta.get(ROLE) is Role.INPUT:
+                return True
+            continue
+        todo += n.all_input_nodes
+    return False
+
+
 def find_regions(gm: fx.GraphModule, shapes: dict[str, tuple[int, ...]]) -> list[Region]:
     """The candidate regions of a traced step (see the module docstring), in graph order."""
     mats = _param_matmuls(gm, shapes)
@@ -345,6 +365,7 @@ def find_regions(gm: fx.GraphModule, shapes: dict[str, tuple[int, ...]]) -> list
             n.op == "call_function"
             and n.target is aten.embedding.default
             and n.meta.get(PHASE) is Phase.FORWARD
+            and _from_batch(n.args[1])
         ):
             w = _weight(n.args[0])
             if w is not None and not w[1] and len(shapes[w[0]]) == 2:
@@ -369,10 +390,10 @@ def _mm_flops(n: fx.Node) -> int:
     return 2 * av.shape[0] * av.shape[1] * out.shape[-1]
 
 
-def _price(r: Region, tp: int, state_bytes: dict[str, int]) -> Price:
+def _price(r: Region, tp: int) -> Price:
+    """The region's activations, FLOPs and collectives (its state is priced per class)."""
     keep = 1.0 - 1.0 / tp
     p = Price()
-    p.state_bytes = int(sum(state_bytes.get(q, 0) for q in r.params()) * keep)
     p.activation_bytes = int(sum(_nbytes(n) for n in r.flow) * keep)
     if r.kind != "embedding":
         p.flops = int(3 * sum(_mm_flops(m) for m in r.mats) * keep)  # forward + 2 backward matmuls
@@ -460,12 +481,15 @@ def choose(module: nn.Module, gm: fx.GraphModule, mesh: Any) -> AutoPlan:
     for i, regs in enumerate(classes):
         price = Price()
         for r in regs:
-            price += _price(r, tp, state_bytes)
+            price += _price(r, tp)
+        # Each parameter once: a tied embedding and head share theirs.
+        shared = {q for r in regs for q in r.params()}
+        price.state_bytes = int(sum(state_bytes.get(q, 0) for q in shared) * (1.0 - 1.0 / tp))
         ok = i in live
         decisions.append(Decision(regs, ok, price, _why(price) if ok else why_not.get(i, "not clean")))
     placements = _placements([r for i in live for r in classes[i]])
     plan_ = write_plan(module, placements)
-    reasons = {p: d.describe() for d in decisions if d.sharded for r in d.regions for p in r.params()}
+    reasons = {p: d.describe() for d in decisions for r in d.regions for p in r.params()}
     out = AutoPlan(plan_, placements, reasons, decisions, time.perf_counter() - t0)
     _CHOSEN[module] = out
     n_sharded = sum(d.sharded for d in decisions)

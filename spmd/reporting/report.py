@@ -88,9 +88,10 @@ class StepReport:
     # "dp_shard", "dp_replicate", a flattened "dp_replicate_dp_shard", or "world" for a group of
     # every rank), then by kind: tensor parallelism's apart from the data dimensions'.
     collectives_by_dim: dict[str, dict[str, CollectiveStats]] = dataclasses.field(default_factory=dict)
-    # Automatic tensor parallelism (spmd.parallel.auto_tp): one line per class of sharded
-    # parameters (a repeated block's attention, MLP, the vocabulary-parallel embedding and head):
-    # which parameters, how split, what it saves and the collectives it adds. Empty otherwise.
+    # Automatic tensor parallelism (spmd.parallel.auto_tp): one line per candidate class (a
+    # repeated block's attention, MLP, the vocabulary-parallel embedding and head): which
+    # parameters, how split, sharded or replicated and why (what it saves and the collectives it
+    # adds, or where DTensor would redistribute). Empty otherwise.
     tp_choices: list[str] = dataclasses.field(default_factory=list)
 
     @property
