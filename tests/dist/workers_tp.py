@@ -164,9 +164,13 @@ def vs_single_device(
 
 def auto_many(rank: int, world: int, names: list[str], style: str, tp: int) -> dict[str, dict[str, Any]]:
     """:func:`vs_single_device` with automatic placements for several models in one spawn."""
+    import time
+
     out = {}
     for name in names:
+        t0 = time.perf_counter()
         out[name] = vs_single_device(rank, world, name, style, tp, 5, "adamw:1e-6", auto=True)
+        out[name]["seconds"] = time.perf_counter() - t0
     return out
 
 

@@ -136,3 +136,29 @@ def test_configuration() -> None:
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
         with pytest.raises(spmd.ConfigError, match="Call the step first"):
             mode.distribute(model)
+
+
+def test_report_and_dump_show_the_choice(tmp_path) -> None:
+    """A compiled step with automatic placements (built-in GPT, 2 x 2 under the fake process
+    group): the report lists each candidate class with its verdict and reason, the dump's header
+    each parameter's placement followed by its class's line, and tp_plan_of the equivalent plan."""
+    from spmd.models import CONFIGS, GPT, train_step
+
+    torch.manual_seed(0)
+    model = GPT(CONFIGS["tiny"])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    idx = torch.randint(0, 64, (2, 16))
+    mode = spmd.DataParallel("fully_shard", tp_size=2)
+    step = spmd.compile(parallel_mode=mode, dump_dir=str(tmp_path))(train_step)
+    with fake_process_group(4):
+        step(model, optim, idx, idx.roll(-1, 1))
+        choices = step.report().tp_choices
+    assert any(
+        c.startswith("blocks.*.fc.weight -> blocks.*.out.weight (x2): column -> row, sharded")
+        for c in choices
+    )
+    assert any("qkv" in c and "replicated: DTensor redistributes inside it" in c for c in choices)
+    final = next(tmp_path.glob("**/rank0/*_final.py")).read_text()
+    assert "# blocks.0.out.weight: (Shard(dim=0), Shard(dim=1))" in final
+    assert "(tp: blocks.*.fc.weight -> blocks.*.out.weight (x2): column -> row, sharded: saves" in final
+    assert type(spmd.tp_plan_of(model)["blocks.*.fc"]) is ColwiseParallel
