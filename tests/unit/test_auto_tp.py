@@ -37,8 +37,9 @@ def _step(model, optim, ids, labels):
     optim.zero_grad()
 
 
-def _choose(model: nn.Module, tp: int) -> auto_tp.AutoPlan:
-    """Trace the step on the undistributed model (as spmd.compile does) and choose for tp ranks."""
+def _choose(model: nn.Module, tp: int, times: int = 1) -> auto_tp.AutoPlan:
+    """Trace the step on the undistributed model (as spmd.compile does) and choose for tp ranks
+    (``times`` solves of the same trace; the last is returned, all must agree)."""
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     ids = torch.randint(0, V, (2, 8))
     args = step_inputs.split_args((model, optim, ids, ids.roll(-1, 1)), {})
@@ -47,16 +48,27 @@ def _choose(model: nn.Module, tp: int) -> auto_tp.AutoPlan:
         _step, args, step_inputs.lift_state(model, optim), casts=None, accumulate_after_reduce=False
     )
     mesh = init_device_mesh("cpu", (1, tp), mesh_dim_names=("dp_shard", "tp"))
-    return auto_tp.choose(model, traced.gm, mesh)
+    first = auto_tp.choose(model, traced.gm, mesh)
+    for _ in range(times - 1):
+        again = auto_tp.choose(model, traced.gm, mesh)
+        assert list(again.plan) == list(first.plan) and again.placements == first.placements
+    return first
 
 
 def test_llama_block_gets_torchtitans_plan() -> None:
     """Column-parallel q/k/v and gate/up, row-parallel o and down, the embedding and the head
     split on the vocabulary: torchtitan's Llama plan, found from the graph (grouped-query
     attention: 4 query, 2 key/value heads, one of each per rank). The repeated layers are one
-    class each for attention and MLP, written as one pattern."""
+    class each for attention and MLP, written as one pattern. A second solve gives the same
+    choice, and resolving the written plan (what tp_plan_of hands a user to freeze) gives the
+    chosen placements."""
+    from spmd.parallel.tensor_parallel import resolve_plan
+
+    model = _llama()
     with fake_process_group(2):
-        choice = _choose(_llama(), 2)
+        choice = _choose(model, 2, times=2)
+    resolved = resolve_plan(model, spmd.tp_plan_of(model)).params
+    assert {k: v for k, v in resolved.items() if isinstance(v, Shard)} == choice.placements
     col, row = ColwiseParallel, RowwiseParallel
     want = {
         "model.embed_tokens": row,
@@ -108,19 +120,6 @@ def test_dtensor_check_replicates_what_would_redistribute() -> None:
     )
     shapes = {"up.weight": (16, 8), "up.bias": (16,), "down.weight": (8, 16), "down.bias": (8,)}
     assert auto_tp.find_regions(traced.gm, shapes) == []
-
-
-def test_choice_is_deterministic_and_the_plan_reproduces_it() -> None:
-    """Two solves give the same plan; resolving the written plan gives the chosen placements
-    (what tp_plan_of hands a user to freeze)."""
-    from spmd.parallel.tensor_parallel import resolve_plan
-
-    with fake_process_group(2):
-        model = _llama()
-        a, b = _choose(model, 2), _choose(model, 2)
-        assert a.placements and list(a.plan) == list(b.plan) and a.placements == b.placements
-        resolved = resolve_plan(model, spmd.tp_plan_of(model)).params
-        assert {k: v for k, v in resolved.items() if isinstance(v, Shard)} == a.placements
 
 
 def test_configuration() -> None:
