@@ -1,5 +1,8 @@
 """Automatic tensor-parallel placements: the plan chosen from the traced step.
 
+This module solves and writes the plan; :mod:`spmd.parallel.auto_tp_graph` finds the candidates in
+the graph, :mod:`spmd.parallel.auto_tp_check` checks them with DTensor.
+
 ``DataParallel(style, tp_size=N)`` (or a mesh with a ``"tp"`` dimension) without a
 ``tp_plan`` (or with ``tp_plan="auto"``) calls :func:`choose` once per model, before the
 model is distributed. The traced graph has single-device semantics on full-size state
@@ -62,7 +65,7 @@ import logging
 import re
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -70,86 +73,17 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from passes.meta import MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
+from passes.meta import MODULE, ROLE, STATE_NAME, Role
 from spmd.errors import ConfigError
+from spmd.parallel.auto_tp_graph import Region, find_regions, mm_flops, nbytes
 
 log = logging.getLogger("spmd")
 
 aten = torch.ops.aten
 AUTO = "auto"
-_MiB = 1024 * 1024
-
-# Ops a value passes through on its way from a matmul's weight placeholder to the matmul.
-_WEIGHT_PATH = {
-    aten.t.default: True,  # transposes
-    aten.transpose.int: True,
-    aten.permute.default: True,
-    aten.view.default: False,
-    aten._unsafe_view.default: False,
-    aten.alias.default: False,
-    aten.detach.default: False,
-    aten._to_copy.default: False,  # mixed precision's compute cast
-    aten.clone.default: False,
-}
-# Where a value leaves the region: the feature dimension a column split divides is mixed.
-_STOPS = {
-    aten.mean.dim,
-    aten.mean.default,
-    aten.sum.dim_IntList,
-    aten.sum.default,
-    aten.var.correction,
-    aten.var_mean.correction,
-    aten.amax.default,
-    aten.native_layer_norm.default,
-    aten.layer_norm.default,
-    aten.linalg_vector_norm.default,
-}
-_LOSS = {aten._log_softmax.default, aten.log_softmax.int, aten.nll_loss_forward.default}
 
 # model -> its automatic choice (what prepare and the partitioner read, and tp_plan_of shows)
 _CHOSEN: weakref.WeakKeyDictionary[nn.Module, AutoPlan] = weakref.WeakKeyDictionary()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Mat:
-    """A parameter matmul: the node, its weight parameter and activation operand."""
-
-    node: fx.Node
-    param: str
-    act: fx.Node
-    col: int  # the parameter dimension of the matmul's output features (column split)
-    row: int  # the dimension of its input features (row split)
-    bias: str | None
-
-
-@dataclasses.dataclass
-class Region:
-    """One candidate split: ``col`` parameters split on output features, ``row`` on input
-    features (vocabulary for an embedding / head: dim 0)."""
-
-    kind: str  # "pair", "head" or "embedding"
-    col: dict[str, int]  # param fqn -> its split dimension
-    row: dict[str, int]
-    flow: set[fx.Node]  # forward nodes between the producers and the consumers
-    producers: list[fx.Node]  # the column-split matmuls (or the embedding)
-    consumers: list[fx.Node] = dataclasses.field(default_factory=list)  # the row-split matmuls
-    bias: dict[str, int] = dataclasses.field(default_factory=dict)  # column biases: Shard(0)
-
-    @property
-    def mats(self) -> list[fx.Node]:
-        return [*self.producers, *self.consumers]
-
-    def params(self) -> dict[str, int]:
-        return {**self.col, **self.row, **self.bias}
-
-    def signature(self, shape_of: Callable[[str], tuple[int, ...]]) -> tuple[Any, ...]:
-        ps = sorted(
-            (k, shape_of(p), d)
-            for k, group in (("col", self.col), ("row", self.row), ("bias", self.bias))
-            for p, d in group.items()
-        )
-        ops = sorted(str(n.target) for n in self.flow)
-        return (self.kind, tuple(ps), tuple(ops))
 
 
 @dataclasses.dataclass
@@ -204,7 +138,8 @@ class AutoPlan:
 
     ``plan``: the equivalent manual plan (``DataParallel(tp_plan=plan)`` runs the same step);
     ``placements``: each sharded parameter's placement on tp; ``reasons``: parameter fqn -> why
-    (the line of its candidate class, sharded or replicated); ``decisions``: every class, sharded or not; ``solve_s``: seconds.
+    (the line of its candidate class, sharded or replicated); ``decisions``: every class;
+    ``solve_s``: seconds the choice took (the trace excluded).
     """
 
     plan: dict[str, Any]
@@ -226,190 +161,26 @@ def chosen(module: nn.Module) -> AutoPlan | None:
 # ----------------------------------------------------------------------------- the graph
 
 
-def _placeholder_param(n: fx.Node) -> str | None:
-    if n.op == "placeholder" and n.meta.get(ROLE) is Role.PARAM:
-        return str(n.meta.get(STATE_NAME))
-    return None
-
-
-def _weight(n: Any) -> tuple[str, bool] | None:
-    """(parameter fqn, whether it is used transposed) if ``n`` is a parameter seen through
-    views, casts and transposes."""
-    flips = False
-    while isinstance(n, fx.Node):
-        if (p := _placeholder_param(n)) is not None:
-            return p, flips
-        if n.op != "call_function" or n.target not in _WEIGHT_PATH:
-            return None
-        if _WEIGHT_PATH[n.target]:
-            flips = not flips
-        n = n.args[0]
-    return None
-
-
-def _param_matmuls(gm: fx.GraphModule, shapes: dict[str, tuple[int, ...]]) -> dict[fx.Node, _Mat]:
-    out: dict[fx.Node, _Mat] = {}
-    for n in gm.graph.nodes:
-        if n.meta.get(PHASE) is not Phase.FORWARD or n.op != "call_function":
-            continue
-        if n.target is aten.mm.default:
-            act, w, bias = n.args[0], n.args[1], None
-        elif n.target is aten.addmm.default:
-            act, w, bias = n.args[1], n.args[2], _weight(n.args[0])
-        else:
-            continue
-        found = _weight(w)
-        if found is None or _weight(act) is not None or len(shapes[found[0]]) != 2:
-            continue
-        p, flipped = found
-        # mm(x, W^T): W is (out, in), nn.Linear's layout; mm(x, W): (in, out), GPT-2's Conv1D.
-        col, row = (0, 1) if flipped else (1, 0)
-        b = bias[0] if bias is not None and not bias[1] and len(shapes[bias[0]]) == 1 else None
-        out[n] = _Mat(n, p, act, col, row, b)
-    return out
-
-
-def _flow(mat: fx.Node, mats: dict[fx.Node, _Mat]) -> tuple[set[fx.Node], set[fx.Node], bool, bool]:
-    """(flow nodes, consumer matmuls, reaches the loss, stopped) from ``mat``'s output."""
-    flow: set[fx.Node] = set()
-    consumers: set[fx.Node] = set()
-    loss = stopped = False
-    todo = [mat]
-    while todo:
-        n = todo.pop()
-        for u in n.users:
-            if u.op == "output":
-                stopped = True
-                continue
-            if u.meta.get(PHASE) is not Phase.FORWARD:
-                continue  # saved for backward
-            if u in mats and mats[u].act is n:
-                consumers.add(u)
-            elif u in mats or u.target in _STOPS:
-                stopped = True
-            elif u.target in _LOSS:
-                loss = True
-            elif u not in flow:
-                flow.add(u)
-                todo.append(u)
-    return flow, consumers, loss, stopped
-
-
-def _from_batch(ids: Any) -> bool:
-    """Whether a lookup's indices come from the step's inputs (token ids), not from a range or a
-    buffer (positions, token types: a table indexed by every rank alike gains nothing split)."""
-    todo, seen = [ids], set()
-    while todo:
-        n = todo.pop()
-        if not isinstance(n, fx.Node) or n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            if n.meta.get(ROLE) is Role.INPUT:
-                return True
-            continue
-        todo += n.all_input_nodes
-    return False
-
-
-def find_regions(gm: fx.GraphModule, shapes: dict[str, tuple[int, ...]]) -> list[Region]:
-    """The candidate regions of a traced step (see the module docstring), in graph order."""
-    mats = _param_matmuls(gm, shapes)
-    flows = {m: _flow(m, mats) for m in mats}
-    # Union producers that reach a common consumer; a producer that is also a consumer of a
-    # region (row and column at once) cannot be split both ways.
-    parent: dict[fx.Node, fx.Node] = {}
-
-    def find(x: fx.Node) -> fx.Node:
-        while parent.setdefault(x, x) is not x:
-            x = parent[x]
-        return x
-
-    pairs = [m for m, (_, cons, loss, stop) in flows.items() if cons and not loss and not stop]
-    for m in pairs:
-        for c in flows[m][1]:
-            parent[find(c)] = find(m)
-    groups: dict[fx.Node, list[fx.Node]] = {}
-    for m in pairs:
-        groups.setdefault(find(m), []).append(m)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    regions: list[Region] = []
-    for members in groups.values():
-        consumers = set().union(*(flows[m][1] for m in members))
-        if consumers & set(members):
-            continue  # a chain (row into column): not one Megatron pair
-        r = Region(
-            "pair",
-            {},
-            {},
-            set(),
-            sorted(members, key=order.__getitem__),
-            sorted(consumers, key=order.__getitem__),
-        )
-        for m in members:
-            r.col[mats[m].param] = mats[m].col
-            if (b := mats[m].bias) is not None:
-                r.bias[b] = 0
-            r.flow |= flows[m][0]
-        for c in consumers:
-            r.row[mats[c].param] = mats[c].row
-        regions.append(r)
-    for m, (flow, cons, loss, stop) in flows.items():
-        if loss and not cons and not stop:
-            r = Region("head", {mats[m].param: mats[m].col}, {}, flow, [m])
-            if (b := mats[m].bias) is not None:
-                r.bias[b] = 0
-            regions.append(r)
-    for n in gm.graph.nodes:
-        if (
-            n.op == "call_function"
-            and n.target is aten.embedding.default
-            and n.meta.get(PHASE) is Phase.FORWARD
-            and _from_batch(n.args[1])
-        ):
-            w = _weight(n.args[0])
-            if w is not None and not w[1] and len(shapes[w[0]]) == 2:
-                regions.append(Region("embedding", {}, {w[0]: 0}, set(), [n]))
-    regions.sort(key=lambda r: order[r.mats[0]])
-    return regions
-
-
-# ----------------------------------------------------------------------------- pricing
-
-
-def _nbytes(n: fx.Node) -> int:
-    v = n.meta.get("val")
-    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
-
-
-def _mm_flops(n: fx.Node) -> int:
-    a, out = n.args[-2], n.meta.get("val")
-    av = a.meta.get("val") if isinstance(a, fx.Node) else None
-    if not isinstance(av, torch.Tensor) or not isinstance(out, torch.Tensor) or av.dim() != 2:
-        return 0
-    return 2 * av.shape[0] * av.shape[1] * out.shape[-1]
-
-
 def _price(r: Region, tp: int) -> Price:
     """The region's activations, FLOPs and collectives (its state is priced per class)."""
     keep = 1.0 - 1.0 / tp
     p = Price()
-    p.activation_bytes = int(sum(_nbytes(n) for n in r.flow) * keep)
+    p.activation_bytes = int(sum(nbytes(n) for n in r.flow) * keep)
     if r.kind != "embedding":
-        p.flops = int(3 * sum(_mm_flops(m) for m in r.mats) * keep)  # forward + 2 backward matmuls
+        p.flops = int(3 * sum(mm_flops(m) for m in r.mats) * keep)  # forward + 2 backward matmuls
     if r.kind == "pair":
         # Forward: the consumers' outputs summed over tp; backward: the producers' input gradient.
         ins = [m.args[-2] for m in r.producers if isinstance(m.args[-2], fx.Node)]
         p.collectives = 2
-        p.collective_bytes = sum(_nbytes(m) for m in r.consumers) + max((_nbytes(a) for a in ins), default=0)
+        p.collective_bytes = sum(nbytes(m) for m in r.consumers) + max((nbytes(a) for a in ins), default=0)
     elif r.kind == "embedding":
-        p.collectives, p.collective_bytes = 1, sum(_nbytes(m) for m in r.mats)
+        p.collectives, p.collective_bytes = 1, sum(nbytes(m) for m in r.mats)
     else:  # the input gradient, and the loss's per-row maximum, sum and target logit (fp32)
         head = r.producers[0]
         rows = head.meta["val"].shape[0]
         x = head.args[-2]
         p.collectives = 4
-        p.collective_bytes = (_nbytes(x) if isinstance(x, fx.Node) else 0) + 3 * 4 * rows
+        p.collective_bytes = (nbytes(x) if isinstance(x, fx.Node) else 0) + 3 * 4 * rows
     return p
 
 
@@ -420,11 +191,18 @@ def _size(n: float) -> str:
     return f"{int(n)} B"
 
 
+def _flops(n: float) -> str:
+    for unit, div in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{int(n)} FLOP"
+
+
 def _why(p: Price) -> str:
     return (
         f"saves {_size(p.state_bytes)} of parameters, gradients and optimizer state and "
-        f"{_size(p.activation_bytes)} of activations per rank, {p.flops / 1e6:.1f} MFLOP per step; "
-        f"adds {p.collectives} collectives ({_size(p.collective_bytes)})"
+        f"{_size(p.activation_bytes)} of activations per rank, {_flops(p.flops)} per step; "
+        f"adds {p.collectives} collective{'s' if p.collectives != 1 else ''} ({_size(p.collective_bytes)})"
     )
 
 
@@ -451,7 +229,7 @@ def choose(module: nn.Module, gm: fx.GraphModule, mesh: Any) -> AutoPlan:
     for n in gm.graph.nodes:
         if n.op != "placeholder" or not isinstance(n.meta.get("val"), torch.Tensor):
             continue
-        name, role, nb = str(n.meta.get(STATE_NAME)), n.meta.get(ROLE), _nbytes(n)
+        name, role, nb = str(n.meta.get(STATE_NAME)), n.meta.get(ROLE), nbytes(n)
         if role is Role.PARAM:
             shapes[name] = tuple(n.meta["val"].shape)
             state_bytes[name] = state_bytes.get(name, 0) + 2 * nb  # the parameter and its gradient
