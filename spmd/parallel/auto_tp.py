@@ -158,6 +158,32 @@ def chosen(module: nn.Module) -> AutoPlan | None:
     return _CHOSEN.get(module)
 
 
+def chosen_plan(module: nn.Module) -> dict[str, Any]:
+    """The plan chosen for ``module``; a ConfigError naming the fix if none was chosen yet."""
+    choice = _CHOSEN.get(module)
+    if choice is None:
+        raise ConfigError(
+            "spmd.DataParallel: automatic tensor-parallel placements are chosen from the traced "
+            "step, so the model cannot be distributed before the step's first call (or "
+            "train_step.lower(...)). Call the step first, or give the plan: "
+            "tp_plan=spmd.tp_plan_of(model) from a run that chose it, or a plan of your own."
+        )
+    return choice.plan
+
+
+def check_traceable(module: nn.Module) -> None:
+    """Refuse a model the choice cannot trace (built on the meta device), naming the fix."""
+    from spmd.parallel.sharding import is_meta_model
+
+    if is_meta_model(module):
+        raise ConfigError(
+            "spmd.DataParallel: automatic tensor-parallel placements are chosen from a trace of the "
+            "step on the model, and this model is on the meta device (its optimizer cannot step "
+            "there). Give the plan (tp_plan=spmd.tp_plan_of(model) from a run on a small or fake "
+            "copy, or tp_plans.llama()), or build the model off the meta device."
+        )
+
+
 # ----------------------------------------------------------------------------- the graph
 
 

@@ -303,19 +303,12 @@ class DataParallel(ParallelMode):
         """The tensor-parallel plan of ``module``: the user's, or the automatic choice."""
         if self.tp_plan != AUTO:
             return self.tp_plan or {}
-        choice = auto_tp.chosen(module)
-        if choice is None:
-            raise ConfigError(
-                "spmd.DataParallel: automatic tensor-parallel placements are chosen from the traced "
-                "step, so the model cannot be distributed before the step's first call (or "
-                "train_step.lower(...)). Call the step first, or give the plan: "
-                "tp_plan=spmd.tp_plan_of(model) from a run that chose it, or a plan of your own."
-            )
-        return choice.plan
+        return auto_tp.chosen_plan(module)
 
     def needs_trace_before_prepare(self, module: nn.Module) -> bool:
         if self.tp_plan != AUTO or auto_tp.chosen(module) is not None or self._single():
             return False
+        auto_tp.check_traceable(module)
         return not all(isinstance(p, sharding.DTensor) for p in module.parameters())
 
     def choose_from_trace(self, module: nn.Module, gm: fx.GraphModule) -> None:

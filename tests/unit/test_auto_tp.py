@@ -135,6 +135,10 @@ def test_configuration() -> None:
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
         with pytest.raises(spmd.ConfigError, match="Call the step first"):
             mode.distribute(model)
+        with torch.device("meta"):
+            meta = nn.Linear(4, 4)
+        with pytest.raises(spmd.ConfigError, match="on the meta device"):
+            mode.needs_trace_before_prepare(meta)
 
 
 def test_report_and_dump_show_the_choice(tmp_path) -> None:
