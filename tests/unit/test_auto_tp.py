@@ -88,6 +88,28 @@ def test_llama_block_gets_torchtitans_plan() -> None:
     assert "column -> row, sharded: saves" in choice.reasons["model.layers.0.mlp.down_proj.weight"]
 
 
+def test_gpt2_conv1d_and_fused_qkv() -> None:
+    """GPT-2's Conv1D stores its weight (in, out) and the graph uses it untransposed: the MLP's
+    c_fc splits dim 1 (column) and c_proj dim 0 (row), written as the same styles. The fused
+    c_attn's even split would cut heads (DTensor redistributes at the split into q, k, v): that
+    class replicates. The token embedding is tied to the head: one vocabulary split."""
+    import transformers as tf
+
+    cfg = tf.GPT2Config(
+        vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with fake_process_group(2):
+        choice = _choose(tf.GPT2LMHeadModel(cfg), 2)
+    assert choice.placements["transformer.h.0.mlp.c_fc.weight"] == Shard(1)
+    assert choice.placements["transformer.h.1.mlp.c_proj.weight"] == Shard(0)
+    assert choice.placements["transformer.wte.weight"] == Shard(0)
+    assert type(choice.plan["transformer.h.*.mlp.c_fc"]) is ColwiseParallel
+    attn = next(d for d in choice.decisions if "c_attn" in d.describe())
+    assert not attn.sharded and "aten.split" in attn.why
+
+
 def test_dtensor_check_replicates_what_would_redistribute() -> None:
     """tp 4 with 2 key/value heads: k_proj and v_proj split into half heads, so DTensor must
     redistribute inside attention: the attention class replicates (the reason names the op and
