@@ -8,7 +8,7 @@ where Adam's first step magnifies a rounding difference by ``lr / eps`` (see tha
 Several models run in one spawn, and the suite splits the models between the two meshes to keep
 its time small (8-30 s per model on 2 ranks on 2 shared cores: GPT-2 8 s, Qwen2 13, Llama 17, GPT
 24, BERT 29, Mixtral 30); ``SPMD_SWEEP_FULL=1`` runs every model on both meshes (measured: all six
-pass on both, 190 s and 254 s with other work on the cores).
+pass on both: 99 s on 2 ranks and 134 s on 2 x 2 on quiet cores, 190 s and 254 s under load).
 """
 
 from __future__ import annotations
