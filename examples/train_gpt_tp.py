@@ -2,12 +2,15 @@
 
     torchrun --standalone --nproc_per_node=4 examples/train_gpt_tp.py          # fully_shard x TP 2
     torchrun --standalone --nproc_per_node=4 examples/train_gpt_tp.py --tp 4   # TP over all 4 ranks
+    torchrun --standalone --nproc_per_node=4 examples/train_gpt_tp.py --plan   # a hand-written plan
     torchrun --standalone --nproc_per_node=4 examples/train_gpt_tp.py --smoke  # a few steps (CI)
 
-Each pair of consecutive ranks is one tensor-parallel group: they split every block's weights
-(Megatron's layout: spmd.parallel.tp_plans.gpt()) and read the same batch. The data dimension
-(the groups) shards each weight piece again, FSDP-style, and reads different batches. The report
-printed after the first step lists the collectives of each mesh dimension.
+Each pair of consecutive ranks is one tensor-parallel group: they split the blocks' weights and
+read the same batch. By default spmd chooses the placements from the traced step (column ->
+row pairs, the vocabulary-parallel embedding; printed after the first step, with the plan that
+reproduces them); --plan uses Megatron's layout written by hand (spmd.parallel.tp_plans.gpt()).
+The data dimension (the groups) shards each weight piece again, FSDP-style, and reads different
+batches. The report printed after the first step lists the collectives of each mesh dimension.
 """
 
 import argparse
@@ -28,6 +31,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=200)  # optimizer steps
 p.add_argument("--tp", type=int, default=2)  # ranks per tensor-parallel group
 p.add_argument("--style", default="fully_shard", choices=["fully_shard", "replicate"])  # the data dimension
+p.add_argument("--plan", action="store_true")  # the hand-written plan instead of spmd's choice
 p.add_argument("--smoke", action="store_true")  # a few steps of a tiny model (CI)
 args = p.parse_args()
 steps = 4 if args.smoke else args.steps
@@ -60,7 +64,8 @@ def main() -> None:
         x = torch.stack([data[i : i + block] for i in ix])
         return x, torch.stack([data[i + 1 : i + block + 1] for i in ix])
 
-    mode = spmd.DataParallel(args.style, tp_size=args.tp, tp_plan=tp_plans.gpt())
+    plan = tp_plans.gpt() if args.plan else None  # None: spmd chooses the placements
+    mode = spmd.DataParallel(args.style, tp_size=args.tp, tp_plan=plan)
 
     @spmd.compile(parallel_mode=mode)
     def train_step(model, optim, x, y):
@@ -86,6 +91,8 @@ def main() -> None:
             t0, tokens = time.perf_counter(), 0  # don't count the compile in throughput
             if rank == 0:
                 print(train_step.report())
+                if not args.plan:  # the choice as a plan: pass it as tp_plan= to freeze it
+                    print("chosen plan:", {k: type(v).__name__ for k, v in spmd.tp_plan_of(model).items()})
         if rank == 0 and (step % 20 == 0 or step == steps):
             tps = tokens / max(time.perf_counter() - t0, 1e-9)
             print(f"step {step}: loss {loss:.3f}, {tps:,.0f} tok/s")

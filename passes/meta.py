@@ -37,6 +37,9 @@ PLACEMENT = "spmd_placement"
 # last forward reader and backward gathers the parameter again, so no backward op may read a
 # forward gather of it (the ``reshard`` invariant, passes.invariants.check_reshard).
 RESHARD = "spmd_reshard_after_forward"
+# On a parameter placeholder, set by automatic tensor parallelism: why the parameter has its
+# placement on the "tp" dimension (the candidate class it belongs to, what it saves and adds).
+TP_CHOICE = "spmd_tp_choice"
 # On every node DTensorExpandMode expands: the DTensor placements of the value the traced node
 # computes (a tuple of Placements per tensor, a list of those for several outputs; a string for the
 # nodes of an Override stand-in that runs on local tensors). The dump shows them.

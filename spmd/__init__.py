@@ -29,6 +29,7 @@ from spmd.errors import (
     UntraceableOpError,
 )
 from spmd.parallel import DataParallel, DTensorExpandMode, MixedPrecision, ParallelMode
+from spmd.parallel.auto_tp import tp_plan_of
 from spmd.parallel.offload import CPUOffloadPolicy
 from spmd.parallel.sharding import full_state_dict
 from spmd.plan import Plan, plan
@@ -70,4 +71,5 @@ __all__ = [
     "gloo_threads",
     "plan",
     "simulate",
+    "tp_plan_of",
 ]

@@ -295,6 +295,8 @@ class CompiledStep:
         if id(module) not in self._overridden:
             self._apply_overrides(module)
             self._overridden.add(id(module))
+        if self.parallel_mode.needs_trace_before_prepare(module):
+            self.parallel_mode.choose_from_trace(module, self._trace_undistributed(step_args))
         self.parallel_mode.prepare(module, optimizer, step_args)
         key = signature(step_args)
         candidates = self._cache.get(key, [])
@@ -311,6 +313,25 @@ class CompiledStep:
             self._cache.setdefault(key, []).append(entry)
         self._last = entry
         return entry
+
+    def _trace_undistributed(self, step_args: step_inputs.StepArgs) -> fx.GraphModule:
+        """The step traced on the model as it is, before ``prepare`` distributes it, for a mode
+        that chooses from the graph (automatic tensor-parallel placements). The step is traced
+        again on the distributed state afterwards: its placeholders are other tensors then."""
+        module, optimizer = step_args.module, step_args.optimizer
+        if optimizer is not None:
+            optim_utils.ensure_state(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
+        state = step_inputs.lift_state(module, optimizer)
+        mode = self.parallel_mode
+        traced = tracing.trace_step(
+            self.fn,
+            mode.trace_args(step_args),
+            state,
+            casts=mode.trace_casts(),
+            accumulate_after_reduce=mode.accumulate_after_reduce(),
+            stack_traces=self._stack_traces,
+        )
+        return traced.gm
 
     def _apply_overrides(self, module: nn.Module) -> None:
         if not self.module_override:

@@ -104,7 +104,8 @@ def test_override_moe(tmp_path):
 
 @pytest.mark.timeout(DEADLINE_S + 30)
 def test_train_gpt_tp_smoke_on_four_ranks(tmp_path):
-    """examples/train_gpt_tp.py --smoke: fully_shard x TP 2 on a 2 x 2 mesh of gloo ranks."""
+    """examples/train_gpt_tp.py --smoke: fully_shard x TP 2 on a 2 x 2 mesh of gloo ranks, the
+    placements chosen by spmd (the MLP's column -> row pair)."""
     args = [*TORCHRUN[:-1], "--nproc_per_node=4", str(EXAMPLES / "train_gpt_tp.py"), "--smoke"]
     out = run_example(args, tmp_path)
     assert "2 data ranks x 2 tensor-parallel ranks (fully_shard)" in out
@@ -112,6 +113,7 @@ def test_train_gpt_tp_smoke_on_four_ranks(tmp_path):
     assert m, out
     assert float(m[2]) < float(m[1]), "the loss should fall"
     assert "local (32, 32)" in out  # 128 rows / 2 tp ranks / 2 data ranks
+    assert "tensor-parallel placements (chosen by spmd)" in out and "'blocks.*.fc': 'ColwiseParallel'" in out
 
 
 def test_every_torchrun_script_destroys_its_group_on_every_exit_path() -> None:

@@ -29,6 +29,17 @@ class ParallelMode(abc.ABC):
     def prepare(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, args: StepArgs) -> None:
         return None
 
+    def needs_trace_before_prepare(self, module: nn.Module) -> bool:
+        """Whether ``prepare`` needs a choice made from the step's trace on the undistributed
+        model first (automatic tensor-parallel placements); the api then traces it and calls
+        :meth:`choose_from_trace`."""
+        return False
+
+    def choose_from_trace(self, module: nn.Module, gm: fx.GraphModule) -> None:
+        """Make the choices ``prepare`` needs from ``gm``, the step traced on the undistributed
+        model (single-device semantics)."""
+        return None
+
     @abc.abstractmethod
     def partition(self, gm: fx.GraphModule, state: LiftedState, args: StepArgs) -> fx.GraphModule: ...
 

@@ -71,9 +71,11 @@ import torch.fx as fx
 import torch.nn as nn
 
 from passes.invariants import InvariantViolation, Violation, check_reshard
+from passes.meta import STATE_NAME, TP_CHOICE
 from spmd.errors import ConfigError
 from spmd.frontend import optim as optim_utils
-from spmd.parallel import buffers, gathers, plan, reductions, sharded_optim, sharding
+from spmd.parallel import auto_tp, buffers, gathers, plan, reductions, sharded_optim, sharding
+from spmd.parallel.auto_tp import AUTO
 from spmd.parallel.base import ParallelMode
 from spmd.parallel.mixed_precision import MixedPrecision
 from spmd.parallel.offload import CPUOffloadPolicy
@@ -158,6 +160,9 @@ class DataParallel(ParallelMode):
             :func:`spmd.parallel.tensor_parallel.resolve_plan`). The style shards each data
             dimension's piece as it would without tensor parallelism (FSDP2 composed with
             ``parallelize_module``). Needs ``tp_size`` or a ``mesh`` with a ``"tp"`` dimension.
+            ``None`` (the default) or ``"auto"`` with tensor-parallel ranks: spmd chooses the
+            placements from the traced step (:mod:`spmd.parallel.auto_tp`);
+            ``spmd.tp_plan_of(model)`` gives the choice as a plan to freeze and edit.
         tp_size: ranks per tensor-parallel group (consecutive ranks, e.g. the GPUs of a node).
             The default mesh is then ``(world // tp_size, tp_size)`` named ``("dp_shard", "tp")``
             (``"dp_replicate"`` for replicate); for hybrid_shard ``("dp_replicate", "dp_shard",
@@ -263,11 +268,11 @@ class DataParallel(ParallelMode):
         ts = self.tp_size
         if ts is not None and (not isinstance(ts, int) or isinstance(ts, bool) or ts < 1):
             raise ConfigError(f"spmd.DataParallel: tp_size must be an int >= 1, got {ts!r}.")
-        if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
+        if self.tp_plan is not None and self.tp_plan != AUTO and not isinstance(self.tp_plan, Mapping):
             raise ConfigError(
                 "spmd.DataParallel: tp_plan must be a dict {module or parameter name pattern: "
-                "ColwiseParallel()/RowwiseParallel()/... or a Placement}, got "
-                f"{type(self.tp_plan).__name__}."
+                "ColwiseParallel()/RowwiseParallel()/... or a Placement}, or 'auto' (spmd chooses), got "
+                f"{self.tp_plan!r}."
             )
         mesh_tp = self.mesh is not None and plan.tp_dim(self.mesh) is not None
         if (
@@ -286,16 +291,30 @@ class DataParallel(ParallelMode):
                 "mesh_dim_names=('dp_shard', 'tp'))."
             )
         if (mesh_tp or (self.tp_size or 1) > 1) and self.tp_plan is None:
-            raise ConfigError(
-                "spmd.DataParallel: a 'tp' mesh dimension needs tp_plan={...}, the placements of the "
-                "parameters on it (torchtitan's plan form: see docs/tensor-parallel.md)."
-            )
+            object.__setattr__(self, "tp_plan", AUTO)  # tensor-parallel ranks, no plan: spmd chooses
         if self.tp_plan is not None and self.offload_policy is not None:
             raise ConfigError("spmd.DataParallel: offload_policy with tensor parallelism is not supported.")
 
     def _tp(self) -> bool:
         """Whether this mode partitions a tensor-parallel dimension too."""
         return self.tp_plan is not None
+
+    def _plan_for(self, module: nn.Module) -> Mapping[str, Any]:
+        """The tensor-parallel plan of ``module``: the user's, or the automatic choice."""
+        if self.tp_plan != AUTO:
+            return self.tp_plan or {}
+        return auto_tp.chosen_plan(module)
+
+    def needs_trace_before_prepare(self, module: nn.Module) -> bool:
+        if self.tp_plan != AUTO or auto_tp.chosen(module) is not None or self._single():
+            return False
+        auto_tp.check_traceable(module)
+        return not all(isinstance(p, sharding.DTensor) for p in module.parameters())
+
+    def choose_from_trace(self, module: nn.Module, gm: fx.GraphModule) -> None:
+        mesh = self._mesh(module)
+        plan.check_mesh(mesh, self.parallel_style)
+        auto_tp.choose(module, gm, mesh)
 
     def trace_casts(self) -> ComputeCasts | None:
         return self.mixed_precision.compute_casts() if self.mixed_precision is not None else None
@@ -410,7 +429,7 @@ class DataParallel(ParallelMode):
             return {}
         from spmd.parallel.tensor_parallel import resolve_plan
 
-        return resolve_plan(module, self.tp_plan or {}).params
+        return resolve_plan(module, self._plan_for(module)).params
 
     def _ignored_names(self, module: nn.Module, styles: dict[str, str] | None = None) -> set[str]:
         """Fqns of the ignored parameters and of the buffers of ignored modules (both rank-local)."""
@@ -532,10 +551,14 @@ class DataParallel(ParallelMode):
         if plan.tp_dim(mesh) is not None:
             from spmd.parallel.tensor_parallel import expand_tp
 
-            gm = expand_tp(
-                gm, state, args, mesh, self.tp_plan or {}
-            )  # step 1: the tensor-parallel piece of the step
-        return _partition(gm, state, args, mesh, self)
+            # step 1: the tensor-parallel piece of the step
+            gm = expand_tp(gm, state, args, mesh, self._plan_for(args.module))
+        gm = _partition(gm, state, args, mesh, self)
+        if self.tp_plan == AUTO and (choice := auto_tp.chosen(args.module)) is not None:
+            for n in gm.graph.nodes:  # why each parameter has its tp placement (report, dump)
+                if n.op == "placeholder" and (why := choice.reasons.get(str(n.meta.get(STATE_NAME)))):
+                    n.meta[TP_CHOICE] = why
+        return gm
 
 
 _PASS_ONLY_FIELDS = (

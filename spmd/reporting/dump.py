@@ -22,6 +22,7 @@ from passes.meta import (
     PLACEMENT,
     ROLE,
     STATE_NAME,
+    TP_CHOICE,
     Phase,
 )
 
@@ -80,6 +81,7 @@ def annotated_code(gm: fx.GraphModule) -> str:
             notes[n.name] = note
     out = [
         f"# {n.meta[STATE_NAME]}: {n.meta[PLACEMENT]}"
+        + (f"  (tp: {n.meta[TP_CHOICE]})" if n.meta.get(TP_CHOICE) else "")
         for n in gm.graph.nodes
         if n.op == "placeholder" and n.meta.get(PLACEMENT)
     ]

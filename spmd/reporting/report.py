@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from passes import collectives as C
 from passes.memory import estimate_peak_memory
-from passes.meta import CHUNKED_LOSS, GRAD_OF, ROLE, Role
+from passes.meta import CHUNKED_LOSS, GRAD_OF, ROLE, TP_CHOICE, Role
 from passes.remat import summarize
 from spmd.backend.runtime import INDUCTOR_STAGE
 from spmd.backend.step_aside import report_fields
@@ -88,6 +88,11 @@ class StepReport:
     # "dp_shard", "dp_replicate", a flattened "dp_replicate_dp_shard", or "world" for a group of
     # every rank), then by kind: tensor parallelism's apart from the data dimensions'.
     collectives_by_dim: dict[str, dict[str, CollectiveStats]] = dataclasses.field(default_factory=dict)
+    # Automatic tensor parallelism (spmd.parallel.auto_tp): one line per candidate class (a
+    # repeated block's attention, MLP, the vocabulary-parallel embedding and head): which
+    # parameters, how split, sharded or replicated and why (what it saves and the collectives it
+    # adds, or where DTensor would redistribute). Empty otherwise.
+    tp_choices: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def extra_flops_fraction(self) -> float:
@@ -173,6 +178,9 @@ class StepReport:
             lines.append(f"    {'dimension':<{dw}}  {'kind':<{kw}}  {'count':>6}  {'bytes/rank':>12}")
             for dim, kind, c in rows2:
                 lines.append(f"    {dim:<{dw}}  {kind:<{kw}}  {c.count:>6}  {_size(c.bytes):>12}")
+        if self.tp_choices:
+            lines.append("  tensor-parallel placements (chosen by spmd):")
+            lines += [f"    {c}" for c in self.tp_choices]
         return "\n".join(lines)
 
     def comm_bytes_by_dim(self) -> dict[str, int]:
@@ -285,6 +293,7 @@ def build_report(
     activation and FLOP numbers; ``remat``: the policy it was built with; ``peak_from``: which
     graph ``gm`` is, in words (None: :func:`peak_source` of ``backend`` and ``stage``)."""
     by_role: dict[Role, int] = {}
+    tp_choices: dict[str, None] = {}
     num_params = 0
     grads: dict[str, int] = {}
     for n in gm.graph.nodes:
@@ -292,6 +301,8 @@ def build_report(
         if n.op == "placeholder" and role is not None:
             by_role[role] = by_role.get(role, 0) + _nbytes(n)
             num_params += role is Role.PARAM
+            if n.meta.get(TP_CHOICE):
+                tp_choices.setdefault(n.meta[TP_CHOICE])
         elif role is Role.GRAD:
             # One per parameter; keyed by name so no stage can count a gradient twice.
             grads[n.meta.get(GRAD_OF, n.name)] = _nbytes(n)
@@ -314,6 +325,7 @@ def build_report(
         parallel_style=parallel_style,
         collectives=colls,
         collectives_by_dim=by_dim,
+        tp_choices=list(tp_choices),
         param_bytes=by_role.get(Role.PARAM, 0),
         grad_bytes=sum(grads.values()),
         optim_state_bytes=by_role.get(Role.OPTIM_STATE, 0),

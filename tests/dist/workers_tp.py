@@ -47,6 +47,12 @@ def build(name: str) -> tuple[nn.Module, dict[str, Any], bool]:
         arch = name[3:]
         cfg = getattr(tf, f"{arch}Config")(**_LLAMA)
         return getattr(tf, f"{arch}ForCausalLM")(cfg), tp_plans.llama(), True
+    if name == "hf_bert":  # masked LM with a tied decoder; the plan is only for automatic placements
+        cfg = tf.BertConfig(
+            vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        return tf.BertForMaskedLM(cfg), {}, True
     if name == "hf_gpt2":  # transposed Conv1D weights
         cfg = tf.GPT2Config(
             vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4, use_cache=False,
@@ -99,12 +105,13 @@ def vs_single_device(
     optim: str = "adamw",
     accumulate: int = 1,
     mesh_shape: tuple[int, ...] | None = None,
+    auto: bool = False,
     **compile_kw: Any,
 ) -> dict[str, Any]:
     """FSDP x TP (``style`` on the data dimension, ``tp`` ranks per tensor-parallel group) against
     one device training on the global batch (every data rank's batch), fused AdamW and
-    ``clip_grad_norm_``. Returns the largest loss and parameter differences and each parameter's
-    placements and local shape."""
+    ``clip_grad_norm_``; ``auto``: no plan, spmd chooses the placements. Returns the largest
+    loss and parameter differences and each parameter's placements and local shape."""
     torch.manual_seed(0)  # the same initial values on every rank
     model, plan, hf = build(name)
     ref = copy.deepcopy(model)
@@ -116,6 +123,8 @@ def vs_single_device(
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, fused=True)
     fn = make_step(hf, clip=True, accumulate=accumulate)
+    if auto:
+        plan = None
     if mesh_shape is None:
         mode = spmd.DataParallel(style, tp_size=tp, tp_plan=plan)
     else:  # an explicit mesh, e.g. (dp_replicate, dp_shard, tp) for hybrid_shard
@@ -148,7 +157,21 @@ def vs_single_device(
         "placements": {n: tuple(map(str, p.placements)) for n, p in model.named_parameters()},
         "local_shapes": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()},
         "collectives": {k: v.count for k, v in step.report().collectives.items()},
+        "tp_plan": sorted(spmd.tp_plan_of(model)) if auto else [],
+        "tp_choices": step.report().tp_choices if auto else [],
     }
+
+
+def auto_many(rank: int, world: int, names: list[str], style: str, tp: int) -> dict[str, dict[str, Any]]:
+    """:func:`vs_single_device` with automatic placements for several models in one spawn."""
+    import time
+
+    out = {}
+    for name in names:
+        t0 = time.perf_counter()
+        out[name] = vs_single_device(rank, world, name, style, tp, 5, "adamw:1e-6", auto=True)
+        out[name]["seconds"] = time.perf_counter() - t0
+    return out
 
 
 def vs_fsdp2(

@@ -95,8 +95,6 @@ def test_tied_parameters_have_one_placement() -> None:
 def test_mode_configuration_errors() -> None:
     with pytest.raises(spmd.ConfigError, match="tp_plan needs tensor-parallel ranks"):
         spmd.DataParallel("fully_shard", tp_plan=tp_plans.gpt())
-    with pytest.raises(spmd.ConfigError, match="needs tp_plan"):
-        spmd.DataParallel("fully_shard", tp_size=2)
     with pytest.raises(spmd.ConfigError, match="tp_size must be an int"):
         spmd.DataParallel("fully_shard", tp_size=0, tp_plan={})
 

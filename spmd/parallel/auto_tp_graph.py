@@ -1,0 +1,248 @@
+"""The graph analysis behind :mod:`spmd.parallel.auto_tp`: parameter matmuls, the dataflow from
+each one's output, and the candidate regions it forms (column -> row pairs, vocabulary-parallel
+heads and embeddings). Reads the traced step's forward only; see auto_tp's module docstring for
+what each candidate is and why it is recognised from the graph rather than from module names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from passes.meta import PHASE, ROLE, STATE_NAME, Phase, Role
+
+aten = torch.ops.aten
+
+# Ops a value passes through on its way from a matmul's weight placeholder to the matmul.
+_WEIGHT_PATH = {
+    aten.t.default: True,  # transposes
+    aten.transpose.int: True,
+    aten.permute.default: True,
+    aten.view.default: False,
+    aten._unsafe_view.default: False,
+    aten.alias.default: False,
+    aten.detach.default: False,
+    aten._to_copy.default: False,  # mixed precision's compute cast
+    aten.clone.default: False,
+}
+# Where a value leaves the region: the feature dimension a column split divides is mixed.
+_STOPS = {
+    aten.mean.dim,
+    aten.mean.default,
+    aten.sum.dim_IntList,
+    aten.sum.default,
+    aten.var.correction,
+    aten.var_mean.correction,
+    aten.amax.default,
+    aten.native_layer_norm.default,
+    aten.layer_norm.default,
+    aten.linalg_vector_norm.default,
+}
+_LOSS = {aten._log_softmax.default, aten.log_softmax.int, aten.nll_loss_forward.default}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mat:
+    """A parameter matmul: the node, its weight parameter and activation operand."""
+
+    node: fx.Node
+    param: str
+    act: fx.Node
+    col: int  # the parameter dimension of the matmul's output features (column split)
+    row: int  # the dimension of its input features (row split)
+    bias: str | None
+
+
+@dataclasses.dataclass
+class Region:
+    """One candidate split: ``col`` parameters split on output features, ``row`` on input
+    features (vocabulary for an embedding / head: dim 0)."""
+
+    kind: str  # "pair", "head" or "embedding"
+    col: dict[str, int]  # param fqn -> its split dimension
+    row: dict[str, int]
+    flow: set[fx.Node]  # forward nodes between the producers and the consumers
+    producers: list[fx.Node]  # the column-split matmuls (or the embedding)
+    consumers: list[fx.Node] = dataclasses.field(default_factory=list)  # the row-split matmuls
+    bias: dict[str, int] = dataclasses.field(default_factory=dict)  # column biases: Shard(0)
+
+    @property
+    def mats(self) -> list[fx.Node]:
+        return [*self.producers, *self.consumers]
+
+    def params(self) -> dict[str, int]:
+        return {**self.col, **self.row, **self.bias}
+
+    def signature(self, shape_of: Callable[[str], tuple[int, ...]]) -> tuple[Any, ...]:
+        ps = sorted(
+            (k, shape_of(p), d)
+            for k, group in (("col", self.col), ("row", self.row), ("bias", self.bias))
+            for p, d in group.items()
+        )
+        ops = sorted(str(n.target) for n in self.flow)
+        return (self.kind, tuple(ps), tuple(ops))
+
+
+def _placeholder_param(n: fx.Node) -> str | None:
+    if n.op == "placeholder" and n.meta.get(ROLE) is Role.PARAM:
+        return str(n.meta.get(STATE_NAME))
+    return None
+
+
+def _weight(n: Any) -> tuple[str, bool] | None:
+    """(parameter fqn, whether it is used transposed) if ``n`` is a parameter seen through
+    views, casts and transposes."""
+    flips = False
+    while isinstance(n, fx.Node):
+        if (p := _placeholder_param(n)) is not None:
+            return p, flips
+        if n.op != "call_function" or n.target not in _WEIGHT_PATH:
+            return None
+        if _WEIGHT_PATH[n.target]:
+            flips = not flips
+        n = n.args[0]
+    return None
+
+
+def _param_matmuls(gm: fx.GraphModule, shapes: dict[str, tuple[int, ...]]) -> dict[fx.Node, _Mat]:
+    out: dict[fx.Node, _Mat] = {}
+    for n in gm.graph.nodes:
+        if n.meta.get(PHASE) is not Phase.FORWARD or n.op != "call_function":
+            continue
+        if n.target is aten.mm.default:
+            act, w, bias = n.args[0], n.args[1], None
+        elif n.target is aten.addmm.default:
+            act, w, bias = n.args[1], n.args[2], _weight(n.args[0])
+        else:
+            continue
+        found = _weight(w)
+        if found is None or _weight(act) is not None or len(shapes[found[0]]) != 2:
+            continue
+        p, flipped = found
+        # mm(x, W^T): W is (out, in), nn.Linear's layout; mm(x, W): (in, out), GPT-2's Conv1D.
+        col, row = (0, 1) if flipped else (1, 0)
+        b = bias[0] if bias is not None and not bias[1] and len(shapes[bias[0]]) == 1 else None
+        out[n] = _Mat(n, p, act, col, row, b)
+    return out
+
+
+def _flow(mat: fx.Node, mats: dict[fx.Node, _Mat]) -> tuple[set[fx.Node], set[fx.Node], bool, bool]:
+    """(flow nodes, consumer matmuls, reaches the loss, stopped) from ``mat``'s output."""
+    flow: set[fx.Node] = set()
+    consumers: set[fx.Node] = set()
+    loss = stopped = False
+    todo = [mat]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.op == "output":
+                stopped = True
+                continue
+            if u.meta.get(PHASE) is not Phase.FORWARD:
+                continue  # saved for backward
+            if u in mats and mats[u].act is n:
+                consumers.add(u)
+            elif u in mats or u.target in _STOPS:
+                stopped = True
+            elif u.target in _LOSS:
+                loss = True
+            elif u not in flow:
+                flow.add(u)
+                todo.append(u)
+    return flow, consumers, loss, stopped
+
+
+def _from_batch(ids: Any) -> bool:
+    """Whether a lookup's indices come from the step's inputs (token ids), not from a range or a
+    buffer (positions, token types: a table indexed by every rank alike gains nothing split)."""
+    todo, seen = [ids], set()
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            if n.meta.get(ROLE) is Role.INPUT:
+                return True
+            continue
+        todo += n.all_input_nodes
+    return False
+
+
+def find_regions(gm: fx.GraphModule, shapes: dict[str, tuple[int, ...]]) -> list[Region]:
+    """The candidate regions of a traced step (see the module docstring), in graph order."""
+    mats = _param_matmuls(gm, shapes)
+    flows = {m: _flow(m, mats) for m in mats}
+    # Union producers that reach a common consumer; a producer that is also a consumer of a
+    # region (row and column at once) cannot be split both ways.
+    parent: dict[fx.Node, fx.Node] = {}
+
+    def find(x: fx.Node) -> fx.Node:
+        while parent.setdefault(x, x) is not x:
+            x = parent[x]
+        return x
+
+    pairs = [m for m, (_, cons, loss, stop) in flows.items() if cons and not loss and not stop]
+    for m in pairs:
+        for c in flows[m][1]:
+            parent[find(c)] = find(m)
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for m in pairs:
+        groups.setdefault(find(m), []).append(m)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    regions: list[Region] = []
+    for members in groups.values():
+        consumers = set().union(*(flows[m][1] for m in members))
+        if consumers & set(members):
+            continue  # a chain (row into column): not one Megatron pair
+        r = Region(
+            "pair",
+            {},
+            {},
+            set(),
+            sorted(members, key=order.__getitem__),
+            sorted(consumers, key=order.__getitem__),
+        )
+        for m in members:
+            r.col[mats[m].param] = mats[m].col
+            if (b := mats[m].bias) is not None:
+                r.bias[b] = 0
+            r.flow |= flows[m][0]
+        for c in consumers:
+            r.row[mats[c].param] = mats[c].row
+        regions.append(r)
+    for m, (flow, cons, loss, stop) in flows.items():
+        if loss and not cons and not stop:
+            r = Region("head", {mats[m].param: mats[m].col}, {}, flow, [m])
+            if (b := mats[m].bias) is not None:
+                r.bias[b] = 0
+            regions.append(r)
+    for n in gm.graph.nodes:
+        if (
+            n.op == "call_function"
+            and n.target is aten.embedding.default
+            and n.meta.get(PHASE) is Phase.FORWARD
+            and _from_batch(n.args[1])
+        ):
+            w = _weight(n.args[0])
+            if w is not None and not w[1] and len(shapes[w[0]]) == 2:
+                regions.append(Region("embedding", {}, {w[0]: 0}, set(), [n]))
+    regions.sort(key=lambda r: order[r.mats[0]])
+    return regions
+
+
+def nbytes(n: fx.Node) -> int:
+    v = n.meta.get("val")
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def mm_flops(n: fx.Node) -> int:
+    a, out = n.args[-2], n.meta.get("val")
+    av = a.meta.get("val") if isinstance(a, fx.Node) else None
+    if not isinstance(av, torch.Tensor) or not isinstance(out, torch.Tensor) or av.dim() != 2:
+        return 0
+    return 2 * av.shape[0] * av.shape[1] * out.shape[-1]

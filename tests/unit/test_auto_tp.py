@@ -1,0 +1,189 @@
+"""Automatic tensor-parallel placements (spmd.parallel.auto_tp) on traced steps under the fake
+process group: the solver's choice on a standard Llama block, what the DTensor check refuses,
+determinism, and the configuration around it. The parity tests are tests/dist/test_auto_tp.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import spmd
+from spmd.frontend import optim as optim_utils
+from spmd.frontend import step_inputs, tracing
+from spmd.parallel import auto_tp
+from tests.unit.fake_pg import fake_process_group
+
+V = 64
+
+
+def _llama(kv_heads: int = 2) -> nn.Module:
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=kv_heads, max_position_embeddings=32, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(cfg)
+
+
+def _step(model, optim, ids, labels):
+    model(input_ids=ids, labels=labels).loss.backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _choose(model: nn.Module, tp: int, times: int = 1) -> auto_tp.AutoPlan:
+    """Trace the step on the undistributed model (as spmd.compile does) and choose for tp ranks
+    (``times`` solves of the same trace; the last is returned, all must agree)."""
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    ids = torch.randint(0, V, (2, 8))
+    args = step_inputs.split_args((model, optim, ids, ids.roll(-1, 1)), {})
+    optim_utils.ensure_state(optim, list(model.parameters()))
+    traced = tracing.trace_step(
+        _step, args, step_inputs.lift_state(model, optim), casts=None, accumulate_after_reduce=False
+    )
+    mesh = init_device_mesh("cpu", (1, tp), mesh_dim_names=("dp_shard", "tp"))
+    first = auto_tp.choose(model, traced.gm, mesh)
+    for _ in range(times - 1):
+        again = auto_tp.choose(model, traced.gm, mesh)
+        assert list(again.plan) == list(first.plan) and again.placements == first.placements
+    return first
+
+
+def test_llama_block_gets_torchtitans_plan() -> None:
+    """Column-parallel q/k/v and gate/up, row-parallel o and down, the embedding and the head
+    split on the vocabulary: torchtitan's Llama plan, found from the graph (grouped-query
+    attention: 4 query, 2 key/value heads, one of each per rank). The repeated layers are one
+    class each for attention and MLP, written as one pattern. A second solve gives the same
+    choice, and resolving the written plan (what tp_plan_of hands a user to freeze) gives the
+    chosen placements."""
+    from spmd.parallel.tensor_parallel import resolve_plan
+
+    model = _llama()
+    with fake_process_group(2):
+        choice = _choose(model, 2, times=2)
+    resolved = resolve_plan(model, spmd.tp_plan_of(model)).params
+    assert {k: v for k, v in resolved.items() if isinstance(v, Shard)} == choice.placements
+    col, row = ColwiseParallel, RowwiseParallel
+    want = {
+        "model.embed_tokens": row,
+        "model.layers.*.self_attn.q_proj": col,
+        "model.layers.*.self_attn.k_proj": col,
+        "model.layers.*.self_attn.v_proj": col,
+        "model.layers.*.self_attn.o_proj": row,
+        "model.layers.*.mlp.gate_proj": col,
+        "model.layers.*.mlp.up_proj": col,
+        "model.layers.*.mlp.down_proj": row,
+        "lm_head": col,
+    }
+    assert {k: type(v) for k, v in choice.plan.items()} == want
+    assert choice.placements["model.layers.1.self_attn.o_proj.weight"] == Shard(1)
+    kinds = sorted((d.regions[0].kind, len(d.regions), d.sharded) for d in choice.decisions)
+    assert kinds == [("embedding", 1, True), ("head", 1, True), ("pair", 2, True), ("pair", 2, True)]
+    assert "column -> row, sharded: saves" in choice.reasons["model.layers.0.mlp.down_proj.weight"]
+
+
+def test_gpt2_conv1d_and_fused_qkv() -> None:
+    """GPT-2's Conv1D stores its weight (in, out) and the graph uses it untransposed: the MLP's
+    c_fc splits dim 1 (column) and c_proj dim 0 (row), written as the same styles. The fused
+    c_attn's even split would cut heads (DTensor redistributes at the split into q, k, v): that
+    class replicates. The token embedding is tied to the head: one vocabulary split."""
+    import transformers as tf
+
+    cfg = tf.GPT2Config(
+        vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with fake_process_group(2):
+        choice = _choose(tf.GPT2LMHeadModel(cfg), 2)
+    assert choice.placements["transformer.h.0.mlp.c_fc.weight"] == Shard(1)
+    assert choice.placements["transformer.h.1.mlp.c_proj.weight"] == Shard(0)
+    assert choice.placements["transformer.wte.weight"] == Shard(0)
+    assert type(choice.plan["transformer.h.*.mlp.c_fc"]) is ColwiseParallel
+    attn = next(d for d in choice.decisions if "c_attn" in d.describe())
+    assert not attn.sharded and "aten.split" in attn.why
+
+
+def test_dtensor_check_replicates_what_would_redistribute() -> None:
+    """tp 4 with 2 key/value heads: k_proj and v_proj split into half heads, so DTensor must
+    redistribute inside attention: the attention class replicates (the reason names the op and
+    module), the MLP still splits. A linear whose output reaches a norm first is no candidate."""
+    with fake_process_group(4):
+        choice = _choose(_llama(kv_heads=2), 4)
+    attn = next(d for d in choice.decisions if "q_proj" in d.describe())
+    assert not attn.sharded and "DTensor redistributes inside it" in attn.why and "self_attn" in attn.why
+    assert choice.placements["model.layers.0.mlp.down_proj.weight"] == Shard(1)
+    assert "model.layers.0.self_attn.q_proj.weight" not in choice.placements
+
+    class NormBetween(nn.Module):  # up -> LayerNorm -> down: a column split would be gathered
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.norm, self.down = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(self.norm(self.up(x)))
+
+    def step(model, optim, x):
+        model(x).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    model = NormBetween()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = step_inputs.split_args((model, optim, torch.randn(4, 8)), {})
+    traced = tracing.trace_step(
+        step, args, step_inputs.lift_state(model, optim), casts=None, accumulate_after_reduce=False
+    )
+    shapes = {"up.weight": (16, 8), "up.bias": (16,), "down.weight": (8, 16), "down.bias": (8,)}
+    assert auto_tp.find_regions(traced.gm, shapes) == []
+
+
+def test_configuration() -> None:
+    """tp ranks without a plan mean automatic placements; the model cannot be distributed before
+    the step is traced; tp_plan_of before any choice names the fix."""
+    mode = spmd.DataParallel("fully_shard", tp_size=2)
+    assert mode.tp_plan == "auto"
+    with pytest.raises(spmd.ConfigError, match="tp_plan must be a dict"):
+        spmd.DataParallel("fully_shard", tp_size=2, tp_plan="automatic")
+    with pytest.raises(spmd.ConfigError, match="no automatic tensor-parallel choice"):
+        spmd.tp_plan_of(nn.Linear(2, 2))
+    with fake_process_group(2):
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        with pytest.raises(spmd.ConfigError, match="Call the step first"):
+            mode.distribute(model)
+        with torch.device("meta"):
+            meta = nn.Linear(4, 4)
+        with pytest.raises(spmd.ConfigError, match="on the meta device"):
+            mode.needs_trace_before_prepare(meta)
+
+
+def test_report_and_dump_show_the_choice(tmp_path) -> None:
+    """A compiled step with automatic placements (built-in GPT, 2 x 2 under the fake process
+    group): the report lists each candidate class with its verdict and reason, the dump's header
+    each parameter's placement followed by its class's line, and tp_plan_of the equivalent plan."""
+    from spmd.models import CONFIGS, GPT, train_step
+
+    torch.manual_seed(0)
+    model = GPT(CONFIGS["tiny"])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    idx = torch.randint(0, 64, (2, 16))
+    mode = spmd.DataParallel("fully_shard", tp_size=2)
+    step = spmd.compile(parallel_mode=mode, dump_dir=str(tmp_path))(train_step)
+    with fake_process_group(4):
+        step(model, optim, idx, idx.roll(-1, 1))
+        choices = step.report().tp_choices
+    assert any(
+        c.startswith("blocks.*.fc.weight -> blocks.*.out.weight (x2): column -> row, sharded")
+        for c in choices
+    )
+    assert any("qkv" in c and "replicated: DTensor redistributes inside it" in c for c in choices)
+    final = next(tmp_path.glob("**/rank0/*_final.py")).read_text()
+    assert "# blocks.0.out.weight: (Shard(dim=0), Shard(dim=1))" in final
+    assert "(tp: blocks.*.fc.weight -> blocks.*.out.weight (x2): column -> row, sharded: saves" in final
+    assert type(spmd.tp_plan_of(model)["blocks.*.fc"]) is ColwiseParallel
