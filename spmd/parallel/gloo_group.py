@@ -2,8 +2,8 @@
 
 A gloo group made by ``torch.distributed.init_process_group("gloo")`` runs its collectives on two
 worker threads, and torch's gloo can corrupt the heap when two collectives run at once
-(benchmarks/results/crashes.md; ``benchmarks/diagnostics/gloo_concurrent_collectives.py`` reproduces it without
-spmd). On such a group spmd would have to keep one collective in flight at a time
+(benchmarks/results/crashes.md; ``benchmarks/diagnostics/gloo_concurrent_collectives.py``
+reproduces it without spmd). On such a group spmd would have to keep one collective in flight at a time
 (``spmd.pipeline.gloo_concurrent``), so a prefetched all-gather could not run while a reduce-scatter
 does. Instead, the meshes spmd makes itself (no ``mesh=`` given) get groups of their own, made with
 one worker thread: there gloo runs the collectives one after another in its thread, each still in the
