@@ -158,7 +158,7 @@ HEADLINE_QUOTES: list[tuple[str, str, str]] = [
     ("README.md", r"simulated ([\d. /]+) GiB per rank", "remat none / selective"),
     (
         "docs/remat.md",
-        r"\| `None` \| ([\d.]+) GiB[^\n]*\n\| `\"selective\"` \| ([\d.]+) GiB[^\n]*\n"
+        r"\| `None` \| ([\d.]+) GiB[^\n]*\n\| `\"selective\"` \| ([\d.]+) GiB[^\n]*\n(?:\| `\"op\"`[^\n]*\n)?"
         r"\| `0\.5` \| ([\d.]+) GiB[^\n]*\n\| `\"full\"` \| ([\d.]+) GiB",
         "remat none / selective",
     ),
