@@ -221,7 +221,7 @@ _CHOICE = re.compile(r"(?P<names>.*?)(?: \(x\d+\))?: [^:]*?, (?P<verdict>sharded
 def tp_summary(choices: Sequence[str]) -> str:
     """The automatic placements of a row in one line, from its report's ``tp_choices`` (one
     line per class, :meth:`spmd.parallel.auto_tp.Decision.describe`): ``"2 classes sharded
-    (tok.weight; blocks.*.fc.weight -> blocks.*.out.weight), 1 replicated (...)"``."""
+    (tok.weight; blocks.*.fc.weight -> blocks.*.out.weight), 1 class replicated (...)"``."""
     groups: dict[str, list[str]] = {"sharded": [], "replicated": []}
     for c in choices:
         m = _CHOICE.match(c)
