@@ -42,6 +42,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -56,6 +57,7 @@ from spmd.api import CompiledStep
 from spmd.errors import ConfigError, SpmdError
 from spmd.frontend import step_inputs
 from spmd.parallel import DataParallel, MixedPrecision
+from spmd.parallel.auto_tp import AUTO
 from spmd.plan import fold
 from spmd.plan.space import NamedPlan, _label, code, configurations, expression, parse_bytes, tp_sizes
 from spmd.profiles import get_profile
@@ -64,7 +66,7 @@ from spmd.simulate import check_call, fake_copy, fake_world, fresh_copy, given_k
 
 log = logging.getLogger("spmd")
 
-__all__ = ["NamedPlan", "Plan", "PlanRow", "plan", "parse_bytes"]
+__all__ = ["NamedPlan", "Plan", "PlanRow", "plan", "parse_bytes", "tp_summary"]
 
 _GiB = 2**30
 # The folded search's block counts (benchmarks/results/plan-validation.md, "What a plan costs":
@@ -107,6 +109,9 @@ class PlanRow:
     comm_bytes_by_dim: dict[str, int] = dataclasses.field(default_factory=dict)
     # the mesh in words: "dp_shard 128 x tp 8" (the configuration's default mesh)
     mesh: str = ""
+    # automatic tensor-parallel placements (tp_plan="auto"): one line per class of regions,
+    # sharded or replicated and why (StepReport.tp_choices); empty otherwise
+    tp_choices: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def code(self) -> str:
@@ -199,9 +204,36 @@ class Plan:
         lines += [f"chunked {h} (on {self.device})" for h in heads]
         sources = dict.fromkeys(r.peak_from for r in self.rows if r.peak_from != PEAK_FROM_EAGER)
         lines += [f"peaks and step times predicted from {what}" for what in sources]
+        auto = dict.fromkeys(
+            f"tp {r.options['tp_size']}: auto: {tp_summary(r.tp_choices)}"
+            for r in self.rows
+            if r.options.get("tp_plan") == AUTO
+        )
+        lines += list(auto)
         lines += [f"not lowered: {label}: {why}" for label, why in self.failed]
         lines.append(f"best: {self.best.code}")
         return "\n".join(lines)
+
+
+_CHOICE = re.compile(r"(?P<names>.*?)(?: \(x\d+\))?: [^:]*?, (?P<verdict>sharded|replicated): ")
+
+
+def tp_summary(choices: Sequence[str]) -> str:
+    """The automatic placements of a row in one line, from its report's ``tp_choices`` (one
+    line per class, :meth:`spmd.parallel.auto_tp.Decision.describe`): ``"2 classes sharded
+    (tok.weight; blocks.*.fc.weight -> blocks.*.out.weight), 1 class replicated (...)"``."""
+    groups: dict[str, list[str]] = {"sharded": [], "replicated": []}
+    for c in choices:
+        m = _CHOICE.match(c)
+        groups[m.group("verdict") if m else "replicated"].append(m.group("names") if m else c)
+    if not choices:
+        return "nothing to shard: every parameter replicates"
+    parts = [
+        f"{len(names)} class{'es' if len(names) != 1 else ''} {verdict} ({'; '.join(names)})"
+        for verdict, names in groups.items()
+        if names
+    ]
+    return ", ".join(parts)
 
 
 def _mesh_words(opts: dict[str, Any], world: int, gpus_per_node: int) -> str:
@@ -317,6 +349,9 @@ def plan(
             batch without tensor parallelism: a tp group's data rank gets ``tp`` times it (the
             same global batch and tokens per GPU). A :class:`NamedPlan` writes itself as its
             code in the expressions; any other plan as ``tp_plan``, the variable to define.
+            ``"auto"``: automatic placements (``DataParallel(style, tp_size=t, tp_plan="auto")``,
+            chosen from the graph as each row lowers, :mod:`spmd.parallel.auto_tp`), for any
+            model; the table names what each tp size sharded (:attr:`PlanRow.tp_choices`).
         tp: the tensor-parallel sizes searched with ``tp_plan`` (default 1, 2, 4, 8), each
             within a node (``gpus_per_node``) and dividing ``world_size``.
         efficiency: the profile's ``compute_efficiency`` for this plan (fraction of peak FLOP/s).
@@ -337,7 +372,7 @@ def plan(
     tokens = tokens_per_step if tokens_per_step is not None else _tokens(example_args, kwargs)
     if mixed_precision is None:
         mixed_precision = getattr(train_step.parallel_mode, "mixed_precision", None)
-    if tp_plan is not None and not isinstance(tp_plan, NamedPlan):
+    if tp_plan is not None and tp_plan != AUTO and not isinstance(tp_plan, NamedPlan):
         tp_plan = NamedPlan(tp_plan, "tp_plan")
     configs = configurations(
         tp_plan=tp_plan,
@@ -583,4 +618,5 @@ def _one(
         peak_site=fold.peak_site(gm, report.peak_node),
         loss_heads=report.loss_heads,
         peak_from=report.peak_from,
+        tp_choices=list(report.tp_choices),
     )

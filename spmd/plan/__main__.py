@@ -21,6 +21,7 @@ from spmd.plan import NamedPlan, plan
 
 # Hugging Face model types with Llama's module names (spmd.parallel.tp_plans.llama), and the plan
 # the command line searches tensor parallelism with for them (Mixtral: experts replicated over tp).
+# Every other model (the built-in GPT, GPT-2, BERT-like causal LMs...) gets automatic placements.
 _LLAMA_FAMILY = {
     "llama": "tp_plans.llama(sequence_parallel=True)",
     "mistral": "tp_plans.llama(sequence_parallel=True)",
@@ -28,16 +29,25 @@ _LLAMA_FAMILY = {
     "qwen3": "tp_plans.llama(sequence_parallel=True)",
     "mixtral": "tp_plans.llama(mlp=False, sequence_parallel=True)",
 }
+# --tp-plan's hand plans (Mixtral keeps its experts replicated with either)
+_HAND_PLANS = {"llama": "tp_plans.llama()", "llama-sp": "tp_plans.llama(sequence_parallel=True)"}
 
 
-def default_tp_plan(args: Any) -> NamedPlan | None:
-    """torchtitan's Llama plan for a Llama-family ``--preset``/``--hf-config``, else None (no tp)."""
+def default_tp_plan(args: Any) -> NamedPlan | str:
+    """The plan the ``--tp`` search uses: ``--tp-plan`` when given (``auto``, ``llama``,
+    ``llama-sp``); else torchtitan's Llama plan for a Llama-family ``--preset``/``--hf-config``
+    and ``"auto"`` (automatic placements) for any other model."""
+    choice = getattr(args, "tp_plan", None)
     source = args.hf_config or args.preset
-    if source is None:
-        return None
-    expr = _LLAMA_FAMILY.get(models.hf_config(source).model_type)
-    if expr is None:
-        return None
+    model_type = models.hf_config(source).model_type if source is not None else None
+    if choice == "auto" or (choice is None and model_type not in _LLAMA_FAMILY):
+        return "auto"
+    if choice is None:
+        expr = _LLAMA_FAMILY[str(model_type)]
+    else:
+        expr = _HAND_PLANS[choice]
+        if model_type == "mixtral":
+            expr = expr.replace("llama(", "llama(mlp=False" + (", " if "sequence" in expr else ""))
     from spmd.parallel import tp_plans
 
     return NamedPlan(eval(expr, {"tp_plans": tp_plans}), expr)  # noqa: S307 - our own literal
@@ -105,8 +115,16 @@ def main(argv: list[str] | None = None) -> int:
         "--tp",
         type=_ints,
         default=None,
-        help="tensor-parallel sizes searched for a Llama-family --preset/--hf-config with "
-        "tp_plans.llama() (default 1,2,4,8, within --gpus-per-node); 1 for none",
+        help="tensor-parallel sizes searched (default 1,2,4,8, within --gpus-per-node); 1 for none",
+    )
+    p.add_argument(
+        "--tp-plan",
+        choices=["auto", *_HAND_PLANS],
+        default=None,
+        help="the placements of the --tp search: auto (chosen from the graph), llama or llama-sp "
+        "(tp_plans.llama(), with sequence parallelism). Default: llama-sp for a Llama-family "
+        "--preset/--hf-config (Llama, Mistral, Qwen2/3; Mixtral with its experts replicated), "
+        "auto for any other model",
     )
     p.add_argument("--tokens-per-step", type=int, default=None, help="tokens per rank per step")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

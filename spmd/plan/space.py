@@ -119,12 +119,13 @@ def configurations(
     min_unit_mb: Sequence[float],
     reshard: Sequence[bool],
     remat: Sequence[Any],
-    tp_plan: NamedPlan | None = None,
+    tp_plan: NamedPlan | str | None = None,
     tp: Sequence[int] = (1,),
 ) -> list[dict[str, Any]]:
     """The DataParallel keyword sets to try (see the module docstring): with ``tp_plan``, each
     tensor-parallel size of ``tp`` above 1 adds the replicate and fully_shard configurations on
-    a ``(data, tp)`` mesh (hybrid_shard, a 3-D mesh, is not searched with tp)."""
+    a ``(data, tp)`` mesh (hybrid_shard, a 3-D mesh, is not searched with tp). ``tp_plan="auto"``:
+    automatic placements, chosen while each such configuration lowers."""
     out = _data_configurations(
         world_size=world_size,
         gpus_per_node=gpus_per_node,

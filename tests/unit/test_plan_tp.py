@@ -109,7 +109,7 @@ def test_command_line_uses_the_llama_plan_for_llama_family_configs() -> None:
     p = default_tp_plan(args)
     assert isinstance(p, NamedPlan) and repr(p) == "tp_plans.llama(sequence_parallel=True)"
     assert p.keys() == tp_plans.llama(sequence_parallel=True).keys()
-    assert default_tp_plan(argparse.Namespace(hf_config=None, preset=None, model="tiny")) is None
+    assert default_tp_plan(argparse.Namespace(hf_config=None, preset=None, model="tiny")) == "auto"
 
 
 def _tiny_llama() -> tuple:
