@@ -223,6 +223,17 @@ CPU_SUGGESTED_FORMAT_NORM_OPS: dict[Any, int] = {
 GROUP_NORM_BACKWARD_NEEDS_CONTIGUOUS_GRAD = TORCH_VERSION < (2, 14)
 
 
+#: How inductor's generated Python checks an extern kernel's output (a collective's among them), by the
+#: function it calls on the buffer right after the call: ``assert_size_stride(buf, size, stride, op)``
+#: through torch 2.13, ``assert_tensor_metadata(buf, size, stride, dtype, op)`` from 2.14 on, each then
+#: followed by ``assert_alignment(buf, ...)`` (checked on 2.13.0, 2.14.1 and 2.15.0).
+#: ``spmd.backend.lowering`` reads the collectives' output sizes from the former and steps over the
+#: latter; reading no size, its order check compares only kinds and groups (so a swap of two all-gathers
+#: of one group went unseen on 2.14.1 until the second name was added here).
+INDUCTOR_OUTPUT_SIZE_CHECKS: tuple[str, ...] = ("assert_size_stride", "assert_tensor_metadata")
+INDUCTOR_OUTPUT_OTHER_CHECKS: tuple[str, ...] = ("assert_alignment",)
+
+
 def __getattr__(name: str) -> Any:
     """Resolve a lazy entry of :data:`PRIVATE_NAMES` on first use and keep it."""
     entry = PRIVATE_NAMES.get(name)
