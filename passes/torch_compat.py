@@ -118,8 +118,19 @@ PRIVATE_NAMES: dict[str, Private] = {
     "OpStrategy": Private("torch.distributed.tensor._op_schema", "OpStrategy"),
     "RuntimeSchemaInfo": Private("torch.distributed.tensor._op_schema", "RuntimeSchemaInfo"),
     "StrategyType": Private("torch.distributed.tensor._op_schema", "StrategyType"),
-    "register_single_dim_pointwise": Private(
-        "torch.distributed.tensor._ops._pointwise_ops", "_register_single_dim_pointwise"
+    # DTensor's pointwise strategy for a list op (see register_list_pointwise): torch 2.12 added the first.
+    **(
+        {
+            "register_single_dim_pointwise": Private(
+                "torch.distributed.tensor._ops._pointwise_ops", "_register_single_dim_pointwise"
+            )
+        }
+        if TORCH_VERSION >= (2, 12)
+        else {
+            "list_pointwise_strategy": Private(
+                "torch.distributed.tensor._ops._pointwise_ops", "list_pointwise_strategy", "2.11.0"
+            )
+        }
     ),
     "expand_to_full_mesh_op_strategy": Private(
         "torch.distributed.tensor._ops.utils", "expand_to_full_mesh_op_strategy"
@@ -232,6 +243,19 @@ GROUP_NORM_BACKWARD_NEEDS_CONTIGUOUS_GRAD = TORCH_VERSION < (2, 14)
 #: of one group went unseen on 2.14.1 until the second name was added here).
 INDUCTOR_OUTPUT_SIZE_CHECKS: tuple[str, ...] = ("assert_size_stride", "assert_tensor_metadata")
 INDUCTOR_OUTPUT_OTHER_CHECKS: tuple[str, ...] = ("assert_alignment",)
+
+
+def register_list_pointwise(op: Any) -> None:
+    """Give DTensor a pointwise sharding strategy for ``op``, a list op such as ``_fused_sgd_`` (the
+    i-th tensor of every list placed alike): ``_register_single_dim_pointwise`` from torch 2.12 on
+    (checked on 2.12.1 and the default versions); torch 2.11 lacks it, and there ``op`` gets
+    ``list_pointwise_strategy``, the strategy 2.11 itself registers its fused Adam ops with (checked on
+    2.11.0)."""
+    if TORCH_VERSION >= (2, 12):
+        __getattr__("register_single_dim_pointwise")(op)
+        return
+    info = __getattr__("RuntimeSchemaInfo")(needs_pytree=True)
+    __getattr__("register_op_strategy")(op, schema_info=info)(__getattr__("list_pointwise_strategy"))
 
 
 def __getattr__(name: str) -> Any:
