@@ -62,8 +62,9 @@ __all__ = [
 #: (major, minor) of the running torch, for the version branches below.
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
 
-#: The torch versions every entry below was checked on, unless the entry says otherwise.
-CHECKED = "2.13.0, 2.14.1, 2.15.0"
+#: The torch versions every entry below was checked on, unless the entry says otherwise (that each name and
+#: attribute exists: ``tests/unit/test_torch_compat.py``; 2.11.0 and 2.12.1 since 2026-11-29).
+CHECKED = "2.11.0, 2.12.1, 2.13.0, 2.14.1, 2.15.0"
 
 
 @dataclass(frozen=True)
