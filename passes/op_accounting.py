@@ -99,8 +99,9 @@ def _returned(node: fx.Node, arg: Any) -> bool:
 
 
 def _cpu_attention_flops(node: fx.Node, args: Any) -> float | None:
-    """CPU flash attention, which ``flop_registry`` lacks: torch's own SDPA formulas
-    (``sdpa_flop_count``: QK^T and PV, non-causal, as for the CUDA kernels)."""
+    """CPU flash attention, which ``flop_registry`` lacks through torch 2.14 (2.15 registers the same
+    formulas): torch's own SDPA formulas (``sdpa_flop_count``: QK^T and PV, non-causal, as for the CUDA
+    kernels)."""
     from torch.utils import flop_counter as fc
 
     aten = torch.ops.aten

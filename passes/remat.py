@@ -95,7 +95,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from passes import torch_compat
+from passes import op_accounting, torch_compat
 from passes.graph_utils import mutated_nodes, storage_of, written_storages
 from passes.meta import CAST_OF, INPUT_CAST, MICROBATCH, MODULE, PHASE, ROLE, Phase, Role
 from passes.prefetch import unit_path
@@ -408,22 +408,11 @@ def _bytes(nodes: Iterable[fx.Node]) -> int:
 
 
 def node_flops(n: fx.Node) -> int:
-    """FLOPs of one run of ``n`` by ``torch.utils.flop_counter`` (0 for ops it does not count),
-    run on the fake values of its inputs."""
-    from torch.utils.flop_counter import FlopCounterMode, flop_registry
-
-    target = n.target
-    if not isinstance(target, OpOverload) or target.overloadpacket not in flop_registry:
-        return 0
-    args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
-    vals = [v for v in _tensors(n.meta.get("val"))]
-    mode = torch_compat.detect_fake_mode(vals)
-    counter = FlopCounterMode(display=False)
-    if mode is None:
-        return 0
-    with mode, counter:
-        target(*args, **kwargs)  # type: ignore[arg-type]
-    return int(counter.get_total_flops())
+    """FLOPs of one run of ``n`` (:func:`passes.op_accounting.node_flops`: ``torch.utils.flop_counter``'s
+    formulas, 0 for ops without one). CPU flash attention is counted on every torch version: its
+    formula entered ``flop_registry`` in torch 2.15 only, and when 2.13 counted it as 0, the knapsack took
+    an attention output for free to recompute and chose other blocks than on 2.15."""
+    return int(op_accounting.node_flops(n))
 
 
 def _choose(g: _Graph, policy: Policy) -> set[fx.Node]:

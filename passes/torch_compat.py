@@ -64,8 +64,9 @@ __all__ = [
 #: (major, minor) of the running torch, for the version branches below.
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
 
-#: The torch versions every entry below was checked on, unless the entry says otherwise.
-CHECKED = "2.13.0, 2.14.1, 2.15.0"
+#: The torch versions every entry below was checked on, unless the entry says otherwise (that each name and
+#: attribute exists: ``tests/unit/test_torch_compat.py``; 2.11.0 and 2.12.1 since 2026-11-29).
+CHECKED = "2.11.0, 2.12.1, 2.13.0, 2.14.1, 2.15.0"
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,19 @@ PRIVATE_NAMES: dict[str, Private] = {
     "OpStrategy": Private("torch.distributed.tensor._op_schema", "OpStrategy"),
     "RuntimeSchemaInfo": Private("torch.distributed.tensor._op_schema", "RuntimeSchemaInfo"),
     "StrategyType": Private("torch.distributed.tensor._op_schema", "StrategyType"),
-    "register_single_dim_pointwise": Private(
-        "torch.distributed.tensor._ops._pointwise_ops", "_register_single_dim_pointwise"
+    # DTensor's pointwise strategy for a list op (see register_list_pointwise): torch 2.12 added the first.
+    **(
+        {
+            "register_single_dim_pointwise": Private(
+                "torch.distributed.tensor._ops._pointwise_ops", "_register_single_dim_pointwise"
+            )
+        }
+        if TORCH_VERSION >= (2, 12)
+        else {
+            "list_pointwise_strategy": Private(
+                "torch.distributed.tensor._ops._pointwise_ops", "list_pointwise_strategy", "2.11.0"
+            )
+        }
     ),
     "expand_to_full_mesh_op_strategy": Private(
         "torch.distributed.tensor._ops.utils", "expand_to_full_mesh_op_strategy"
@@ -223,6 +235,30 @@ CPU_SUGGESTED_FORMAT_NORM_OPS: dict[Any, int] = {
 #: contiguous (silently wrong values) through torch 2.13; 2.14.1 reads it right. ``passes.layouts`` makes
 #: the gradient contiguous on every version (a copy where it was not); this says whether it must.
 GROUP_NORM_BACKWARD_NEEDS_CONTIGUOUS_GRAD = TORCH_VERSION < (2, 14)
+
+
+#: How inductor's generated Python checks an extern kernel's output (a collective's among them), by the
+#: function it calls on the buffer right after the call: ``assert_size_stride(buf, size, stride, op)``
+#: through torch 2.13, ``assert_tensor_metadata(buf, size, stride, dtype, op)`` from 2.14 on, each then
+#: followed by ``assert_alignment(buf, ...)`` (checked on 2.13.0, 2.14.1 and 2.15.0).
+#: ``spmd.backend.lowering`` reads the collectives' output sizes from the former and steps over the
+#: latter; reading no size, its order check compares only kinds and groups (so a swap of two all-gathers
+#: of one group went unseen on 2.14.1 until the second name was added here).
+INDUCTOR_OUTPUT_SIZE_CHECKS: tuple[str, ...] = ("assert_size_stride", "assert_tensor_metadata")
+INDUCTOR_OUTPUT_OTHER_CHECKS: tuple[str, ...] = ("assert_alignment",)
+
+
+def register_list_pointwise(op: Any) -> None:
+    """Give DTensor a pointwise sharding strategy for ``op``, a list op such as ``_fused_sgd_`` (the
+    i-th tensor of every list placed alike): ``_register_single_dim_pointwise`` from torch 2.12 on
+    (checked on 2.12.1 and the default versions); torch 2.11 lacks it, and there ``op`` gets
+    ``list_pointwise_strategy``, the strategy 2.11 itself registers its fused Adam ops with (checked on
+    2.11.0)."""
+    if TORCH_VERSION >= (2, 12):
+        __getattr__("register_single_dim_pointwise")(op)
+        return
+    info = __getattr__("RuntimeSchemaInfo")(needs_pytree=True)
+    __getattr__("register_op_strategy")(op, schema_info=info)(__getattr__("list_pointwise_strategy"))
 
 
 def __getattr__(name: str) -> Any:

@@ -52,7 +52,7 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
-from passes.torch_compat import OpOverload
+from passes.torch_compat import INDUCTOR_OUTPUT_OTHER_CHECKS, INDUCTOR_OUTPUT_SIZE_CHECKS, OpOverload
 from spmd.backend.compile_once import Role, compile_once_per_host, graph_key, sharing_safe
 from spmd.backend.inductor_rewrites import for_inductor
 from spmd.errors import LoweringError, check_choice
@@ -232,8 +232,12 @@ _CALL = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.\w+\((.*)\)")
 _CPP_CALL = re.compile(r"aoti_torch_[a-z]+__c10d_functional_(\w+)\((.*)\)")
 _ALLOC = re.compile(r"(buf\w+) = empty_strided\w*\(\(([^)]*)\)")
 _REUSE = re.compile(r"(buf\w+) = (buf\w+); del \2\s+# reuse")
-_ASSERT = re.compile(r"assert_size_stride\((\w+), \(([^)]*)\)")
-_GETITEM = re.compile(r"buf\w+ = buf\w+\[\d+\]$")
+# The check of a call's output that shows its size (which function: passes.torch_compat), and the
+# other checks inductor writes between that call and the next statement.
+_ASSERT = re.compile(rf"(?:{'|'.join(INDUCTOR_OUTPUT_SIZE_CHECKS)})\((\w+), \(([^)]*)\)")
+_OTHER_CHECK = re.compile(rf"(?:{'|'.join(INDUCTOR_OUTPUT_OTHER_CHECKS)})\(")
+_GETITEM = re.compile(r"(buf\w+) = (buf\w+)\[\d+\]$")
+_RESULT = re.compile(r"(buf\w+) = ")
 _REINTERPRET = re.compile(r"reinterpret_tensor\((\w+), \(([^)]*)\)")
 _NAMES: dict[str, tuple[C.Kind, bool]] = {
     "all_reduce": (C.Kind.ALL_REDUCE, False),
@@ -269,7 +273,8 @@ def graph_order(gm: fx.GraphModule) -> list[Issued]:
 def code_order(code: str, example_inputs: Sequence[torch.Tensor] = ()) -> list[Issued]:
     """The collectives inductor's generated Python issues, in order.
 
-    Output sizes come from the ``assert_size_stride`` after the call, or, for the
+    Output sizes come from inductor's check of the output after the call (``assert_size_stride``,
+    or ``assert_tensor_metadata`` from torch 2.14 on: ``passes.torch_compat``), or, for the
     in-place ``all_reduce_``, from the buffer's allocation (``argN_1`` is input ``N``).
     """
     lines = [ln.strip() for ln in code.splitlines()]
@@ -293,12 +298,19 @@ def code_order(code: str, example_inputs: Sequence[torch.Tensor] = ()) -> list[I
         strings = re.findall(r"'([^']*)'|\"([^\"]*)\"", args)
         group = next((a or b for a, b in reversed(strings)), "")
         sizes: list[int] = []
+        # The call's result and its items (a coalesced call's outputs): only their checks count.
+        mine = {res.group(1)} if (res := _RESULT.match(line)) else set()
         for follow in lines[i + 1 :]:
             if a := _ASSERT.match(follow):
-                if not follow.endswith("'input')"):
+                if a.group(1) in mine:
                     sizes.append(_numel(a.group(2)))
-            elif not _GETITEM.match(follow):
+            elif (item := _GETITEM.match(follow)) and item.group(2) in mine:
+                mine.add(item.group(1))
+            elif not _OTHER_CHECK.match(follow):
                 break
+        out_buf = re.search(r"\bout=(\w+)", args)  # an _out variant writes its out= buffer
+        if not sizes and out_buf and (size := numel.get(out_buf.group(1))) is not None:
+            sizes = [size]
         if not sizes and name == "all_reduce":  # in place: the output is the input
             first = args.split(",", 1)[0].strip("[ ")
             r = _REINTERPRET.match(args)

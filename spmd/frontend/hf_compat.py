@@ -38,18 +38,19 @@ first (:func:`_padded_ctc_targets`), which ``F.ctc_loss`` reads the same way: th
 gradients are eager's bit for bit. Nothing else in ``transformers`` is changed; without
 ``transformers`` imported this is a no-op.
 
-Versions (``tests/unit/test_hf_compat.py``, ``tests/unit/test_eager_branches.py``): the position-ids
-shim applies to transformers 5.17.0 and 5.24.0 (the current release), checked on both. The CTC shim
-applies where ``LOSS_MAPPING`` has a ``"ForCTC"`` entry: 5.24.0 has it, 5.17.0 does not (its
-``Wav2Vec2ForCTC`` computes the loss inline with ``masked_select``, and the shim leaves everything
-unchanged). Training an HF ``*ForCTC`` model with ``labels=`` under spmd needs a release with the entry:
-on 5.17.0 the trace is refused (``DataDependentControlFlowError`` at Wav2Vec2's LayerDrop test
-``if not skip_the_layer``, before the loss is reached). The experts hint
-(:func:`hf_data_dependent_hint`) reads ``config._experts_implementation`` and
-``transformers/integrations/moe.py``, present in both; but 5.17.0's Mixtral counts tokens per expert
-with ``torch.bincount`` (a data-dependent shape), so training it is refused there whatever the experts
-implementation (``tests/unit/test_foreign_models.py::test_hf_moe_eager_experts_refused_with_the_fix``
-fails on 5.17.0 for that reason).
+Versions: spmd supports transformers 5.23 and later (the ``hf`` and ``test`` extras of
+``pyproject.toml``); both shims were checked on 5.23.0 and 5.24.0 (``tests/unit/test_hf_compat.py``,
+``tests/unit/test_eager_branches.py``, ``tests/unit/test_foreign_models.py``). Older 5.x releases
+(the accelerator image's 5.17.0 among them) differ in three places, none of which a shim here can
+change without rewriting Hugging Face's model code: ``LOSS_MAPPING`` has no ``"ForCTC"`` entry before
+5.21 (``Wav2Vec2ForCTC`` computes the loss inline with ``masked_select``; the CTC shim then leaves
+everything unchanged); Wav2Vec2's encoder asks ``torch.rand([]) < config.layerdrop`` in training
+even at ``layerdrop=0`` before 5.23, so tracing any Wav2Vec2/HuBERT/WavLM training step is refused
+(``DataDependentControlFlowError`` at ``if not skip_the_layer``); and Mixtral's load-balancing loss
+counts tokens per expert with ``torch.bincount`` (an output shape that depends on the values) before
+5.23, so training it with ``output_router_logits`` is refused whatever the experts implementation.
+The position-ids shim works on 5.17.0 too. The experts hint (:func:`hf_data_dependent_hint`) reads
+``config._experts_implementation`` and ``transformers/integrations/moe.py``, present in all of them.
 """
 
 from __future__ import annotations

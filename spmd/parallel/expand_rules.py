@@ -106,12 +106,12 @@ def register() -> None:
         RuntimeSchemaInfo,
         StrategyType,
         expand_to_full_mesh_op_strategy,
+        register_list_pointwise,
         register_op_strategy,
     )
-    from passes.torch_compat import register_single_dim_pointwise as _register_single_dim_pointwise
 
     for op in RULES[:2]:
-        _register_single_dim_pointwise(op)
+        register_list_pointwise(op)
 
     def _attention(op_schema: OpSchema, n_out: int, n_in: int) -> StrategyType:
         mesh = op_schema.get_mesh_from_args()

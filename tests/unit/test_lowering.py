@@ -65,6 +65,42 @@ def test_code_order_reads_kinds_groups_and_sizes() -> None:
     ]
 
 
+# Collectives as torch 2.14's inductor writes them: the output check is assert_tensor_metadata, then
+# assert_alignment (the first two from tests/dist/test_inductor.py's fully_shard step, with the op
+# names in the checks shortened to OP; the coalesced one in their format).
+_CODE_2_14 = """
+        buf1 = torch.ops._c10d_functional.all_gather_into_tensor.default(arg2_1, 2, '0')
+        assert_tensor_metadata(buf1, (4, 16), (16, 1), torch.float32, OP)
+        assert_alignment(buf1, 16, OP)
+        assert_size_stride_grouped((arg0_1, arg1_1), ((8, 8), (8, )), ((8, 1), (1, )), 'input')
+        # Topologically Sorted Source Nodes: [all_gather_into_tensor_default_5], Original ATen: [...]
+        buf2 = torch.ops._c10d_functional.all_gather_into_tensor.default(buf0, 2, '0')
+        assert_tensor_metadata(buf2, (212, ), (1, ), torch.float32, OP)
+        assert_alignment(buf2, 16, OP)
+        buf3 = torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default([buf0, buf1], 2, '0')
+        buf4 = buf3[0]
+        assert_tensor_metadata(buf4, (212, ), (1, ), torch.float32, OP)
+        assert_alignment(buf4, 16, OP)
+        buf5 = buf3[1]
+        assert_tensor_metadata(buf5, (8, 16), (16, 1), torch.float32, OP)
+        assert_alignment(buf5, 16, OP)
+        buf6 = buf7[0]
+        assert_tensor_metadata(buf6, (3, ), (1, ), torch.float32, OP)
+"""
+
+
+def test_code_order_reads_sizes_from_torch_2_14_checks() -> None:
+    """torch 2.14 checks a collective's output with assert_tensor_metadata (then assert_alignment):
+    the sizes are read from it, so two all-gathers of one group issued in swapped order differ
+    (without the sizes only kinds and groups would be compared, and the swap would pass). Only the
+    checks of the call's own outputs count (buf6 is another op's)."""
+    assert code_order(_CODE_2_14) == [
+        ("all_gather", False, "0", (64,)),
+        ("all_gather", False, "0", (212,)),
+        ("all_gather", True, "0", (212, 128)),
+    ]
+
+
 def test_check_collective_order_accepts_same_order_and_names_first_difference() -> None:
     gm = _two_all_reduces()
     assert [o[3] for o in graph_order(gm)] == [(8,), (4,)]

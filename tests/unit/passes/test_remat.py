@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -26,7 +27,7 @@ import spmd
 from passes import collectives as C
 from passes.meta import MODULE, PHASE, Phase
 from passes.prefetch import unit_path
-from passes.remat import REMAT, summarize
+from passes.remat import REMAT, node_flops, summarize
 from spmd.parallel import sharding
 from tests import sweep_models as sm
 from tests.models import TinyGPT, train_step
@@ -222,21 +223,37 @@ def test_op_recomputes_every_second_block_matmul() -> None:
 def test_budget_is_kept() -> None:
     """A float is torch's activation_memory_budget between "full" (0) and "selective" (1): it saves
     at most ``floor + b * (top - floor)`` bytes, along the whole curve (no step where a budget
-    below 1 gives "selective"); a smaller budget never saves more, recomputes fewer FLOPs, or
-    has a higher predicted peak."""
+    below 1 gives "selective"); a smaller budget never saves more or recomputes fewer FLOPs.
+
+    The predicted peak is not asserted monotone: the budget bounds saved bytes, not the peak, and
+    what the last block recomputes is back in memory at the start of backward. On this model 0.6
+    recomputes blocks 0 and 1 only (peak 5,095,340 B) while 0.3 and "full" recompute block 2 too
+    (5,224,876 B), on torch 2.13 and 2.15 alike (docs/remat.md)."""
     floor = summarize(_gpt("full")[0].graphs["rematerialize"]).saved_bytes
     top = summarize(_gpt("selective")[0].graphs["rematerialize"]).saved_bytes
     assert floor < top
     last = None
     for b in (0.9, 0.6, 0.3, 0.1):
-        step = _gpt(b)[0]
-        s, peak = summarize(step.graphs["rematerialize"]), step.report().peak_memory_bytes
+        s = summarize(_gpt(b)[0].graphs["rematerialize"])
         assert s.saved_bytes <= floor + b * (top - floor), (b, s, floor, top)
         if last is not None:
-            assert s.saved_bytes <= last[0].saved_bytes and s.recompute_flops >= last[0].recompute_flops
-            assert peak <= last[1], (b, peak, last[1])
-        last = (s, peak)
-    assert last is not None and last[0].recompute_flops > 0
+            assert s.saved_bytes <= last.saved_bytes and s.recompute_flops >= last.recompute_flops
+        last = s
+    assert last is not None and last.recompute_flops > 0
+
+
+def test_node_flops_counts_cpu_flash_attention() -> None:
+    """The knapsack prices a CPU flash attention by its QK^T and PV FLOPs on every torch version.
+    torch's flop_registry has its formula from 2.15 on only; counted as 0 before, an attention
+    output was free to recompute and a budget chose other blocks on 2.13 than on 2.15."""
+    b, h, s, d = 2, 4, 16, 8
+    g = fx.Graph()
+    qkv = [g.placeholder(name) for name in "qkv"]
+    for p in qkv:
+        p.meta["val"] = torch.empty(b, h, s, d)
+    att = g.call_function(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, tuple(qkv))
+    att.meta["val"] = (torch.empty(b, h, s, d), torch.empty(b, h, s))
+    assert node_flops(att) == 2 * (2 * b * h * s * s * d)
 
 
 def _measured_peak(step, args) -> int:
