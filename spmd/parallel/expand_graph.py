@@ -9,6 +9,7 @@ docstring describes what the expansion decides itself, rather than DTensor.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -513,8 +514,24 @@ def expand_graph(
             else:
                 n.meta[_CUSTOM] = c
     new = fx.GraphModule(new, new.graph, class_name="GraphModule")
+    _drop_dead_compute(new.graph)
     finish(new, old_nodes, placeholders, expander.placements, in_specs, strip_tags=reduce_local)
     return new
+
+
+def _drop_dead_compute(graph: fx.Graph) -> None:
+    """Remove pure aten ops whose results nothing reads (last to first). DTensor's sharding
+    propagation on torch 2.11/2.12 runs some ops (embedding) once more on empty stand-ins while
+    it is traced, leaving unused calls on uninitialised tensors (out-of-range indices at run
+    time). Collectives, waits and ops that write an input stay, whether read or not."""
+    for n in reversed(list(graph.nodes)):
+        if n.op != "call_function" or n.users or C.is_collective(n) or C.is_wait(n):
+            continue
+        if n.target is not operator.getitem and (
+            not isinstance(n.target, torch_compat.OpOverload) or torch_compat.op_schema(n.target).is_mutable
+        ):
+            continue
+        graph.erase_node(n)
 
 
 _LOSS_OPS = {

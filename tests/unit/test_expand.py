@@ -363,3 +363,29 @@ def test_hf_llama_sdpa_mask_is_batch_sharded() -> None:
         step = spmd.compile(parallel_mode=spmd.DTensorExpandMode(), check_invariants=True)(step_fn)
         shapes = _mask_shapes(step.lower(model, opt, ids, attention_mask)["partitioned"])
     assert shapes == [(".default", (2, 1, 8, 8))] * 2 + [("_backward.default", (2, 1, 8, 8))] * 2
+
+
+def test_unused_pure_ops_left_by_the_expansion_are_dropped() -> None:
+    """torch 2.11/2.12's DTensor leaves unused embedding / nll_loss calls on uninitialised tensors in
+    the expanded graph (out-of-range indices at run time); they go, with their unused getitems,
+    while an unused in-place op stays."""
+    import sys
+
+    expand_graph_module = sys.modules["spmd.parallel.expand_graph"]
+
+    def f(w: torch.Tensor, idx: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        dead_w = torch.empty_strided((2, 3), (3, 1))
+        dead_i = torch.empty_strided((2,), (1,), dtype=torch.long)
+        torch.ops.aten.embedding.default(dead_w, dead_i)  # unused, on garbage indices
+        torch.ops.aten.nll_loss_forward.default(dead_w, dead_i, None, 1, -100)  # unused tuple op
+        buf.add_(1)  # unused result, but it writes an input
+        return torch.ops.aten.embedding.default(w, idx)
+
+    make_fx = torch.fx.experimental.proxy_tensor.make_fx
+    gm = make_fx(f, tracing_mode="fake")(torch.ones(4, 3), torch.tensor([0, 1]), torch.zeros(2))
+    targets = lambda: [n.target for n in gm.graph.nodes if n.op == "call_function"]  # noqa: E731
+    assert targets().count(torch.ops.aten.embedding.default) == 2
+    expand_graph_module._drop_dead_compute(gm.graph)
+    assert targets().count(torch.ops.aten.embedding.default) == 1
+    assert torch.ops.aten.nll_loss_forward.default not in targets()
+    assert torch.ops.aten.add_.Tensor in targets()
