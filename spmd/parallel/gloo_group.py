@@ -20,6 +20,7 @@ DDP's or FSDP2's, still run on it).
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
@@ -75,9 +76,19 @@ def world_group(device_type: str) -> dist.ProcessGroup:
     if entry is None or entry[0] is not default:
         _WORLD.clear()  # a copy of an earlier (destroyed) default group is dead
         with own_groups(device_type):
-            entry = (default, dist.new_group(backend="gloo", group_desc="spmd_world"))
+            entry = (
+                default,
+                dist.new_group(backend="gloo", timeout=_timeout_of(default), group_desc="spmd_world"),
+            )
         _WORLD[id(default)] = entry
     return entry[1]
+
+
+def _timeout_of(group: dist.ProcessGroup) -> datetime.timedelta | None:
+    """The collective timeout the user gave the default group (``init_process_group(timeout=)``),
+    for spmd's copies of it: ``new_group`` would otherwise take torch's 30-minute default."""
+    seconds = torch_compat.pg_timeout_s(group)
+    return None if seconds is None else datetime.timedelta(seconds=seconds)
 
 
 def init_mesh(device_type: str, shape: Sequence[int], names: Sequence[str] | None = None) -> DeviceMesh:

@@ -81,3 +81,22 @@ def test_a_new_default_group_gets_a_new_copy() -> None:
         finally:
             dist.destroy_process_group()
     assert groups[0] is not groups[1]
+
+
+def test_spmd_world_group_keeps_the_users_timeout() -> None:
+    """``init_process_group(timeout=10 s)``: spmd's copy of the world takes that timeout, not
+    ``new_group``'s 30-minute default (a rank whose peer died waited 30 minutes)."""
+    import datetime
+
+    assert not dist.is_initialized(), "a process group leaked from another test"
+    gloo_group._WORLD.clear()
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=10)
+    )
+    try:
+        group = gloo_group.world_group("cpu")
+        assert group is not torch_compat.get_default_group() and _threads(group) == 1
+        assert torch_compat.pg_timeout_s(group) == 10.0
+    finally:
+        dist.destroy_process_group()
+        gloo_group._WORLD.clear()
