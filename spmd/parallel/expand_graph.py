@@ -523,12 +523,14 @@ def _drop_dead_compute(graph: fx.Graph) -> None:
     """Remove pure aten ops whose results nothing reads (last to first). DTensor's sharding
     propagation on torch 2.11/2.12 runs some ops (embedding) once more on empty stand-ins while
     it is traced, leaving unused calls on uninitialised tensors (out-of-range indices at run
-    time). Collectives, waits and ops that write an input stay, whether read or not."""
+    time). Collectives, waits, random ops and ops that write an input stay, whether read or not."""
     for n in reversed(list(graph.nodes)):
         if n.op != "call_function" or n.users or C.is_collective(n) or C.is_wait(n):
             continue
         if n.target is not operator.getitem and (
-            not isinstance(n.target, torch_compat.OpOverload) or torch_compat.op_schema(n.target).is_mutable
+            not isinstance(n.target, torch_compat.OpOverload)
+            or torch_compat.op_schema(n.target).is_mutable
+            or torch.Tag.nondeterministic_seeded in n.target.tags  # draws advance the generator
         ):
             continue
         graph.erase_node(n)

@@ -368,7 +368,7 @@ def test_hf_llama_sdpa_mask_is_batch_sharded() -> None:
 def test_unused_pure_ops_left_by_the_expansion_are_dropped() -> None:
     """torch 2.11/2.12's DTensor leaves unused embedding / nll_loss calls on uninitialised tensors in
     the expanded graph (out-of-range indices at run time); they go, with their unused getitems,
-    while an unused in-place op stays."""
+    while an unused in-place or random op stays."""
     import sys
 
     expand_graph_module = sys.modules["spmd.parallel.expand_graph"]
@@ -379,6 +379,7 @@ def test_unused_pure_ops_left_by_the_expansion_are_dropped() -> None:
         torch.ops.aten.embedding.default(dead_w, dead_i)  # unused, on garbage indices
         torch.ops.aten.nll_loss_forward.default(dead_w, dead_i, None, 1, -100)  # unused tuple op
         buf.add_(1)  # unused result, but it writes an input
+        torch.ops.aten.bernoulli.p(dead_w, 0.5)  # unused, but it advances the generator
         return torch.ops.aten.embedding.default(w, idx)
 
     make_fx = torch.fx.experimental.proxy_tensor.make_fx
@@ -388,4 +389,4 @@ def test_unused_pure_ops_left_by_the_expansion_are_dropped() -> None:
     expand_graph_module._drop_dead_compute(gm.graph)
     assert targets().count(torch.ops.aten.embedding.default) == 1
     assert torch.ops.aten.nll_loss_forward.default not in targets()
-    assert torch.ops.aten.add_.Tensor in targets()
+    assert torch.ops.aten.add_.Tensor in targets() and torch.ops.aten.bernoulli.p in targets()
