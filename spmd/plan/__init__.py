@@ -42,7 +42,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -59,7 +58,17 @@ from spmd.frontend import step_inputs
 from spmd.parallel import DataParallel, MixedPrecision
 from spmd.parallel.auto_tp import AUTO
 from spmd.plan import fold
-from spmd.plan.space import NamedPlan, _label, code, configurations, expression, parse_bytes, tp_sizes
+from spmd.plan.space import (
+    NamedPlan,
+    _label,
+    _mesh_words,
+    code,
+    configurations,
+    expression,
+    parse_bytes,
+    tp_sizes,
+    tp_summary,
+)
 from spmd.profiles import get_profile
 from spmd.reporting.report import PEAK_FROM_EAGER, build_report
 from spmd.simulate import check_call, fake_copy, fake_world, fresh_copy, given_keywords, step_keywords
@@ -213,41 +222,6 @@ class Plan:
         lines += [f"not lowered: {label}: {why}" for label, why in self.failed]
         lines.append(f"best: {self.best.code}")
         return "\n".join(lines)
-
-
-_CHOICE = re.compile(r"(?P<names>.*?)(?: \(x\d+\))?: [^:]*?, (?P<verdict>sharded|replicated): ")
-
-
-def tp_summary(choices: Sequence[str]) -> str:
-    """The automatic placements of a row in one line, from its report's ``tp_choices`` (one
-    line per class, :meth:`spmd.parallel.auto_tp.Decision.describe`): ``"2 classes sharded
-    (tok.weight; blocks.*.fc.weight -> blocks.*.out.weight), 1 class replicated (...)"``."""
-    groups: dict[str, list[str]] = {"sharded": [], "replicated": []}
-    for c in choices:
-        m = _CHOICE.match(c)
-        groups[m.group("verdict") if m else "replicated"].append(m.group("names") if m else c)
-    if not choices:
-        return "nothing to shard: every parameter replicates"
-    parts = [
-        f"{len(names)} class{'es' if len(names) != 1 else ''} {verdict} ({'; '.join(names)})"
-        for verdict, names in groups.items()
-        if names
-    ]
-    return ", ".join(parts)
-
-
-def _mesh_words(opts: dict[str, Any], world: int, gpus_per_node: int) -> str:
-    """The mesh a configuration runs on, in words (the default mesh of its DataParallel)."""
-    tp = int(opts.get("tp_size") or 1)
-    style = opts["parallel_style"]
-    if style == "hybrid_shard":
-        local = gpus_per_node // tp
-        dims = [("dp_replicate", world // gpus_per_node), ("dp_shard", local)]
-    else:
-        dims = [("dp_replicate" if style == "replicate" else "dp_shard", world // tp)]
-    if tp > 1:
-        dims.append(("tp", tp))
-    return " x ".join(f"{n} {k}" for n, k in dims)
 
 
 def _scaled_batch(example_args: tuple[Any, ...], kwargs: dict[str, Any], tp: int) -> tuple[Any, Any]:

@@ -201,3 +201,38 @@ def _data_configurations(
                     }
                 )
     return out
+
+
+_CHOICE = re.compile(r"(?P<names>.*?)(?: \(x\d+\))?: [^:]*?, (?P<verdict>sharded|replicated): ")
+
+
+def tp_summary(choices: Sequence[str]) -> str:
+    """The automatic placements of a row in one line, from its report's ``tp_choices`` (one
+    line per class, :meth:`spmd.parallel.auto_tp.Decision.describe`): ``"2 classes sharded
+    (tok.weight; blocks.*.fc.weight -> blocks.*.out.weight), 1 class replicated (...)"``."""
+    groups: dict[str, list[str]] = {"sharded": [], "replicated": []}
+    for c in choices:
+        m = _CHOICE.match(c)
+        groups[m.group("verdict") if m else "replicated"].append(m.group("names") if m else c)
+    if not choices:
+        return "nothing to shard: every parameter replicates"
+    parts = [
+        f"{len(names)} class{'es' if len(names) != 1 else ''} {verdict} ({'; '.join(names)})"
+        for verdict, names in groups.items()
+        if names
+    ]
+    return ", ".join(parts)
+
+
+def _mesh_words(opts: dict[str, Any], world: int, gpus_per_node: int) -> str:
+    """The mesh a configuration runs on, in words (the default mesh of its DataParallel)."""
+    tp = int(opts.get("tp_size") or 1)
+    style = opts["parallel_style"]
+    if style == "hybrid_shard":
+        local = gpus_per_node // tp
+        dims = [("dp_replicate", world // gpus_per_node), ("dp_shard", local)]
+    else:
+        dims = [("dp_replicate" if style == "replicate" else "dp_shard", world // tp)]
+    if tp > 1:
+        dims.append(("tp", tp))
+    return " x ".join(f"{n} {k}" for n, k in dims)
