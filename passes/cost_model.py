@@ -34,8 +34,11 @@ The model, per node in program order:
   the tensors it reads and writes: its tensor inputs and outputs, less an ``out=`` buffer
   (written, not read), plus a tensor written in place that the op does not return.
 - **Collective**: issued when the program reaches it (the host issues in program order;
-  on CUDA the communication stream first waits for the compute issued before it) and the
-  communication stream is free; it takes ``steps x latency + bytes x factor / bandwidth``,
+  on CUDA the communication stream first waits for the compute issued before it) and its
+  process group's communication stream is free: one stream per group, as NCCL runs each
+  communicator on its own stream and gloo each group on its own threads, so a tensor-parallel
+  collective on the node's links does not queue behind a data-parallel one on the network
+  (what they share, SMs or host cores, is not modelled beyond ``comm_compute_overlap``); it takes ``steps x latency + bytes x factor / bandwidth``,
   the ring algorithm: all-gather, reduce-scatter and all-to-all move ``(W-1)/W`` of the
   unsharded bytes in ``W-1`` steps, an all-reduce ``2(W-1)/W`` in ``2(W-1)`` steps, a
   broadcast the bytes once. Bandwidth and latency are the intra-node ones when the group
@@ -46,7 +49,7 @@ The model, per node in program order:
 - **Wait**: the compute stream stalls until its collective completes; the stall is
   *exposed communication*.
 
-The step ends when both streams are idle. So a gather issued a unit ahead (prefetch)
+The step ends when every stream is idle. So a gather issued a unit ahead (prefetch)
 hides behind the compute before its wait, and one issued just before its first use is
 exposed in full.
 
@@ -438,7 +441,7 @@ def estimate_step_time(
     """
     info = groups if callable(groups) else groups.__getitem__
     compute_t = 0.0  # when the compute stream is next free
-    comm_free = 0.0  # when the communication stream is next free
+    comm_free: dict[str, float] = {}  # process group -> when its communication stream is next free
     done: dict[fx.Node, float] = {}  # collective -> completion time
     compute_s = comm_s = exposed = flops = 0.0
     by_kind: dict[str, float] = {}
@@ -447,11 +450,12 @@ def estimate_step_time(
     for n in gm.graph.nodes:
         if C.is_collective(n):
             kind = C.kind_of(n).value
-            t = collective_time(kind, C.bytes_of(n), info(C.group_of(n)), profile)
+            group = C.group_of(n)
+            t = collective_time(kind, C.bytes_of(n), info(group), profile)
             compute_t += launch + profile.collective_host_s
             compute_s += profile.collective_host_s
-            start = max(compute_t, comm_free)
-            comm_free = done[n] = start + t
+            start = max(compute_t, comm_free.get(group, 0.0))
+            comm_free[group] = done[n] = start + t
             stolen = (1.0 - profile.comm_compute_overlap) * t
             compute_t += stolen
             compute_s += stolen
@@ -477,7 +481,7 @@ def estimate_step_time(
             costs.append((t, n.name))
     costs.sort(reverse=True)
     return CostEstimate(
-        step_s=max(compute_t, comm_free),
+        step_s=max([compute_t, *comm_free.values()]),
         compute_s=compute_s,
         comm_s=comm_s,
         exposed_comm_s=exposed,

@@ -419,7 +419,11 @@ class CompiledStep:
         if record is not None:
             record("partitioned", gm)
         pipeline = backend_pipeline(
-            self.parallel_mode, gm, backend=self.backend, cross_step_prefetch=self.cross_step_prefetch
+            self.parallel_mode,
+            gm,
+            backend=self.backend,
+            cross_step_prefetch=self.cross_step_prefetch,
+            accelerator=self._target_accelerator,
         )
         to_backend = self.backend != "eager" and self._lower_backend
         measure = to_backend and self.inductor_fallback == "measure"
@@ -461,7 +465,9 @@ class CompiledStep:
             )
             alt = None
             if partitioned is not None:  # measure: the eager backend's graph of the step too
-                eager = backend_pipeline(self.parallel_mode, partitioned, backend="eager")
+                eager = backend_pipeline(
+                    self.parallel_mode, partitioned, backend="eager", accelerator=self._target_accelerator
+                )
                 options = (disabled, self.check_invariants, self.__name__)
                 alt = build_eager_alternative(partitioned, gm, eager, traced, state, *options)
             exe.use_compiled(lowered.fn, alt=alt, label=self.__name__)

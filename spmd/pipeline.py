@@ -9,11 +9,13 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.fx as fx
 
 from passes import collectives as C
 from passes import torch_compat
+from passes.async_tp import pipeline_tp_collectives
 from passes.bucketing import bucket_collectives
 from passes.chunked_loss import chunk_loss_heads
 from passes.cleanup import strip_grad_tags
@@ -104,6 +106,7 @@ def build_pipeline(
     inplace_collectives: bool = True,
     gloo_collectives: bool = False,
     serial_collectives: bool = False,
+    accelerator: bool = False,
 ) -> Pipeline:
     """The built-in passes, in order, configured from the parallel mode's knobs.
 
@@ -115,7 +118,8 @@ def build_pipeline(
     for gloo process groups only (gloo reduce-scatters by all-reducing the whole input; an
     all-to-all and a local sum send less, with the same bits at 2 ranks). ``serial_collectives``
     caps ``limit_inflight`` at one collective in flight: for gloo groups that run collectives
-    on more than one thread (:func:`gloo_concurrent`)."""
+    on more than one thread (:func:`gloo_concurrent`). ``accelerator``: the step is lowered for a
+    GPU (``async_tp="auto"`` chunks the tensor-parallel collectives there only)."""
     options = parallel_mode.pass_options()
     # The parallel mode's knobs, by the names each pass takes them under (absent: the pass's default).
     names = {"bucket_cap_mb": "bucket_cap_mb", "bucket_mode": "mode", "bucket_unit_of": "unit_of"}
@@ -148,6 +152,12 @@ def build_pipeline(
             name="bucket_collectives",
             fn=functools.partial(bucket_collectives, **bucketing),
             reason="after dedup and prefetch; before the passes that place waits, which should see buckets",
+        ),
+        NamedPass(
+            name="pipeline_tp_collectives",
+            fn=functools.partial(pipeline_tp_collectives, chunks=_tp_chunks(options, accelerator)),
+            reason="after bucketing, which would merge the chunks' adjacent collectives back into one; "
+            "before sink_waits, which places each chunk's wait at its first reader",
         ),
         NamedPass(
             name="sink_waits",
@@ -216,8 +226,21 @@ def build_pipeline(
     return Pipeline(passes)
 
 
+def _tp_chunks(options: dict[str, Any], accelerator: bool) -> int:
+    """Chunks per tensor-parallel collective for ``async_tp`` (below 2: off)."""
+    a = options.get("async_tp", False)
+    if a == "auto":
+        return 4 if accelerator else 0
+    return 4 if a is True else int(a)
+
+
 def backend_pipeline(
-    parallel_mode: ParallelMode, gm: fx.GraphModule, *, backend: str, cross_step_prefetch: bool = False
+    parallel_mode: ParallelMode,
+    gm: fx.GraphModule,
+    *,
+    backend: str,
+    cross_step_prefetch: bool = False,
+    accelerator: bool | None = None,
 ) -> Pipeline:
     """The pass pipeline of the partitioned graph ``gm`` for ``backend``.
 
@@ -228,8 +251,14 @@ def backend_pipeline(
     as an input or output). Both get gloo's rewrites where every group is gloo: inductor lowers
     all_to_all_single as an extern call, and its order is checked like every collective's.
     Where a group is gloo with more than one thread (:func:`gloo_concurrent`), one collective is
-    in flight at a time, and cross-step prefetch (a gather in flight across calls) is off."""
+    in flight at a time, and cross-step prefetch (a gather in flight across calls) is off.
+    ``accelerator``: the device the step is lowered for (None: where its collectives' tensors are)."""
     eager = backend == "eager"
+    if accelerator is None:
+        accelerator = any(
+            getattr(c.meta.get("val"), "device", torch.device("cpu")).type != "cpu"
+            for c in C.collectives(gm.graph)
+        )
     serial = gloo_concurrent(gm)
     if serial and cross_step_prefetch:
         log.warning(
@@ -244,6 +273,7 @@ def backend_pipeline(
         inplace_collectives=eager,
         gloo_collectives=all_gloo(gm),
         serial_collectives=serial,
+        accelerator=accelerator,
     )
 
 

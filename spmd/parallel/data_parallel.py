@@ -74,7 +74,7 @@ from passes.invariants import InvariantViolation, Violation, check_reshard
 from passes.meta import STATE_NAME, TP_CHOICE
 from spmd.errors import ConfigError
 from spmd.frontend import optim as optim_utils
-from spmd.parallel import auto_tp, buffers, gathers, plan, reductions, sharded_optim, sharding
+from spmd.parallel import auto_tp, buffers, dp_checks, gathers, plan, reductions, sharded_optim, sharding
 from spmd.parallel.auto_tp import AUTO
 from spmd.parallel.base import ParallelMode
 from spmd.parallel.mixed_precision import MixedPrecision
@@ -87,7 +87,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spmd")
 
-STYLES = (plan.REPLICATE, plan.FULLY_SHARD, plan.HYBRID_SHARD)
+STYLES = dp_checks.STYLES
 
 # model -> the mesh it was distributed on
 _MESH_OF: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
@@ -167,6 +167,10 @@ class DataParallel(ParallelMode):
             The default mesh is then ``(world // tp_size, tp_size)`` named ``("dp_shard", "tp")``
             (``"dp_replicate"`` for replicate); for hybrid_shard ``("dp_replicate", "dp_shard",
             "tp")`` with ``LOCAL_WORLD_SIZE // tp_size`` ranks sharding within a node.
+        async_tp: overlap the tensor-parallel all-gather before a column-parallel matmul and the
+            reduce-scatter after a row-parallel one with the matmul, by cutting the local batch
+            into chunks (:mod:`passes.async_tp`). ``"auto"``: on (4 chunks) when the step is
+            lowered for a GPU, off on a CPU; ``True``: 4 chunks; an int: that many; ``False``: off.
     """
 
     parallel_style: str = "replicate"
@@ -190,110 +194,10 @@ class DataParallel(ParallelMode):
     module_styles: Mapping[str, str] | None = None
     tp_plan: Mapping[str, Any] | None = None
     tp_size: int | None = None
+    async_tp: bool | int | str = "auto"
 
     def __post_init__(self) -> None:
-        if self.parallel_style not in STYLES:
-            raise ConfigError(
-                f"spmd.DataParallel: unknown parallel_style {self.parallel_style!r}; valid styles are "
-                f"{', '.join(repr(s) for s in STYLES)}."
-            )
-        self._check_per_parameter_knobs()
-        if not isinstance(self.input_batch_dim, int) or self.input_batch_dim < 0:
-            raise ConfigError(
-                "spmd.DataParallel: input_batch_dim must be a non-negative int, "
-                f"got {self.input_batch_dim!r}."
-            )
-        for knob in ("reshard_after_forward", "broadcast_buffers", "sync_module_states"):
-            if not isinstance(getattr(self, knob), bool):
-                raise ConfigError(
-                    f"spmd.DataParallel: {knob} must be True or False, got {getattr(self, knob)!r}."
-                )
-        if self.mesh is not None:
-            plan.check_mesh(self.mesh, self.parallel_style)
-        if not isinstance(self.bucket_cap_mb, int | float) or self.bucket_cap_mb <= 0:
-            raise ConfigError(
-                f"spmd.DataParallel: bucket_cap_mb must be a positive number, got {self.bucket_cap_mb!r}."
-            )
-        if not isinstance(self.min_unit_mb, int | float) or self.min_unit_mb < 0:
-            raise ConfigError(
-                f"spmd.DataParallel: min_unit_mb must be a number >= 0, got {self.min_unit_mb!r}."
-            )
-        if self.bucket_mode not in (None, "size", "module"):
-            raise ConfigError(
-                f"spmd.DataParallel: bucket_mode must be 'size', 'module' or None, got {self.bucket_mode!r}."
-            )
-        for knob in ("forward_prefetch", "backward_prefetch"):
-            v = getattr(self, knob)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"spmd.DataParallel: {knob} must be an int >= 0, got {v!r}.")
-        mp = self.mixed_precision
-        if mp is not None and not isinstance(mp, MixedPrecision):
-            hint = ""
-            if type(mp).__name__ == "MixedPrecisionPolicy":
-                hint = (
-                    " (FSDP2's MixedPrecisionPolicy translates as spmd.MixedPrecision(param_dtype=..., "
-                    "reduce_dtype=..., cast_forward_inputs=...))"
-                )
-            elif isinstance(mp, torch.dtype):
-                hint = f" (for example spmd.MixedPrecision(param_dtype={mp}))"
-            raise ConfigError(
-                f"spmd.DataParallel: mixed_precision must be an spmd.MixedPrecision or None, got "
-                f"{type(mp).__name__}{hint}."
-            )
-        if self.param_init_fn is not None and not callable(self.param_init_fn):
-            raise ConfigError(
-                "spmd.DataParallel: param_init_fn must be a function fn(module) that initialises the "
-                f"module's own parameters and buffers, got {self.param_init_fn!r}."
-            )
-        if self.offload_policy is not None:
-            if not isinstance(self.offload_policy, CPUOffloadPolicy):
-                raise ConfigError(
-                    "spmd.DataParallel: offload_policy must be spmd.CPUOffloadPolicy(...) or None, got "
-                    f"{self.offload_policy!r}."
-                )
-            if self.parallel_style != "fully_shard":
-                raise ConfigError(
-                    "spmd.DataParallel: offload_policy offloads sharded state and needs "
-                    f"parallel_style='fully_shard', got {self.parallel_style!r}. Use "
-                    "DataParallel('fully_shard', offload_policy=spmd.CPUOffloadPolicy())."
-                )
-        self._check_tp()
-        m = self.max_inflight_bytes
-        if not (m is None or m == "auto" or (isinstance(m, int) and not isinstance(m, bool) and m > 0)):
-            raise ConfigError(
-                f"spmd.DataParallel: max_inflight_bytes must be a positive int, 'auto' or None, got {m!r}."
-            )
-
-    def _check_tp(self) -> None:
-        ts = self.tp_size
-        if ts is not None and (not isinstance(ts, int) or isinstance(ts, bool) or ts < 1):
-            raise ConfigError(f"spmd.DataParallel: tp_size must be an int >= 1, got {ts!r}.")
-        if self.tp_plan is not None and self.tp_plan != AUTO and not isinstance(self.tp_plan, Mapping):
-            raise ConfigError(
-                "spmd.DataParallel: tp_plan must be a dict {module or parameter name pattern: "
-                "ColwiseParallel()/RowwiseParallel()/... or a Placement}, or 'auto' (spmd chooses), got "
-                f"{self.tp_plan!r}."
-            )
-        mesh_tp = self.mesh is not None and plan.tp_dim(self.mesh) is not None
-        if (
-            self.tp_size is not None
-            and self.mesh is not None
-            and (not mesh_tp or self.mesh.size(plan.tp_dim(self.mesh)) != self.tp_size)
-        ):
-            raise ConfigError(
-                "spmd.DataParallel: give either tp_size or a mesh with a 'tp' dimension, not both "
-                "(they disagree)."
-            )
-        if self.tp_plan is not None and not (mesh_tp or (self.tp_size or 1) > 1):
-            raise ConfigError(
-                "spmd.DataParallel: tp_plan needs tensor-parallel ranks: tp_size=N (N > 1) or a mesh with "
-                "a dimension named 'tp', e.g. init_device_mesh('cpu', (2, 2), "
-                "mesh_dim_names=('dp_shard', 'tp'))."
-            )
-        if (mesh_tp or (self.tp_size or 1) > 1) and self.tp_plan is None:
-            object.__setattr__(self, "tp_plan", AUTO)  # tensor-parallel ranks, no plan: spmd chooses
-        if self.tp_plan is not None and self.offload_policy is not None:
-            raise ConfigError("spmd.DataParallel: offload_policy with tensor parallelism is not supported.")
+        dp_checks.check_options(self)
 
     def _tp(self) -> bool:
         """Whether this mode partitions a tensor-parallel dimension too."""
@@ -324,32 +228,6 @@ class DataParallel(ParallelMode):
         single = self._single()
         return self.parallel_style != "replicate" and not single
 
-    def _check_per_parameter_knobs(self) -> None:
-        for knob in ("ignored_modules", "ignored_params"):
-            v = getattr(self, knob)
-            if isinstance(v, str | nn.Module | torch.Tensor) or not hasattr(v, "__iter__"):
-                raise ConfigError(
-                    f"spmd.DataParallel: {knob} must be a list (of modules/parameters or their fully "
-                    f"qualified names), got {type(v).__name__}."
-                )
-            object.__setattr__(self, knob, tuple(v))
-        if self.module_styles is None:
-            return
-        if not isinstance(self.module_styles, Mapping):
-            raise ConfigError(
-                "spmd.DataParallel: module_styles must be a dict {module fqn: style}, got "
-                f"{type(self.module_styles).__name__}."
-            )
-        sharded = plan.HYBRID_SHARD if self.parallel_style == plan.HYBRID_SHARD else plan.FULLY_SHARD
-        valid = (plan.REPLICATE, sharded)
-        for fqn, style in self.module_styles.items():
-            if not isinstance(fqn, str) or style not in valid:
-                raise ConfigError(
-                    f"spmd.DataParallel: module_styles[{fqn!r}] = {style!r}; keys must be module fqns and "
-                    f"styles one of {valid} with parallel_style={self.parallel_style!r} (use "
-                    "ignored_modules to keep a module rank-local)."
-                )
-
     def partition_key(self) -> Hashable | None:
         # The partitioner never reads these (only pass_options does): modes differing only in
         # them partition the same trace into the same graph.
@@ -375,6 +253,7 @@ class DataParallel(ParallelMode):
             "base_unit_of": default_unit_of,
             "unit_of": unit_of,
             "min_unit_bytes": int(self.min_unit_mb * 2**20),
+            "async_tp": self.async_tp,
         }
         if mode == "module":
             opts["bucket_unit_of"] = unit_of
@@ -562,6 +441,7 @@ class DataParallel(ParallelMode):
 
 
 _PASS_ONLY_FIELDS = (
+    "async_tp",
     "bucket_cap_mb",
     "bucket_mode",
     "forward_prefetch",

@@ -87,6 +87,28 @@ def test_communication_that_shares_the_compute_resources_does_not_hide() -> None
     assert full.step_s < mid.step_s < none.step_s
 
 
+def test_collectives_on_different_groups_run_side_by_side_and_on_one_group_in_turn() -> None:
+    """ag(p) on group 0, ag(q) on group 0 or 1, then both used: two groups' streams overlap
+    (NCCL's per-communicator streams, gloo's per-group threads); one group's run in turn."""
+
+    def two_gathers(second: str):
+        b = Builder(world_size=2)
+        p = b.input("p", 128, 256)
+        q = b.input("q", 128, 256)
+        wait_p = b.all_gather(p)
+        wait_q = b.all_gather(q, group=second)
+        wait_q.append(wait_p)  # both issued before either is waited
+        return b.finish(b.op(aten.add.Tensor, wait_p, wait_q))
+
+    groups = {**GROUPS, "1": GroupInfo(size=2, spans_nodes=False)}
+    one = estimate_step_time(two_gathers("0"), PROFILE, groups)
+    two = estimate_step_time(two_gathers("1"), PROFILE, groups)
+    gather = one.comm_s / 2
+    assert one.comm_s == pytest.approx(two.comm_s) and gather > 0
+    assert one.exposed_comm_s == pytest.approx(2 * gather, rel=0.01)
+    assert two.exposed_comm_s == pytest.approx(gather, rel=0.01)
+
+
 def test_views_and_getitems_cost_nothing() -> None:
     """relu(x) vs relu(x) ; view ; t ; view: the same time."""
     b = Builder()
