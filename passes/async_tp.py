@@ -50,7 +50,9 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
-from passes.meta import ROLE, Role
+from passes.flat_ops import COPY_OUT
+from passes.graph_utils import PASS_THROUGH_OPS
+from passes.meta import ASYNC_TP_CHUNK, ROLE, Role
 
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -59,6 +61,14 @@ _SLICE = _aten.slice.Tensor
 _SPLIT = _aten.split.Tensor
 _CAT = _aten.cat.default
 _MM = _aten.mm.default
+_ALIASING = PASS_THROUGH_OPS - {_aten.clone.default, _aten._to_copy.default, COPY_OUT}
+_HOISTABLE = {
+    _aten.t.default,
+    _aten.view.default,
+    _aten.transpose.int,
+    _aten.permute.default,
+    _aten.detach.default,
+}
 
 
 def _val(n: Any) -> torch.Tensor | None:
@@ -84,6 +94,19 @@ def _collective(graph: fx.Graph, target: Any, args: tuple, shape: list[int], lik
     node.meta["val"] = args[0].meta["val"].new_empty(shape)
     node.meta[ROLE] = Role.COMM
     return node
+
+
+def _refresh_views(node: fx.Node) -> None:
+    """Recompute the values of the views reading ``node`` (transitively) after ``node`` took the
+    place of another value: they alias ``node``'s storage now, which the cost model and the
+    memory estimate read."""
+    stack = [node]
+    while stack:
+        for u in stack.pop().users:
+            if u.op == "call_function" and u.target in _ALIASING:
+                target: Any = u.target
+                u.meta["val"] = target(*fx.node.map_arg(u.args, lambda a: a.meta["val"]), **u.kwargs)
+                stack.append(u)
 
 
 def _split_pieces(split: fx.Node, pieces: int) -> list[fx.Node] | None:
@@ -119,9 +142,36 @@ def _is_full_slice(n: fx.Node) -> bool:
     return v is not None and src is not None and v.shape == src.shape
 
 
-def _chunks_of(batch: int, chunks: int) -> int:
-    """The most chunks (at most ``chunks``) that divide ``batch`` evenly; 1 if none."""
-    return max((k for k in range(2, min(chunks, batch) + 1) if batch % k == 0), default=1)
+def _hoist(node: Any, before: fx.Node, depth: int = 4) -> bool:
+    """Make ``node`` come before ``before``: already there, or a view (``t``, ``view``, ...) whose
+    inputs can be, moved up (a view aliases; computing it earlier reads nothing sooner)."""
+    if not isinstance(node, fx.Node) or node < before:
+        return True
+    if depth == 0 or node.op != "call_function" or node.target not in _HOISTABLE:
+        return False
+    if not all(_hoist(i, before, depth - 1) for i in node.all_input_nodes):
+        return False
+    before.prepend(node)
+    return True
+
+
+def _movable(n: fx.Node) -> bool:
+    """Whether ``n`` computes a value and nothing else: moving it changes no collective order,
+    no random stream and no write."""
+    if n.op != "call_function" or C.is_collective(n) or C.is_wait(n) or n.is_impure():
+        return False
+    if n.target is operator.getitem:
+        return True
+    schema = getattr(n.target, "_schema", None)
+    tags = getattr(n.target, "tags", ())
+    return schema is not None and not schema.is_mutable and torch.Tag.nondeterministic_seeded not in tags
+
+
+def _chunks_of(batch: int, chunks: int, nbytes: int, min_bytes: int) -> int:
+    """The most chunks (at most ``chunks``) that divide ``batch`` evenly and each move at least
+    ``min_bytes`` of the collective's ``nbytes``; 1 if none."""
+    fit = [k for k in range(2, min(chunks, batch) + 1) if batch % k == 0 and nbytes // k >= min_bytes]
+    return max(fit, default=1)
 
 
 # ----------------------------------------------------------------------------- gather -> matmul
@@ -173,10 +223,11 @@ def _gather_site(coll: fx.Node) -> _Gather | None:
             elif (
                 u.target in _VIEWS
                 and list(u.args[1]) == [rows, gv.shape[-1]]  # type: ignore[arg-type]
-                and u.users
-                and all(m.target is _MM and m.args[0] is u and m.args[1] is not u for m in u.users)
+                and (mms := [m for m in u.users if m.target is _MM and m.args[0] is u and m.args[1] is not u])
             ):
-                site.mm_views.append((node, u, sorted(u.users)))
+                site.mm_views.append((node, u, sorted(mms)))
+                # The view's other readers (a weight gradient's ``t(g)``) read the whole.
+                site.others.extend((r, u) for r in u.users if r not in mms)
             else:
                 site.others.append((u, node))
     return site if site.mm_views else None
@@ -193,8 +244,9 @@ def _rewrite_gather(graph: fx.Graph, s: _Gather, k: int) -> None:
     with graph.inserting_before(s.coll):
         for c in range(k):
             piece = _call(graph, _SLICE, (x, 0, c * b, (c + 1) * b), x)
-            shape = [b * int(world), *xv.shape[1:]]  # type: ignore[call-overload]
+            shape = [b * int(world), *xv.shape[1:]]  # type: ignore[call-overload, arg-type]
             colls.append(_collective(graph, s.coll.target, (piece, world, group), shape, s.coll))
+            colls[-1].meta[ASYNC_TP_CHUNK] = (c, k)
     gathered: list[fx.Node] = []
 
     def gather(c: int) -> fx.Node:
@@ -212,26 +264,36 @@ def _rewrite_gather(graph: fx.Graph, s: _Gather, k: int) -> None:
     view_of = {m: view for _, view, ms in s.mm_views for m in ms}
     first_other = min((u for u, _ in s.others), default=None)
     parts: dict[fx.Node, list[fx.Node]] = {}
-    if first_other is None or mms[0] < first_other:
-        # Interleaved at the first matmul: chunk c's wait just before its own matmul.
-        with graph.inserting_before(mms[0]):
-            for c in range(k):
-                gathered.append(gather(c))
-                parts.setdefault(mms[0], []).append(chunk_mm(c, mms[0], view_of[mms[0]]))
-    else:
-        with graph.inserting_before(first_other):
-            gathered.extend(gather(c) for c in range(k))
+    anchor = mms[0] if first_other is None else min(mms[0], first_other)
+    # Interleaved at the first reader: chunk c's wait just before its own matmul. When another
+    # reader comes first (backward: the weight gradient before the input gradient), the first
+    # matmul's right operand is brought up to it if it is a view of something already there.
+    lead = mms[0] if anchor is mms[0] or _hoist(mms[0].args[1], anchor) else None
+    with graph.inserting_before(anchor):
+        for c in range(k):
+            gathered.append(gather(c))
+            if lead is not None:
+                parts.setdefault(lead, []).append(chunk_mm(c, lead, view_of[lead]))
     for mm in mms:
         with graph.inserting_before(mm):
             if mm not in parts:
                 parts[mm] = [chunk_mm(c, mm, view_of[mm]) for c in range(k)]
-            mm.replace_all_uses_with(_call(graph, _CAT, (parts[mm], 0), mm))
+            full = _call(graph, _CAT, (parts[mm], 0), mm)
+            mm.replace_all_uses_with(full)
+            _refresh_views(full)
     if s.others:
         assert first_other is not None
         with graph.inserting_before(first_other):
             whole = _call(graph, _CAT, (gathered, 0), s.cat)
-        for reader, alias in s.others:
-            reader.replace_input_with(alias, whole)
+        views: dict[fx.Node, fx.Node] = {}
+        for reader, read in s.others:
+            if read in view_of.values():  # a 2-D view of the gathered activation
+                if read not in views:
+                    with graph.inserting_before(first_other):
+                        views[read] = _call(graph, read.target, (whole, read.args[1]), read)
+                reader.replace_input_with(read, views[read])
+            else:
+                reader.replace_input_with(read, whole)
     dead = [s.coll, s.wait, s.split, *s.items, s.cat, *s.aliases, *dict.fromkeys(view_of.values()), *mms]
     for n in reversed(dead):
         if not n.users:
@@ -242,13 +304,22 @@ def _rewrite_gather(graph: fx.Graph, s: _Gather, k: int) -> None:
 
 
 @dataclasses.dataclass
+class _Term:
+    """``view(mm(view(x, [rows, K]), w), [B, ...])``: one matmul's output, rows by batch."""
+
+    x: fx.Node
+    view: fx.Node
+    mm: fx.Node
+    out_view: fx.Node
+
+
+@dataclasses.dataclass
 class _Scatter:
     coll: fx.Node
     wait: fx.Node
-    x: fx.Node  # the matmul's left operand before its 2-D view, [B, ..., K]
-    view: fx.Node
-    mm: fx.Node
-    out_view: fx.Node  # the matmul's output viewed [B, S, H]
+    value: fx.Node  # the sum of the terms, [B, S, H]
+    tree: Any  # the sum's shape: a _Term, or (add node, left tree, right tree)
+    terms: list[_Term]
     split: fx.Node
     items: list[fx.Node]
     cat: fx.Node
@@ -258,70 +329,148 @@ def _only_user(n: fx.Node) -> fx.Node | None:
     return next(iter(n.users)) if len(n.users) == 1 else None
 
 
+def _term(v: fx.Node, batch: int) -> _Term | None:
+    mm = v.args[0] if v.target in _VIEWS else None
+    if not isinstance(mm, fx.Node) or mm.target is not _MM or _only_user(mm) is not v:
+        return None
+    view = mm.args[0]
+    if not isinstance(view, fx.Node) or view.target not in _VIEWS or not isinstance(view.args[0], fx.Node):
+        return None
+    xv, ov = _val(view.args[0]), _val(v)
+    if xv is None or ov is None or xv.shape[0] != batch or ov.shape[0] != batch:
+        return None
+    return _Term(view.args[0], view, mm, v)
+
+
+def _sum_tree(v: fx.Node, batch: int, terms: list[_Term]) -> Any:
+    """``v`` as a sum of matmul terms (autograd's sum of the input gradients of the matmuls that
+    read one activation), or None."""
+    if v.target is _aten.add.Tensor and len(v.args) == 2 and not v.kwargs:
+        parts = []
+        for a in v.args:
+            if not isinstance(a, fx.Node) or _only_user(a) is not v:
+                return None
+            if (t := _sum_tree(a, batch, terms)) is None:
+                return None
+            parts.append(t)
+        return (v, *parts)
+    if (term := _term(v, batch)) is None:
+        return None
+    terms.append(term)
+    return term
+
+
 def _scatter_site(coll: fx.Node) -> _Scatter | None:
     if C.is_coalesced(coll) or C.kind_of(coll) is not C.Kind.REDUCE_SCATTER or len(coll.users) != 1:
         return None
     wait, cat, world = next(iter(coll.users)), coll.args[0], int(coll.args[2])  # type: ignore[arg-type]
     if not C.is_wait(wait) or not isinstance(cat, fx.Node) or cat.target is not _CAT or _cat_dim(cat) != 0:
         return None
-    if len(cat.users) != 1 or not cat.args[0]:
+    if len(cat.users) != 1 or not cat.args[0] or not isinstance(cat.args[0][0], fx.Node):  # type: ignore[index]
         return None
     split = cat.args[0][0].args[0]  # type: ignore[index, union-attr]
-    if not isinstance(split, fx.Node) or split.target is not _SPLIT or _split_pieces(split, world) is None:
-        return None
-    sdim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    out_view = split.args[0]
-    if not isinstance(out_view, fx.Node) or out_view.target not in _VIEWS or _only_user(out_view) is not split:
-        return None
-    mm = out_view.args[0]
-    if not isinstance(mm, fx.Node) or mm.target is not _MM or _only_user(mm) is not out_view:
-        return None
-    view = mm.args[0]
-    if not isinstance(view, fx.Node) or view.target not in _VIEWS or not isinstance(view.args[0], fx.Node):
-        return None
-    x, xv, ov = view.args[0], _val(view.args[0]), _val(out_view)
-    if xv is None or ov is None or ov.dim() < 2 or xv.shape[0] != ov.shape[0] or sdim in (0, -ov.dim()):
+    if not isinstance(split, fx.Node) or split.target is not _SPLIT:
         return None
     items = _split_pieces(split, world)
-    assert items is not None
-    return _Scatter(coll, wait, x, view, mm, out_view, split, items, cat)
+    value = split.args[0]
+    sdim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if items is None or not isinstance(value, fx.Node) or _only_user(value) is not split:
+        return None
+    vv = _val(value)
+    if vv is None or vv.dim() < 2 or int(sdim) % vv.dim() == 0:  # type: ignore[call-overload, arg-type]
+        return None
+    terms: list[_Term] = []
+    tree = _sum_tree(value, vv.shape[0], terms)
+    if tree is None:
+        return None
+    return _Scatter(coll, wait, value, tree, terms, split, items, cat)
+
+
+def _ancestors(nodes: list[fx.Node], since: fx.Node) -> set[fx.Node]:
+    """``nodes`` and what they read, transitively, at or after ``since``."""
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen or n < since:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
 
 
 def _rewrite_scatter(graph: fx.Graph, s: _Scatter, k: int) -> None:
-    xv, ov, mv = _val(s.x), _val(s.out_view), _val(s.mm)
-    assert xv is not None and ov is not None and mv is not None
-    b = xv.shape[0] // k
-    rows = mv.shape[0] // k
+    vv = _val(s.value)
+    assert vv is not None
+    b = vv.shape[0] // k
     reduce_op, world, group = s.coll.args[1], s.coll.args[2], s.coll.args[3]
-    sdim = s.split.args[2] if len(s.split.args) > 2 else s.split.kwargs.get("dim", 0)
-    waits = []
+    sdim = int(s.split.args[2] if len(s.split.args) > 2 else s.split.kwargs.get("dim", 0))  # type: ignore[call-overload, arg-type]
+    first = min(t.mm for t in s.terms)
+    last = max(t.mm for t in s.terms)
+    # Work between the first and the last term that the chunks do not read (the weight
+    # gradients' matmuls) moves after the chunks' scatters, to run while they are in flight.
+    reads = _ancestors([n for t in s.terms for n in (t.x, t.mm.args[1]) if isinstance(n, fx.Node)], first)
+    between = []
+    n = first.next
+    while n is not last:
+        between.append(n)
+        n = n.next
+    if any(not _movable(n) for n in between if n not in reads):
+        between = []  # something there writes or communicates: leave the order alone
+
+    def chunk_term(t: _Term, c: int) -> fx.Node:
+        piece = _call(graph, _SLICE, (t.x, 0, c * b, (c + 1) * b), t.x)
+        rows = _val(t.mm).shape[0] // k  # type: ignore[union-attr]
+        v = _call(graph, t.view.target, (piece, [rows, *list(t.view.args[1])[1:]]), t.view)  # type: ignore[arg-type]
+        mm = _call(graph, _MM, (v, t.mm.args[1]), t.mm)
+        return _call(graph, _aten.view.default, (mm, [b, *list(t.out_view.args[1])[1:]]), t.out_view)  # type: ignore[arg-type]
+
+    def chunk_sum(tree: Any, c: int) -> fx.Node:
+        if isinstance(tree, _Term):
+            return chunk_term(tree, c)
+        add, left, right = tree
+        return _call(graph, _aten.add.Tensor, (chunk_sum(left, c), chunk_sum(right, c)), add)
+
     colls = []
-    with graph.inserting_before(s.coll):
+    with graph.inserting_before(last):
         for c in range(k):
-            piece = _call(graph, _SLICE, (s.x, 0, c * b, (c + 1) * b), s.x)
-            v = _call(graph, s.view.target, (piece, [rows, *list(s.view.args[1])[1:]]), s.view)  # type: ignore[arg-type]
-            mm = _call(graph, _MM, (v, s.mm.args[1]), s.mm)
-            out = _call(graph, s.out_view.target, (mm, [b, *list(s.out_view.args[1])[1:]]), s.out_view)  # type: ignore[arg-type]
-            split = _call(graph, _SPLIT, (out, s.split.args[1], sdim), s.split)
+            value = chunk_sum(s.tree, c)
+            split = _call(graph, _SPLIT, (value, s.split.args[1], sdim), s.split)
             items = [_call(graph, operator.getitem, (split, i), s.items[i]) for i in range(len(s.items))]
             cat = _call(graph, _CAT, (items, 0), s.cat)
-            shape = [b, *ov.shape[1:]]
-            shape[int(sdim) % ov.dim()] = ov.shape[int(sdim) % ov.dim()] // int(world)  # type: ignore[call-overload]
+            shape = [b, *vv.shape[1:]]
+            shape[sdim % vv.dim()] = vv.shape[sdim % vv.dim()] // int(world)  # type: ignore[call-overload, arg-type]
             colls.append(_collective(graph, s.coll.target, (cat, reduce_op, world, group), shape, s.coll))
+            colls[-1].meta[ASYNC_TP_CHUNK] = (c, k)
+    for n in between:
+        if n not in reads:
+            last.prepend(n)
     with graph.inserting_before(s.wait):
-        for coll in colls:
-            waits.append(_collective(graph, C.WAIT, (coll,), list(coll.meta["val"].shape), s.wait))
+        waits = [_collective(graph, C.WAIT, (c,), list(c.meta["val"].shape), s.wait) for c in colls]
         whole = _call(graph, _CAT, (waits, 0), s.wait, role=Role.COMM)
     s.wait.replace_all_uses_with(whole)
-    for n in (s.wait, s.coll, s.cat, *reversed(s.items), s.split, s.out_view, s.mm, s.view):
+    _refresh_views(whole)
+    dead = [s.wait, s.coll, s.cat, *reversed(s.items), s.split]
+    stack = [s.tree]
+    while stack:
+        t = stack.pop()
+        if isinstance(t, _Term):
+            dead.extend([t.out_view, t.mm, t.view])
+        else:
+            dead.append(t[0])
+            stack.extend(t[1:])
+    for n in dead:
         if not n.users:
             graph.erase_node(n)
 
 
-def pipeline_tp_collectives(gm: fx.GraphModule, *, chunks: int = 4) -> fx.GraphModule:
-    """Cut every matching gather -> matmul and matmul -> scatter pair into batch chunks (at
-    most ``chunks``; the most that divide the local batch). No-op with ``chunks < 2`` or no
-    match."""
+def pipeline_tp_collectives(
+    gm: fx.GraphModule, *, chunks: int = 4, min_chunk_bytes: int = 0
+) -> fx.GraphModule:
+    """Cut every matching gather -> matmul and matmul -> scatter pair into batch chunks: the
+    most, up to ``chunks``, that divide the local batch and each send at least
+    ``min_chunk_bytes`` (a smaller collective pays its latency, ring steps x the link's,
+    for little bandwidth). No-op with ``chunks < 2`` or no match."""
     if chunks < 2:
         return gm
     graph = gm.graph
@@ -332,13 +481,13 @@ def pipeline_tp_collectives(gm: fx.GraphModule, *, chunks: int = 4) -> fx.GraphM
         if (g := _gather_site(node)) is not None:
             xv = _val(g.coll.args[0])
             assert xv is not None
-            if (k := _chunks_of(xv.shape[0], chunks)) > 1:
+            if (k := _chunks_of(xv.shape[0], chunks, C.bytes_of(node), min_chunk_bytes)) > 1:
                 _rewrite_gather(graph, g, k)
                 changed = True
         elif (r := _scatter_site(node)) is not None:
-            xv = _val(r.x)
+            xv = _val(r.value)
             assert xv is not None
-            if (k := _chunks_of(xv.shape[0], chunks)) > 1:
+            if (k := _chunks_of(xv.shape[0], chunks, C.bytes_of(node), min_chunk_bytes)) > 1:
                 _rewrite_scatter(graph, r, k)
                 changed = True
     if changed:

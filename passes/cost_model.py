@@ -38,11 +38,12 @@ The model, per node in program order:
   process group's communication stream is free: one stream per group, as NCCL runs each
   communicator on its own stream and gloo each group on its own threads, so a tensor-parallel
   collective on the node's links does not queue behind a data-parallel one on the network
-  (what they share, SMs or host cores, is not modelled beyond ``comm_compute_overlap``); it takes ``steps x latency + bytes x factor / bandwidth``,
-  the ring algorithm: all-gather, reduce-scatter and all-to-all move ``(W-1)/W`` of the
-  unsharded bytes in ``W-1`` steps, an all-reduce ``2(W-1)/W`` in ``2(W-1)`` steps, a
-  broadcast the bytes once. Bandwidth and latency are the intra-node ones when the group
-  lies within one node, the inter-node ones when it spans nodes.
+  (what they share, SMs or host cores, is not modelled beyond ``comm_compute_overlap``).
+  It takes ``steps x latency + bytes x factor / bandwidth``, the ring algorithm: all-gather,
+  reduce-scatter and all-to-all move ``(W-1)/W`` of the unsharded bytes in ``W-1`` steps, an
+  all-reduce ``2(W-1)/W`` in ``2(W-1)`` steps, a broadcast the bytes once. Bandwidth and
+  latency are the intra-node ones when the group lies within one node, the inter-node ones
+  when it spans nodes.
   On a device where communication takes the compute's resources (a CPU: gloo's threads),
   the fraction ``1 - comm_compute_overlap`` of its time is charged to the compute stream too,
   and each collective charges it ``collective_host_s`` (issue, wait, wake-up; measured).
@@ -230,13 +231,14 @@ class GroupInfo:
 class CostEstimate:
     """Predicted time of one run of the graph (seconds) and where it goes."""
 
-    step_s: float  # both streams idle
+    step_s: float  # every stream idle
     compute_s: float  # sum of compute op times (the compute stream's busy time)
-    comm_s: float  # sum of collective times (the communication stream's busy time)
+    comm_s: float  # sum of collective times (the communication streams' busy time)
     exposed_comm_s: float  # compute-stream stalls at waits
     flops: float  # FLOPs of the ops with a formula
     comm_by_kind: dict[str, float]  # collective kind -> seconds
     slowest: list[tuple[str, float]]  # the most expensive compute nodes, (name, seconds)
+    exposed_by_group: dict[str, float] = dataclasses.field(default_factory=dict)  # group -> stalls
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -445,6 +447,7 @@ def estimate_step_time(
     done: dict[fx.Node, float] = {}  # collective -> completion time
     compute_s = comm_s = exposed = flops = 0.0
     by_kind: dict[str, float] = {}
+    exposed_by_group: dict[str, float] = {}
     costs: list[tuple[float, str]] = []
     launch = profile.op_overhead_s
     for n in gm.graph.nodes:
@@ -463,9 +466,12 @@ def estimate_step_time(
             by_kind[kind] = by_kind.get(kind, 0.0) + t
         elif C.is_wait(n):
             compute_t += launch
-            finish = done[C.collective_of(n)]
+            coll = C.collective_of(n)
+            finish = done[coll]
             if finish > compute_t:
                 exposed += finish - compute_t
+                group = C.group_of(coll)
+                exposed_by_group[group] = exposed_by_group.get(group, 0.0) + finish - compute_t
                 compute_t = finish
         elif _is_free(n):
             # No kernel, but an op call still pays the dispatch (a view on the host); getitem,
@@ -488,6 +494,7 @@ def estimate_step_time(
         flops=flops,
         comm_by_kind=by_kind,
         slowest=[(name, t) for t, name in costs[:top]],
+        exposed_by_group=exposed_by_group,
     )
 
 

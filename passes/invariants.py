@@ -434,22 +434,31 @@ def check_reshard(gm: fx.GraphModule) -> list[tuple[str, str]]:
     What forward gathered is the gather's wait and what forward derives from it by
     :data:`~passes.graph_utils.PASS_THROUGH_OPS` (un-padding slices, a bucket's
     ``copy_out`` and its ``getitem``\ s, views, transposes, casts of the gathered values).
-    A gather serves a resharded parameter if its input is computed from such a placeholder.
+    A gather serves a resharded parameter if its input is computed from such a placeholder and
+    not from the step's data (a tensor-parallel gather of activations reads both).
     """
     resharded: set[fx.Node] = set()  # placeholders flagged, and every node computed from one
+    data: set[fx.Node] = set()  # the batch's placeholders, and every node computed from one
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             if n.meta.get(RESHARD):
                 resharded.add(n)
-        elif any(i in resharded for i in n.all_input_nodes):
-            resharded.add(n)
+            if n.meta.get(ROLE) is Role.INPUT:
+                data.add(n)
+        else:
+            if any(i in resharded for i in n.all_input_nodes):
+                resharded.add(n)
+            if any(i in data for i in n.all_input_nodes):
+                data.add(n)
     if not resharded:
         return []
     out = []
     for coll in C.collectives(gm.graph):
         if C.kind_of(coll) is not C.Kind.ALL_GATHER or coll.meta.get(PHASE) is not Phase.FORWARD:
             continue
-        if not any(i in resharded for i in coll.all_input_nodes):
+        if not any(i in resharded for i in coll.all_input_nodes) or any(
+            i in data for i in coll.all_input_nodes
+        ):
             continue
         todo = list(C.waits_of(coll))
         gathered: set[fx.Node] = set()

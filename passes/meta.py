@@ -97,6 +97,9 @@ def copy_meta(dst: fx.Node, src: fx.Node, *, role: Role | None = None) -> None:
     dst.meta[MICROBATCH] = src.meta.get(MICROBATCH, 0)
 
 
+# On a chunk's collective made by passes.async_tp: (chunk index, chunks). The dump shows it.
+ASYNC_TP_CHUNK = "spmd_async_tp_chunk"
+
 # On a copy that :func:`passes.layouts.fix_layouts` inserted because a tensor's real memory
 # layout differed from the traced one where its reader depends on layout: what it fixed, in
 # words. The dump marks such lines "| layout fix-up".

@@ -155,7 +155,7 @@ def build_pipeline(
         ),
         NamedPass(
             name="pipeline_tp_collectives",
-            fn=functools.partial(pipeline_tp_collectives, chunks=_tp_chunks(options, accelerator)),
+            fn=functools.partial(pipeline_tp_collectives, **_tp_chunks(options, accelerator)),  # type: ignore[arg-type]
             reason="after bucketing, which would merge the chunks' adjacent collectives back into one; "
             "before sink_waits, which places each chunk's wait at its first reader",
         ),
@@ -226,12 +226,14 @@ def build_pipeline(
     return Pipeline(passes)
 
 
-def _tp_chunks(options: dict[str, Any], accelerator: bool) -> int:
-    """Chunks per tensor-parallel collective for ``async_tp`` (below 2: off)."""
+def _tp_chunks(options: dict[str, Any], accelerator: bool) -> dict[str, int]:
+    """``pipeline_tp_collectives``' options for ``async_tp``: ``"auto"`` chunks on a GPU only,
+    and only collectives of at least 16 MiB a chunk (at NVLink's few microseconds a ring step,
+    smaller ones lose more to latency than they hide); asked for, every matching collective."""
     a = options.get("async_tp", False)
     if a == "auto":
-        return 4 if accelerator else 0
-    return 4 if a is True else int(a)
+        return {"chunks": 4 if accelerator else 0, "min_chunk_bytes": 16 * 2**20}
+    return {"chunks": 4 if a is True else int(a), "min_chunk_bytes": 0}
 
 
 def backend_pipeline(

@@ -12,6 +12,7 @@ import torch.fx as fx
 
 from passes import collectives as C
 from passes.meta import (
+    ASYNC_TP_CHUNK,
     CAST_OF,
     CHUNKED_LOSS,
     LAYOUT_FIX,
@@ -74,6 +75,8 @@ def annotated_code(gm: fx.GraphModule) -> str:
                 note += f" | {n.meta[CHUNKED_LOSS]}"
             if n.meta.get(LAYOUT_FIX):  # a copy into the traced layout (passes.layouts)
                 note += " | layout fix-up"
+            if (chunk := n.meta.get(ASYNC_TP_CHUNK)) is not None:  # passes.async_tp
+                note += f" | async_tp chunk {chunk[0] + 1} of {chunk[1]}"
             if C.is_collective(n):  # which mesh dimension, how many bytes, which ranks
                 note += f" | {dimension_of(C.group_of(n))}, {_size(C.bytes_of(n))}"
                 if ranks := group_ranks(C.group_of(n)):

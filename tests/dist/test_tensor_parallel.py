@@ -44,10 +44,15 @@ def test_fsdp_x_tp_matches_one_device(name: str) -> None:
     tp rank), Mixtral with its experts replicated over tp (HF's grouped_mm op has no sharding rule:
     it runs on replicated inputs), GPT-2 with its transposed Conv1D projections and fused qkv, the
     built-in GPT with its fused qkv and tied head; ``hf_llama_sp`` is Llama with torchtitan's
-    sequence-parallel plan (norms and residuals split on the sequence)."""
+    sequence-parallel plan (norms and residuals split on the sequence), run with ``async_tp=2``:
+    each sequence-parallel gather and scatter next to a matmul in two batch chunks."""
     optim = "adamw:1e-6" if name == "gpt" else "adamw"
-    results = run_ranks(workers_tp.vs_single_device, 4, name, "fully_shard", 2, 5, optim, timeout=280)
+    kw = {"optim": optim, "async_tp": 2 if name == "hf_llama_sp" else False}
+    results = run_ranks(_with_options, 4, name, kw, timeout=280)
     _check(results, name)
+    # 2 chunks each: per layer, forward and backward, attention and MLP, a gather and a scatter
+    # (16); the vocabulary-parallel head's gather in forward and scatter in backward (2)
+    assert results[0]["chunked"] == (36 if name == "hf_llama_sp" else 0)
     pl, shapes = results[0]["placements"], results[0]["local_shapes"]
     if name == "gpt":
         assert pl["blocks.0.qkv.weight"] == COL and shapes["blocks.0.qkv.weight"] == (24, 32)

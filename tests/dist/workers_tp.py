@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import spmd
+from passes.meta import ASYNC_TP_CHUNK
 from spmd.parallel import tp_plans
 from tests.dist.workers_expand import _masked_diff
 
@@ -106,6 +107,7 @@ def vs_single_device(
     accumulate: int = 1,
     mesh_shape: tuple[int, ...] | None = None,
     auto: bool = False,
+    async_tp: bool | int | str = "auto",
     **compile_kw: Any,
 ) -> dict[str, Any]:
     """FSDP x TP (``style`` on the data dimension, ``tp`` ranks per tensor-parallel group) against
@@ -126,13 +128,13 @@ def vs_single_device(
     if auto:
         plan = None
     if mesh_shape is None:
-        mode = spmd.DataParallel(style, tp_size=tp, tp_plan=plan)
+        mode = spmd.DataParallel(style, tp_size=tp, tp_plan=plan, async_tp=async_tp)
     else:  # an explicit mesh, e.g. (dp_replicate, dp_shard, tp) for hybrid_shard
         from torch.distributed.device_mesh import init_device_mesh
 
         names = ("dp_replicate", "dp_shard", "tp")[-len(mesh_shape) :]
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-        mode = spmd.DataParallel(style, mesh=mesh, tp_plan=plan)
+        mode = spmd.DataParallel(style, mesh=mesh, tp_plan=plan, async_tp=async_tp)
     step = spmd.compile(parallel_mode=mode, check_invariants=True, **compile_kw)(fn)
     dp = world // tp
     dp_rank = rank // tp  # row-major meshes: the ranks of one tensor-parallel group are consecutive
@@ -159,6 +161,7 @@ def vs_single_device(
         "collectives": {k: v.count for k, v in step.report().collectives.items()},
         "tp_plan": sorted(spmd.tp_plan_of(model)) if auto else [],
         "tp_choices": step.report().tp_choices if auto else [],
+        "chunked": sum(ASYNC_TP_CHUNK in n.meta for n in step.graphs["final"].graph.nodes),
     }
 
 

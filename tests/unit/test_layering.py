@@ -26,6 +26,7 @@ STAGES: dict[str, int] = {
     "reporting": 5,  # what a compiled step shows: the report, the dump
     "api": 6,  # spmd.compile and CompiledStep: drives the stages above
     "options": 6,  # spmd.compile's options and their checks (read by the api and the plan)
+    "override": 6,  # spmd.Override: the user's stand-ins and graph hook, given to spmd.compile
     "simulate": 7,  # the tools, on top of the api
     "plan": 7,
     "calibrate": 7,
