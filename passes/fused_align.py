@@ -70,6 +70,28 @@ def _parsed(kernel: str, options: str) -> _Parsed:
     return op, n_lists, "state_steps" in positional, tuple(ast.literal_eval(options).items())
 
 
+@functools.lru_cache(maxsize=1024)
+def _ragged(
+    pre: tuple[int, ...], post: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The positions of the shards to align, and their ``pre`` and ``post``: once per call site."""
+    ks = tuple(k for k in range(len(pre)) if pre[k] or post[k])
+    return ks, tuple(pre[k] for k in ks), tuple(post[k] for k in ks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(
+    pre: tuple[int, ...], post: tuple[int, ...], numels: tuple[int, ...]
+) -> tuple[list[int], list[int], int]:
+    """Segment sizes of shards padded by ``pre``/``post`` and laid end to end; the same buffer cut
+    into gaps and shards (the gap between two shards, one's ``post`` plus the next one's ``pre``,
+    as one piece: 2n+1 pieces, not 3n); its length."""
+    seg_sizes = [a + n + b for a, n, b in zip(pre, numels, post)]
+    gaps = [pre[0], *(b + a for b, a in zip(post, pre[1:])), post[-1]]
+    parts = [x for g, n in zip(gaps, numels) for x in (g, n)] + [gaps[-1]]
+    return seg_sizes, parts, sum(seg_sizes)
+
+
 def _aligned_fused_optimizer(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -92,36 +114,52 @@ def _aligned_fused_optimizer(
     # The shards to align of one list (and dtype) live in one flat zero buffer, each in its own
     # padded segment, and the kernel gets the segments as separate (view) tensors: it loops over
     # each tensor by index, so a segment rounds exactly as a padded copy of its own would. Per
-    # list one allocation, two splits and a foreach copy in and back; per shard at most a view (a
+    # list one allocation, two splits and a foreach copy in and back; per shard only views (a
     # pad, slice and copy per shard and list made this op ~1 ms per call on a stack of tiny
-    # blocks, where almost every LayerNorm shard is ragged).
-    ragged = [k for k in range(len(params)) if pre[k] or post[k]]
+    # blocks, where almost every LayerNorm shard is ragged). What depends only on the call's
+    # int arguments and the shards' sizes (the same in every list) is computed once per call
+    # site, not per call and list.
+    ragged, rpre, rpost = _ragged(tuple(pre), tuple(post))
     copy_backs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    if ragged:
+        cl = [channels_last[k] for k in ragged]
+        order = [_memory_order(params[k], c) for k, c in zip(ragged, cl)]
+        numels = tuple(x.numel() for x in order)
+        # shape of each shard in memory order where it is not 1-d (a view of its segment piece)
+        views = [None if x.dim() == 1 else x.shape for x in order]
+        any_cl, any_nd = any(cl), any(v is not None for v in views)
     for j, lst in enumerate(lists):
-        if not lst:
+        if not lst or not ragged:
             continue
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for k in ragged:
-            by_dtype.setdefault(lst[k].dtype, []).append(k)
-        for ks in by_dtype.values():
-            srcs = [_memory_order(lst[k], channels_last[k]) for k in ks]
-            numels = [src.numel() for src in srcs]
-            seg_sizes = [pre[k] + n + post[k] for k, n in zip(ks, numels)]
-            flat = srcs[0].new_zeros(sum(seg_sizes))
-            segments = torch.split(flat, seg_sizes)
-            # The gaps between the shards (one shard's post plus the next one's pre) as one piece
-            # each: 2n+1 views, not 3n.
-            gaps = [pre[ks[0]], *(post[a] + pre[b] for a, b in zip(ks, ks[1:])), post[ks[-1]]]
-            parts = [x for g, n in zip(gaps, numels) for x in (g, n)] + [gaps[-1]]
-            inner = [
-                d if src.dim() == 1 else d.view(src.shape)
-                for d, src in zip(torch.split(flat, parts)[1::2], srcs)
-            ]
-            torch_compat.foreach_copy_(inner, srcs)
-            for k, seg in zip(ks, segments):
-                bufs[j][k] = seg
+        srcs = [_memory_order(lst[k], c) for k, c in zip(ragged, cl)] if any_cl else [lst[k] for k in ragged]
+        dtype = srcs[0].dtype
+        if all(x.dtype == dtype for x in srcs):
+            groups = [list(range(len(ragged)))]
+        else:  # one buffer per dtype
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for i, x in enumerate(srcs):
+                by_dtype.setdefault(x.dtype, []).append(i)
+            groups = list(by_dtype.values())
+        for g in groups:
+            whole = len(g) == len(ragged)
+            gsrcs = srcs if whole else [srcs[i] for i in g]
+            key = (
+                (rpre, rpost, numels)
+                if whole
+                else tuple(tuple(t[i] for i in g) for t in (rpre, rpost, numels))
+            )
+            seg_sizes, parts, total = _layout(*key)
+            flat = gsrcs[0].new_zeros(total)
+            segments = flat.split_with_sizes(seg_sizes)
+            inner = list(flat.split_with_sizes(parts)[1::2])
+            if any_nd:
+                inner = [d if (v := views[i]) is None else d.view(v) for d, i in zip(inner, g)]
+            torch_compat.foreach_copy_(inner, gsrcs)
+            buf = bufs[j]
+            for i, seg in zip(g, segments):
+                buf[ragged[i]] = seg
             if j != 1:  # grads are the kernel's scratch: nothing to copy back
-                copy_backs.append((srcs, inner))
+                copy_backs.append((gsrcs, inner))
     kwargs = dict(parsed_options)
     for name, value in (("lr", lr), ("grad_scale", grad_scale), ("found_inf", found_inf)):
         if value is not None:

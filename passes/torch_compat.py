@@ -104,6 +104,8 @@ PRIVATE_NAMES: dict[str, Private] = {
     "dispatch_has_kernel_for_dispatch_key": Private("torch._C", "_dispatch_has_kernel_for_dispatch_key"),
     "TensorBase": Private("torch._C", "TensorBase"),
     "foreach_copy_": Private("torch", "_foreach_copy_"),
+    # ``cat`` of every tensor flattened in logical order, in one C++ call (c10d's bucket flattener).
+    "flatten_dense_tensors": Private("torch._C._nn", "flatten_dense_tensors"),
     "fused_adamw_": Private("torch", "_fused_adamw_"),
     "inductor_config": Private("torch._inductor.config"),
     "compile_fx": Private("torch._inductor.compile_fx", "compile_fx"),

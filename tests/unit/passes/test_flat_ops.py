@@ -199,3 +199,64 @@ def test_aligned_fused_optimizer_parses_options_once(monkeypatch: pytest.MonkeyP
         ALIGNED_FUSED(*args, **kwargs)
     assert len(calls) <= 1
     assert not hasattr(fused_align, "aligned_fused_optimizer_")  # no custom_op object
+
+
+def _copy_in_reference(shards: list[torch.Tensor], sizes: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Copy-in one shard at a time: cast, flatten in logical order, pad its chunk with zeros."""
+    out = torch.zeros(sum(sizes), dtype=dtype)
+    off = 0
+    for x, c in zip(shards, sizes):
+        out[off : off + x.numel()].copy_(x.reshape(-1))
+        off += c
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_copy_in_odd_shards_equal_one_copy_per_shard(dtype: torch.dtype) -> None:
+    """The one-call copy-in equals a copy per shard, bit for bit, on shards of mixed dtypes
+    (concatenated in the promoted type, then cast once), non-contiguous (a transposed and a
+    strided shard), channels_last in memory order, empty and short; and a unit of one shard
+    gets its own buffer (flatten_dense_tensors alone would hand back a view of the shard)."""
+    torch.manual_seed(0)
+    shards = [
+        torch.randn(5, 3),
+        torch.randn(3, 4, dtype=torch.bfloat16).t(),  # non-contiguous, another dtype
+        torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last).permute(0, 2, 3, 1),
+        torch.randn(0, 3),  # empty shard: all padding
+        torch.randn(7, dtype=torch.float16)[::2],  # strided, short of its chunk
+        torch.randn(1).double(),
+    ]
+    sizes = [15, 12, 24, 6, 9, 1]
+    got = COPY_IN(shards, sizes, dtype)
+    assert torch.equal(got, _copy_in_reference(shards, sizes, dtype))
+    assert got.dtype == dtype and got.is_contiguous()
+    one = [torch.randn(6, dtype=dtype)]
+    got_one = COPY_IN(one, [6], dtype)
+    assert torch.equal(got_one, one[0]) and got_one.untyped_storage().data_ptr() != one[0].data_ptr()
+
+
+def test_copy_out_equals_one_copy_per_parameter() -> None:
+    """Copy-out equals cutting every parameter out of the gathered blocks one at a time, on an
+    odd unit at W=3: an even split, a ragged one (padding in the last block), an empty parameter,
+    a 4-d one; every output is contiguous, has its own storage, and a second call returns fresh
+    tensors (the per-unit plan is cached, the outputs are not)."""
+    torch.manual_seed(0)
+    w = 3
+    fulls = [torch.randn(6, 4), torch.randn(7), torch.randn(0, 2), torch.randn(4, 2, 3, 1), torch.randn(3)]
+    sizes = [math.ceil(t.shape[0] / w) * math.prod(t.shape[1:]) for t in fulls]
+    blocks = [COPY_IN([_shard(t, r, w) for t in fulls], sizes, torch.float32) for r in range(w)]
+    gathered = torch.cat(blocks)
+    shapes = [list(t.shape) for t in fulls]
+    args = (gathered, w, sizes, [d for s in shapes for d in s], [len(s) for s in shapes])
+    outs, again = COPY_OUT(*args), COPY_OUT(*args)
+    offs = [sum(sizes[:k]) for k in range(len(sizes))]
+    for k, (t, out) in enumerate(zip(fulls, outs)):
+        pieces = [b[offs[k] : offs[k] + sizes[k]] for b in blocks]
+        ref = torch.cat(pieces)[: t.numel()].view(t.shape)
+        assert torch.equal(out, ref) and torch.equal(out, t) and out.is_contiguous()
+        assert out.shape == t.shape
+        if t.numel():
+            assert out.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr()
+            assert again[k].untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+    ptrs = {o.untyped_storage().data_ptr() for o in outs if o.numel()}
+    assert len(ptrs) == sum(1 for t in fulls if t.numel())  # one storage per parameter
