@@ -50,6 +50,7 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
+from passes import torch_compat
 from passes.flat_ops import COPY_OUT
 from passes.graph_utils import PASS_THROUGH_OPS
 from passes.meta import ASYNC_TP_CHUNK, ROLE, Role
@@ -162,9 +163,10 @@ def _movable(n: fx.Node) -> bool:
         return False
     if n.target is operator.getitem:
         return True
-    schema = getattr(n.target, "_schema", None)
+    if not isinstance(n.target, torch_compat.OpOverload):
+        return False
     tags = getattr(n.target, "tags", ())
-    return schema is not None and not schema.is_mutable and torch.Tag.nondeterministic_seeded not in tags
+    return not torch_compat.op_schema(n.target).is_mutable and torch.Tag.nondeterministic_seeded not in tags
 
 
 def _chunks_of(batch: int, chunks: int, nbytes: int, min_bytes: int) -> int:
