@@ -291,9 +291,14 @@ def choose(module: nn.Module, gm: fx.GraphModule, mesh: Any) -> AutoPlan:
         price.state_bytes = int(sum(state_bytes.get(q, 0) for q in shared) * (1.0 - 1.0 / tp))
         ok = i in live
         decisions.append(Decision(regs, ok, price, _why(price) if ok else why_not.get(i, "not clean")))
-    placements = _placements([r for i in live for r in classes[i]])
+    sharded = [r for i in live for r in classes[i]]
+    placements = _placements(sharded)
     plan_ = write_plan(module, placements)
+    if sharded and (seq := _sequence(module, gm, mesh, tp, sharded, placements)) is not None:
+        decisions.append(seq[0])
+        plan_ = seq[1] or plan_
     reasons = {p: d.describe() for d in decisions for r in d.regions for p in r.params()}
+    reasons.update((p, d.describe()) for d in decisions for p in getattr(d, "params", ()))
     out = AutoPlan(plan_, placements, reasons, decisions, time.perf_counter() - t0)
     _CHOSEN[module] = out
     n_sharded = sum(d.sharded for d in decisions)
@@ -308,6 +313,37 @@ def choose(module: nn.Module, gm: fx.GraphModule, mesh: Any) -> AutoPlan:
         out.summary().replace("\n", "\n  "),
     )
     return out
+
+
+def _sequence(
+    module: nn.Module,
+    gm: fx.GraphModule,
+    mesh: Any,
+    tp: int,
+    regions: list[Region],
+    placements: dict[str, Placement],
+) -> tuple[Decision, dict[str, Any] | None] | None:
+    """Sequence parallelism between the sharded ``regions`` (:mod:`spmd.parallel.auto_tp_sp`):
+    its decision and, when it is taken, the plan with it; None where nothing runs between."""
+    from spmd.parallel import auto_tp_sp as sp
+
+    stream = sp.find_stream(gm, regions, tp)
+    if isinstance(stream, str):
+        return sp.SequenceDecision([], False, Price(), stream), None
+    entries = _styled(module, placements)
+    why_not = sp.restyle(entries, module, stream, placements)
+    plan_ = None
+    if why_not is None:
+        plan_ = _collapse(entries, [n for n, _ in module.named_modules()], [n for n, _ in module.named_parameters()])
+        bad = sp.dirty(gm, module, mesh, plan_, stream)
+        if bad is not None:
+            where = bad.meta.get(MODULE) or "<root>"
+            why_not = f"DTensor redistributes on it (at {bad.target} in {where!r}): it needs the whole sequence"
+    price, why = sp.price(gm, stream, regions, tp)
+    if why_not is None and price.activation_bytes <= price.collective_bytes:
+        why_not = f"saves no more than it adds: {why}"
+    ok = why_not is None
+    return sp.SequenceDecision([], ok, price, why if ok else str(why_not), stream=stream), plan_ if ok else None
 
 
 def _divides(r: Region, shapes: dict[str, tuple[int, ...]], tp: int) -> bool:
@@ -359,6 +395,13 @@ def write_plan(module: nn.Module, placements: dict[str, Placement]) -> dict[str,
     whose style places its parameters exactly so (an ``nn.Linear``, ``nn.Embedding``, GPT-2's
     ``Conv1D``), a ``Placement`` for every other parameter; repeated names collapsed into
     ``*`` patterns where a pattern names exactly the same modules."""
+    modules = dict(module.named_modules())
+    return _collapse(_styled(module, placements), list(modules), [n for n, _ in module.named_parameters()])
+
+
+def _styled(module: nn.Module, placements: dict[str, Placement]) -> dict[str, Any]:
+    """:func:`write_plan`'s entries before collapsing: module fqn -> style, parameter fqn ->
+    placement."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from spmd.parallel.tensor_parallel import resolve_plan
@@ -389,7 +432,7 @@ def write_plan(module: nn.Module, placements: dict[str, Placement]) -> dict[str,
         else:
             entries[fqn] = pl
             placed.add(fqn)
-    return _collapse(entries, list(modules), [n for n, _ in module.named_parameters()])
+    return entries
 
 
 def _collapse(entries: dict[str, Any], module_names: list[str], param_names: list[str]) -> dict[str, Any]:
@@ -411,8 +454,11 @@ def _collapse(entries: dict[str, Any], module_names: list[str], param_names: lis
 
 
 def _value_key(v: Any) -> str:
-    """Entries with equal keys collapse: a placement by value, a style by its type."""
-    return repr(v) if isinstance(v, Placement) else type(v).__name__
+    """Entries with equal keys collapse: a placement by value, a style by its type and layouts."""
+    if isinstance(v, Placement):
+        return repr(v)
+    layouts = ("input_layouts", "output_layouts", "sequence_sharding")
+    return f"{type(v).__name__}{[getattr(v, a, None) for a in layouts]}"
 
 
 def tp_plan_of(model: nn.Module) -> dict[str, Any]:
