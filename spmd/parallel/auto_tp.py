@@ -298,7 +298,9 @@ def choose(module: nn.Module, gm: fx.GraphModule, mesh: Any) -> AutoPlan:
         decisions.append(seq[0])
         plan_ = seq[1] or plan_
     reasons = {p: d.describe() for d in decisions for r in d.regions for p in r.params()}
-    reasons.update((p, d.describe()) for d in decisions for p in getattr(d, "params", ()))
+    for d in decisions:  # the sequence-parallel line on the norms' parameters (no region's)
+        for p in getattr(d, "params", ()):
+            reasons.setdefault(p, d.describe())
     out = AutoPlan(plan_, placements, reasons, decisions, time.perf_counter() - t0)
     _CHOSEN[module] = out
     n_sharded = sum(d.sharded for d in decisions)
@@ -334,16 +336,23 @@ def _sequence(
     why_not = sp.restyle(entries, module, stream, placements)
     plan_ = None
     if why_not is None:
-        plan_ = _collapse(entries, [n for n, _ in module.named_modules()], [n for n, _ in module.named_parameters()])
+        plan_ = _collapse(
+            entries, [n for n, _ in module.named_modules()], [n for n, _ in module.named_parameters()]
+        )
         bad = sp.dirty(gm, module, mesh, plan_, stream)
         if bad is not None:
             where = bad.meta.get(MODULE) or "<root>"
-            why_not = f"DTensor redistributes on it (at {bad.target} in {where!r}): it needs the whole sequence"
+            why_not = (
+                f"DTensor redistributes on it (at {bad.target} in {where!r}: the op needs the whole "
+                "sequence, or has no rule for a split one)"
+            )
     price, why = sp.price(gm, stream, regions, tp)
     if why_not is None and price.activation_bytes <= price.collective_bytes:
         why_not = f"saves no more than it adds: {why}"
     ok = why_not is None
-    return sp.SequenceDecision([], ok, price, why if ok else str(why_not), stream=stream), plan_ if ok else None
+    return sp.SequenceDecision(
+        [], ok, price, why if ok else str(why_not), stream=stream
+    ), plan_ if ok else None
 
 
 def _divides(r: Region, shapes: dict[str, tuple[int, ...]], tp: int) -> bool:

@@ -160,7 +160,9 @@ def _stream_modules(gm: fx.GraphModule, nodes: set[fx.Node]) -> list[str]:
     return [m for m in ok if not any(m.startswith(o + ".") for o in ok)]
 
 
-def restyle(entries: dict[str, Any], module: nn.Module, stream: Stream, placements: dict[str, Placement]) -> str | None:
+def restyle(
+    entries: dict[str, Any], module: nn.Module, stream: Stream, placements: dict[str, Placement]
+) -> str | None:
     """Rewrite a plan's entries (module fqn -> style, before collapsing) for ``stream``, as
     torchtitan's sequence-parallel plan writes them; None, or why the plan cannot express it."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
@@ -233,7 +235,9 @@ class OpProbe(_Probe):
         return out
 
 
-def dirty(gm: fx.GraphModule, module: nn.Module, mesh: Any, plan: dict[str, Any], stream: Stream) -> fx.Node | None:
+def dirty(
+    gm: fx.GraphModule, module: nn.Module, mesh: Any, plan: dict[str, Any], stream: Stream
+) -> fx.Node | None:
     """The first node of the stream (or of a module at its boundary) whose op makes DTensor
     communicate under ``plan``, or None: the split is clean."""
     from spmd.parallel.auto_tp_check import dirty_nodes
@@ -249,7 +253,9 @@ def price(gm: fx.GraphModule, stream: Stream, regions: list[Region], tp: int) ->
     """What the split saves and adds per rank, and the sentence that says so."""
     p = Price()
     p.activation_bytes = int(sum(nbytes(n) for n in stream.nodes) * (1.0 - 1.0 / tp))
-    grads = [n for n in gm.graph.nodes if n.op == "placeholder" and str(n.meta.get(STATE_NAME)) in stream.params]
+    grads = [
+        n for n in gm.graph.nodes if n.op == "placeholder" and str(n.meta.get(STATE_NAME)) in stream.params
+    ]
     p.collectives = len(grads)
     p.collective_bytes = sum(nbytes(n) for n in grads)
     # Megatron's all-reduces that become a reduce-scatter and an all-gather: a pair's two (its output

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 import spmd
 from spmd.frontend import optim as optim_utils
@@ -55,13 +55,22 @@ def _choose(model: nn.Module, tp: int, times: int = 1) -> auto_tp.AutoPlan:
     return first
 
 
+def _layouts(plan: dict) -> dict:
+    """A plan's entries as comparable values: each style's type and activation layouts."""
+    keys = ("input_layouts", "output_layouts", "sequence_sharding")
+    return {k: (type(v).__name__, *(getattr(v, a, None) for a in keys)) for k, v in plan.items()}
+
+
 def test_llama_block_gets_torchtitans_plan() -> None:
     """Column-parallel q/k/v and gate/up, row-parallel o and down, the embedding and the head
     split on the vocabulary: torchtitan's Llama plan, found from the graph (grouped-query
     attention: 4 query, 2 key/value heads, one of each per rank). The repeated layers are one
     class each for attention and MLP, written as one pattern. A second solve gives the same
     choice, and resolving the written plan (what tp_plan_of hands a user to freeze) gives the
-    chosen placements."""
+    chosen placements. Between the regions the norms and residuals split on the sequence:
+    the plan is torchtitan's sequence-parallel one, layouts included
+    (``tp_plans.llama(sequence_parallel=True)``), and without it torchtitan's plain one."""
+    from spmd.parallel import tp_plans
     from spmd.parallel.tensor_parallel import resolve_plan
 
     model = _llama()
@@ -80,12 +89,22 @@ def test_llama_block_gets_torchtitans_plan() -> None:
         "model.layers.*.mlp.up_proj": col,
         "model.layers.*.mlp.down_proj": row,
         "lm_head": col,
+        "model.norm": SequenceParallel,
+        "model.layers.*.input_layernorm": SequenceParallel,
+        "model.layers.*.post_attention_layernorm": SequenceParallel,
     }
     assert {k: type(v) for k, v in choice.plan.items()} == want
+    assert _layouts(choice.plan) == _layouts(tp_plans.llama(sequence_parallel=True))
+    off = tp_plans.without_sequence_parallel(choice.plan)
+    assert _layouts(off) == _layouts(tp_plans.llama())
     assert choice.placements["model.layers.1.self_attn.o_proj.weight"] == Shard(1)
-    kinds = sorted((d.regions[0].kind, len(d.regions), d.sharded) for d in choice.decisions)
+    kinds = sorted((d.regions[0].kind, len(d.regions), d.sharded) for d in choice.decisions if d.regions)
     assert kinds == [("embedding", 1, True), ("head", 1, True), ("pair", 2, True), ("pair", 2, True)]
     assert "column -> row, sharded: saves" in choice.reasons["model.layers.0.mlp.down_proj.weight"]
+    assert choice.reasons["model.layers.1.input_layernorm.weight"].startswith(
+        "model.layers.*.input_layernorm, model.layers.*.post_attention_layernorm, model.norm: "
+        "sequence-parallel, sharded: the values between the regions split on the sequence (dim 1): saves"
+    )
 
 
 def test_gpt2_conv1d_and_fused_qkv() -> None:
@@ -120,6 +139,11 @@ def test_dtensor_check_replicates_what_would_redistribute() -> None:
     assert not attn.sharded and "DTensor redistributes inside it" in attn.why and "self_attn" in attn.why
     assert choice.placements["model.layers.0.mlp.down_proj.weight"] == Shard(1)
     assert "model.layers.0.self_attn.q_proj.weight" not in choice.placements
+    # Attention left whole mixes the tokens a sequence split would divide: no sequence parallelism.
+    seq = choice.decisions[-1].describe()
+    assert "sequence-parallel, replicated: DTensor redistributes on it" in seq and "self_attn" in seq
+    assert not any(isinstance(v, SequenceParallel) for v in choice.plan.values())
+    assert choice.plan["model.layers.*.mlp.down_proj"].output_layouts == (Replicate(),)
 
     class NormBetween(nn.Module):  # up -> LayerNorm -> down: a column split would be gathered
         def __init__(self) -> None:
