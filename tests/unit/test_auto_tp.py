@@ -189,8 +189,9 @@ def test_configuration() -> None:
 
 def test_report_and_dump_show_the_choice(tmp_path) -> None:
     """A compiled step with automatic placements (built-in GPT, 2 x 2 under the fake process
-    group): the report lists each candidate class with its verdict and reason, the dump's header
-    each parameter's placement followed by its class's line, and tp_plan_of the equivalent plan."""
+    group): the report lists each candidate class with its verdict and reason (the sequence-parallel
+    one too: refused here), the dump's header each parameter's placement followed by its class's
+    line, and tp_plan_of the equivalent plan."""
     from spmd.models import CONFIGS, GPT, train_step
 
     torch.manual_seed(0)
@@ -207,7 +208,12 @@ def test_report_and_dump_show_the_choice(tmp_path) -> None:
         for c in choices
     )
     assert any("qkv" in c and "replicated: DTensor redistributes inside it" in c for c in choices)
+    # Attention left whole lies between the regions: no sequence parallelism, and the line says why.
+    seq = "blocks.*.ln1, blocks.*.qkv, blocks.*.proj, blocks.*.ln2, ln_f: sequence-parallel, replicated"
+    assert any(c.startswith(seq) and "aten._scaled_dot_product" in c for c in choices)
     final = next(tmp_path.glob("**/rank0/*_final.py")).read_text()
     assert "# blocks.0.out.weight: (Shard(dim=0), Shard(dim=1))" in final
     assert "(tp: blocks.*.fc.weight -> blocks.*.out.weight (x2): column -> row, sharded: saves" in final
+    ln1 = next(line for line in final.splitlines() if line.startswith("# blocks.0.ln1.weight: "))
+    assert f"(tp: {seq}" in ln1
     assert type(spmd.tp_plan_of(model)["blocks.*.fc"]) is ColwiseParallel
