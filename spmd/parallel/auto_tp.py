@@ -52,9 +52,14 @@ How it chooses, from the graph (never from module names or types):
    model to be split. The prices are what the report, the dump and the INFO log show as
    the reason.
 
+5. **Sequence parallelism.** Between the sharded regions (norms, residual adds, the embedding's
+   output, the final norm) the values are split on the sequence where every op there is token-wise
+   (checked by the same DTensor run), as torchtitan's sequence-parallel plan writes it: one choice
+   for the whole residual stream (:mod:`spmd.parallel.auto_tp_sp`).
+
 The choice is deterministic: it reads only the graph (node order is the trace's) and the
 shapes, so every rank chooses the same plan. Cost: one forward expansion per round (usually
-one), no solver.
+one) and one for sequence parallelism, no solver.
 """
 
 from __future__ import annotations
@@ -294,9 +299,10 @@ def choose(module: nn.Module, gm: fx.GraphModule, mesh: Any) -> AutoPlan:
     sharded = [r for i in live for r in classes[i]]
     placements = _placements(sharded)
     plan_ = write_plan(module, placements)
-    if sharded and (seq := _sequence(module, gm, mesh, tp, sharded, placements)) is not None:
-        decisions.append(seq[0])
-        plan_ = seq[1] or plan_
+    if sharded:  # the values between the sharded regions: split on the sequence, or replicated
+        seq, seq_plan = _sequence(module, gm, mesh, tp, sharded, placements)
+        decisions.append(seq)
+        plan_ = seq_plan or plan_
     reasons = {p: d.describe() for d in decisions for r in d.regions for p in r.params()}
     for d in decisions:  # the sequence-parallel line on the norms' parameters (no region's)
         for p in getattr(d, "params", ()):
@@ -324,9 +330,9 @@ def _sequence(
     tp: int,
     regions: list[Region],
     placements: dict[str, Placement],
-) -> tuple[Decision, dict[str, Any] | None] | None:
+) -> tuple[Decision, dict[str, Any] | None]:
     """Sequence parallelism between the sharded ``regions`` (:mod:`spmd.parallel.auto_tp_sp`):
-    its decision and, when it is taken, the plan with it; None where nothing runs between."""
+    its decision and, when it is taken, the plan with it."""
     from spmd.parallel import auto_tp_sp as sp
 
     stream = sp.find_stream(gm, regions, tp)

@@ -13,6 +13,7 @@ propagate at all, is returned: the caller knows which candidate region each lies
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,7 +66,7 @@ def dirty_nodes(
     mesh: Any,
     tp_plan: dict[str, Any],
     *,
-    probe: type[_Probe] = _Probe,
+    probe: Callable[..., _Probe] = _Probe,
 ) -> set[fx.Node]:
     """The forward nodes of ``gm`` where DTensor communicates (or fails) under ``tp_plan``
     (see the module docstring). A failure stops the run: its node is the last one returned.

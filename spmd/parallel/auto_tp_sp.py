@@ -31,15 +31,17 @@ sequence) needs the whole sequence, so the stream stays replicated. Priced
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from passes.meta import MODULE, PHASE, ROLE, STATE_NAME, Phase, Role
+from passes.torch_compat import pytree
 from spmd.parallel.auto_tp import Decision, Price, _short, _size
 from spmd.parallel.auto_tp_check import _Probe, _Stop
 from spmd.parallel.auto_tp_graph import _LOSS, Region, nbytes
@@ -108,6 +110,8 @@ def find_stream(gm: fx.GraphModule, regions: list[Region], tp: int) -> Stream | 
     while todo:
         n = todo.pop()
         for u in n.users:
+            if u.op == "output" and n in nodes:
+                return f"{n.name}, a value between the regions, is an output of the step"
             if u in seen or u.op != "call_function" or u.meta.get(PHASE) is not Phase.FORWARD:
                 continue
             mod = str(u.meta.get(MODULE) or "")
@@ -211,7 +215,15 @@ def _colwise_fits(module: nn.Module, fqn: str, placements: dict[str, Placement])
 class OpProbe(_Probe):
     """The check's interpreter, recording a node only where its op itself makes DTensor
     communicate: a value redistributed to a planned module's boundary layout (the
-    reduce-scatters and all-gathers sequence parallelism plans) is not an op's doing."""
+    reduce-scatters and all-gathers sequence parallelism plans) is not an op's doing. A node of
+    ``stream`` whose result is a partial sum is recorded too: it reduced over the split tokens
+    (a loss summed over them), which no token-wise op does."""
+
+    def __init__(
+        self, *args: Any, stream: set[fx.Node] | frozenset[fx.Node] = frozenset(), **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.stream = stream
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op != "placeholder" and n.meta.get(PHASE) in (Phase.BACKWARD, Phase.OPTIMIZER):
@@ -230,7 +242,11 @@ class OpProbe(_Probe):
     def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with CommDebugMode() as comm:
             out = super().call_function(target, args, kwargs)
-        if comm.get_total_counts():
+        partial = any(
+            isinstance(t, DTensor) and any(isinstance(p, Partial) for p in t.placements)
+            for t in pytree.tree_leaves(out)
+        )
+        if comm.get_total_counts() or (partial and self._node in self.stream):
             self.dirty.add(self._node)
         return out
 
@@ -242,7 +258,7 @@ def dirty(
     communicate under ``plan``, or None: the split is clean."""
     from spmd.parallel.auto_tp_check import dirty_nodes
 
-    bad = dirty_nodes(gm, module, mesh, plan, probe=OpProbe)
+    bad = dirty_nodes(gm, module, mesh, plan, probe=functools.partial(OpProbe, stream=stream.nodes))
     for n in gm.graph.nodes:
         if n in bad and (n in stream.nodes or _inside(str(n.meta.get(MODULE) or ""), stream.boundary)):
             return n

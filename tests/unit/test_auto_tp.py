@@ -168,6 +168,67 @@ def test_dtensor_check_replicates_what_would_redistribute() -> None:
     assert auto_tp.find_regions(traced.gm, shapes) == []
 
 
+class _Tokens(nn.Module):
+    """Embedding -> norm -> up -> down (+ residual) -> [cumsum over the sequence] -> norm -> head."""
+
+    def __init__(self, mix: bool) -> None:
+        super().__init__()
+        self.mix = mix
+        self.emb, self.norm1, self.norm2 = nn.Embedding(V, 16), nn.LayerNorm(16), nn.LayerNorm(16)
+        self.up, self.down, self.head = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h = h + self.down(torch.relu(self.up(self.norm1(h))))
+        if self.mix:
+            h = h.cumsum(1)  # every position reads the ones before it
+        return self.head(self.norm2(h))
+
+
+def _trace_choose(model: nn.Module, loss, *inputs: torch.Tensor) -> auto_tp.AutoPlan:
+    def step(model, optim, *xs):
+        loss(model, *xs).backward()
+        optim.step()
+        optim.zero_grad()
+
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = step_inputs.split_args((model, optim, *inputs), {})
+    traced = tracing.trace_step(
+        step, args, step_inputs.lift_state(model, optim), casts=None, accumulate_after_reduce=False
+    )
+    return auto_tp.choose(
+        model, traced.gm, init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard", "tp"))
+    )
+
+
+def test_sequence_parallel_only_where_every_op_is_token_wise() -> None:
+    """The values between the regions split on the sequence when every op there works token by
+    token (norms, the residual add); a cumulative sum over the sequence there, or a loss summed
+    over the tokens of a row-parallel output (a partial sum per rank, no collective), keeps them
+    replicated."""
+    ids = torch.randint(0, V, (2, 8))
+
+    def ce(model, ids):
+        return nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+
+    with fake_process_group(2):
+        plain = _trace_choose(_Tokens(mix=False), ce, ids)
+        mixed = _trace_choose(_Tokens(mix=True), ce, ids)
+        mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        summed = _trace_choose(mlp, lambda m, x: m(x).sum(), torch.randn(4, 8))
+    assert type(plain.plan["norm1"]) is SequenceParallel and type(plain.plan["norm2"]) is SequenceParallel
+    assert plain.plan["down"].output_layouts == (Shard(1),) and plain.plan["emb"].output_layouts == (
+        Shard(1),
+    )
+    assert plain.decisions[-1].describe().startswith("norm1, norm2: sequence-parallel, sharded: ")
+    seq = mixed.decisions[-1]
+    assert not seq.sharded and "aten.cumsum" in seq.why, seq.why
+    assert not any(isinstance(v, SequenceParallel) for v in mixed.plan.values())
+    assert mixed.plan["down"].output_layouts == (Replicate(),)
+    assert not summed.decisions[-1].sharded and "aten.sum" in summed.decisions[-1].why
+    assert summed.plan["2"].output_layouts == (Replicate(),)
+
+
 def test_configuration() -> None:
     """tp ranks without a plan mean automatic placements; the model cannot be distributed before
     the step is traced; tp_plan_of before any choice names the fix."""
