@@ -479,8 +479,11 @@ def _value_key(v: Any) -> str:
 def tp_plan_of(model: nn.Module) -> dict[str, Any]:
     """The tensor-parallel plan spmd chose for ``model`` (automatic placements), in the manual
     form ``DataParallel(tp_plan=...)`` takes: pass it to run the same placements without the
-    choice, or edit it (a copy; module name patterns to ``ColwiseParallel``/``RowwiseParallel``,
-    parameter names to a ``Placement`` on tp).
+    choice, or edit it (a copy; module name patterns to ``ColwiseParallel``/``RowwiseParallel``
+    and, where the values between the regions split on the sequence, ``SequenceParallel`` on the
+    norms and ``output_layouts=Shard(1)`` on the row-parallel outputs; parameter names to a
+    ``Placement`` on tp). ``spmd.parallel.tp_plans.without_sequence_parallel(plan)`` drops the
+    sequence parallelism.
 
     Available after the first call of a step compiled with automatic placements on ``model``.
     """
