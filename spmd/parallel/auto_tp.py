@@ -52,9 +52,14 @@ How it chooses, from the graph (never from module names or types):
    model to be split. The prices are what the report, the dump and the INFO log show as
    the reason.
 
+5. **Sequence parallelism.** Between the sharded regions (norms, residual adds, the embedding's
+   output, the final norm) the values are split on the sequence where every op there is token-wise
+   (checked by the same DTensor run), as torchtitan's sequence-parallel plan writes it: one choice
+   for the whole residual stream (:mod:`spmd.parallel.auto_tp_sp`).
+
 The choice is deterministic: it reads only the graph (node order is the trace's) and the
 shapes, so every rank chooses the same plan. Cost: one forward expansion per round (usually
-one), no solver.
+one) and one for sequence parallelism, no solver.
 """
 
 from __future__ import annotations
@@ -291,9 +296,17 @@ def choose(module: nn.Module, gm: fx.GraphModule, mesh: Any) -> AutoPlan:
         price.state_bytes = int(sum(state_bytes.get(q, 0) for q in shared) * (1.0 - 1.0 / tp))
         ok = i in live
         decisions.append(Decision(regs, ok, price, _why(price) if ok else why_not.get(i, "not clean")))
-    placements = _placements([r for i in live for r in classes[i]])
+    sharded = [r for i in live for r in classes[i]]
+    placements = _placements(sharded)
     plan_ = write_plan(module, placements)
+    if sharded:  # the values between the sharded regions: split on the sequence, or replicated
+        seq, seq_plan = _sequence(module, gm, mesh, tp, sharded, placements)
+        decisions.append(seq)
+        plan_ = seq_plan or plan_
     reasons = {p: d.describe() for d in decisions for r in d.regions for p in r.params()}
+    for d in decisions:  # the sequence-parallel line on the norms' parameters (no region's)
+        for p in getattr(d, "params", ()):
+            reasons.setdefault(p, d.describe())
     out = AutoPlan(plan_, placements, reasons, decisions, time.perf_counter() - t0)
     _CHOSEN[module] = out
     n_sharded = sum(d.sharded for d in decisions)
@@ -308,6 +321,44 @@ def choose(module: nn.Module, gm: fx.GraphModule, mesh: Any) -> AutoPlan:
         out.summary().replace("\n", "\n  "),
     )
     return out
+
+
+def _sequence(
+    module: nn.Module,
+    gm: fx.GraphModule,
+    mesh: Any,
+    tp: int,
+    regions: list[Region],
+    placements: dict[str, Placement],
+) -> tuple[Decision, dict[str, Any] | None]:
+    """Sequence parallelism between the sharded ``regions`` (:mod:`spmd.parallel.auto_tp_sp`):
+    its decision and, when it is taken, the plan with it."""
+    from spmd.parallel import auto_tp_sp as sp
+
+    stream = sp.find_stream(gm, regions, tp)
+    if isinstance(stream, str):
+        return sp.SequenceDecision([], False, Price(), stream), None
+    entries = _styled(module, placements)
+    why_not = sp.restyle(entries, module, stream, placements)
+    plan_ = None
+    if why_not is None:
+        plan_ = _collapse(
+            entries, [n for n, _ in module.named_modules()], [n for n, _ in module.named_parameters()]
+        )
+        bad = sp.dirty(gm, module, mesh, plan_, stream)
+        if bad is not None:
+            where = bad.meta.get(MODULE) or "<root>"
+            why_not = (
+                f"DTensor redistributes on it (at {bad.target} in {where!r}: the op needs the whole "
+                "sequence, or has no rule for a split one)"
+            )
+    price, why = sp.price(gm, stream, regions, tp)
+    if why_not is None and price.activation_bytes <= price.collective_bytes:
+        why_not = f"saves no more than it adds: {why}"
+    ok = why_not is None
+    return sp.SequenceDecision(
+        [], ok, price, why if ok else str(why_not), stream=stream
+    ), plan_ if ok else None
 
 
 def _divides(r: Region, shapes: dict[str, tuple[int, ...]], tp: int) -> bool:
@@ -359,6 +410,13 @@ def write_plan(module: nn.Module, placements: dict[str, Placement]) -> dict[str,
     whose style places its parameters exactly so (an ``nn.Linear``, ``nn.Embedding``, GPT-2's
     ``Conv1D``), a ``Placement`` for every other parameter; repeated names collapsed into
     ``*`` patterns where a pattern names exactly the same modules."""
+    modules = dict(module.named_modules())
+    return _collapse(_styled(module, placements), list(modules), [n for n, _ in module.named_parameters()])
+
+
+def _styled(module: nn.Module, placements: dict[str, Placement]) -> dict[str, Any]:
+    """:func:`write_plan`'s entries before collapsing: module fqn -> style, parameter fqn ->
+    placement."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from spmd.parallel.tensor_parallel import resolve_plan
@@ -389,7 +447,7 @@ def write_plan(module: nn.Module, placements: dict[str, Placement]) -> dict[str,
         else:
             entries[fqn] = pl
             placed.add(fqn)
-    return _collapse(entries, list(modules), [n for n, _ in module.named_parameters()])
+    return entries
 
 
 def _collapse(entries: dict[str, Any], module_names: list[str], param_names: list[str]) -> dict[str, Any]:
@@ -411,15 +469,21 @@ def _collapse(entries: dict[str, Any], module_names: list[str], param_names: lis
 
 
 def _value_key(v: Any) -> str:
-    """Entries with equal keys collapse: a placement by value, a style by its type."""
-    return repr(v) if isinstance(v, Placement) else type(v).__name__
+    """Entries with equal keys collapse: a placement by value, a style by its type and layouts."""
+    if isinstance(v, Placement):
+        return repr(v)
+    layouts = ("input_layouts", "output_layouts", "sequence_sharding")
+    return f"{type(v).__name__}{[getattr(v, a, None) for a in layouts]}"
 
 
 def tp_plan_of(model: nn.Module) -> dict[str, Any]:
     """The tensor-parallel plan spmd chose for ``model`` (automatic placements), in the manual
     form ``DataParallel(tp_plan=...)`` takes: pass it to run the same placements without the
-    choice, or edit it (a copy; module name patterns to ``ColwiseParallel``/``RowwiseParallel``,
-    parameter names to a ``Placement`` on tp).
+    choice, or edit it (a copy; module name patterns to ``ColwiseParallel``/``RowwiseParallel``
+    and, where the values between the regions split on the sequence, ``SequenceParallel`` on the
+    norms and ``output_layouts=Shard(1)`` on the row-parallel outputs; parameter names to a
+    ``Placement`` on tp). ``spmd.parallel.tp_plans.without_sequence_parallel(plan)`` drops the
+    sequence parallelism.
 
     Available after the first call of a step compiled with automatic placements on ``model``.
     """

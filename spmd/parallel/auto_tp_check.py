@@ -13,6 +13,7 @@ propagate at all, is returned: the caller knows which candidate region each lies
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,9 +60,17 @@ class _Probe(_Expander):
         return out
 
 
-def dirty_nodes(gm: fx.GraphModule, module: nn.Module, mesh: Any, tp_plan: dict[str, Any]) -> set[fx.Node]:
+def dirty_nodes(
+    gm: fx.GraphModule,
+    module: nn.Module,
+    mesh: Any,
+    tp_plan: dict[str, Any],
+    *,
+    probe: Callable[..., _Probe] = _Probe,
+) -> set[fx.Node]:
     """The forward nodes of ``gm`` where DTensor communicates (or fails) under ``tp_plan``
-    (see the module docstring). A failure stops the run: its node is the last one returned."""
+    (see the module docstring). A failure stops the run: its node is the last one returned.
+    ``probe``: the interpreter that records them (a subclass may count only some collectives)."""
     from spmd.parallel.tensor_parallel import resolve_plan
 
     expand_rules.register()
@@ -105,7 +114,7 @@ def dirty_nodes(gm: fx.GraphModule, module: nn.Module, mesh: Any, tp_plan: dict[
     boundaries = {
         f: tuple((x,) if x is not None else None for x in pls) for f, pls in resolved.layouts.items()
     }
-    probe = _Probe(
+    run = probe(
         gm,
         view.mesh,
         param_pl,
@@ -118,7 +127,7 @@ def dirty_nodes(gm: fx.GraphModule, module: nn.Module, mesh: Any, tp_plan: dict[
     )
     try:
         with fake, implicit_replication(), torch.no_grad():
-            probe.run(*ins)
+            run.run(*ins)
     except _Stop:
         pass
-    return probe.dirty
+    return run.dirty

@@ -87,3 +87,20 @@ def _llama_sp(prefix: str, head: str, mlp: bool) -> dict[str, Any]:
         plan[f"{layer}.mlp.up_proj"] = col()
         plan[f"{layer}.mlp.down_proj"] = row(output_layouts=Shard(1))
     return plan
+
+
+def without_sequence_parallel(plan: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``plan`` without sequence parallelism: its ``SequenceParallel`` entries dropped,
+    ``RowwiseParallel``/``ColwiseParallel`` back to their default layouts (row-parallel outputs
+    all-reduced, the values between the regions replicated). Turns it off in an automatic choice
+    (``tp_plan=tp_plans.without_sequence_parallel(spmd.tp_plan_of(model))``) or in
+    ``llama(sequence_parallel=True)``; other entries are kept as they are."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    col, row = _styles()
+    out: dict[str, Any] = {}
+    for key, value in plan.items():
+        if isinstance(value, SequenceParallel):
+            continue
+        out[key] = row() if isinstance(value, row) else col() if isinstance(value, col) else value
+    return out

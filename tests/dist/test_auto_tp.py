@@ -51,6 +51,10 @@ def _check(results: list[dict], tp_dim: int) -> None:
 def test_automatic_tp_on_two_ranks() -> None:
     results = run_ranks(workers_tp.auto_many, 2, ON_TWO, "fully_shard", 2, timeout=280 * SLACK)
     _check(results, 1)
+    # BERT (post-norm, token types, a tied head behind a dense + LayerNorm) splits the values between
+    # its regions on the sequence; GPT-2's attention, left whole, keeps them replicated.
+    assert any("sequence-parallel, sharded" in c for c in results[0]["hf_bert"]["tp_choices"])
+    assert any("sequence-parallel, replicated" in c for c in results[0]["hf_gpt2"]["tp_choices"])
 
 
 @pytest.mark.timeout(400 * SLACK)
@@ -58,5 +62,8 @@ def test_fsdp_x_automatic_tp_on_two_by_two() -> None:
     results = run_ranks(workers_tp.auto_many, 4, ON_TWO_BY_TWO, "fully_shard", 2, timeout=380 * SLACK)
     _check(results, 1)
     llama = results[0]["hf_llama"]
+    # Sequence parallelism between the regions, chosen by spmd: torchtitan's SP plan's entries.
+    assert "model.layers.*.input_layernorm" in llama["tp_plan"] and "model.norm" in llama["tp_plan"]
+    assert any("sequence-parallel, sharded" in c for c in llama["tp_choices"]), llama["tp_choices"]
     assert llama["placements"]["model.layers.0.self_attn.k_proj.weight"] == ("_S(0, 2)", "S(0)")
     assert llama["placements"]["model.layers.0.self_attn.o_proj.weight"] == ("S(0)", "S(1)")

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 import spmd
 from spmd.frontend import optim as optim_utils
@@ -55,13 +55,22 @@ def _choose(model: nn.Module, tp: int, times: int = 1) -> auto_tp.AutoPlan:
     return first
 
 
+def _layouts(plan: dict) -> dict:
+    """A plan's entries as comparable values: each style's type and activation layouts."""
+    keys = ("input_layouts", "output_layouts", "sequence_sharding")
+    return {k: (type(v).__name__, *(getattr(v, a, None) for a in keys)) for k, v in plan.items()}
+
+
 def test_llama_block_gets_torchtitans_plan() -> None:
     """Column-parallel q/k/v and gate/up, row-parallel o and down, the embedding and the head
     split on the vocabulary: torchtitan's Llama plan, found from the graph (grouped-query
     attention: 4 query, 2 key/value heads, one of each per rank). The repeated layers are one
     class each for attention and MLP, written as one pattern. A second solve gives the same
     choice, and resolving the written plan (what tp_plan_of hands a user to freeze) gives the
-    chosen placements."""
+    chosen placements. Between the regions the norms and residuals split on the sequence:
+    the plan is torchtitan's sequence-parallel one, layouts included
+    (``tp_plans.llama(sequence_parallel=True)``), and without it torchtitan's plain one."""
+    from spmd.parallel import tp_plans
     from spmd.parallel.tensor_parallel import resolve_plan
 
     model = _llama()
@@ -80,12 +89,22 @@ def test_llama_block_gets_torchtitans_plan() -> None:
         "model.layers.*.mlp.up_proj": col,
         "model.layers.*.mlp.down_proj": row,
         "lm_head": col,
+        "model.norm": SequenceParallel,
+        "model.layers.*.input_layernorm": SequenceParallel,
+        "model.layers.*.post_attention_layernorm": SequenceParallel,
     }
     assert {k: type(v) for k, v in choice.plan.items()} == want
+    assert _layouts(choice.plan) == _layouts(tp_plans.llama(sequence_parallel=True))
+    off = tp_plans.without_sequence_parallel(choice.plan)
+    assert _layouts(off) == _layouts(tp_plans.llama())
     assert choice.placements["model.layers.1.self_attn.o_proj.weight"] == Shard(1)
-    kinds = sorted((d.regions[0].kind, len(d.regions), d.sharded) for d in choice.decisions)
+    kinds = sorted((d.regions[0].kind, len(d.regions), d.sharded) for d in choice.decisions if d.regions)
     assert kinds == [("embedding", 1, True), ("head", 1, True), ("pair", 2, True), ("pair", 2, True)]
     assert "column -> row, sharded: saves" in choice.reasons["model.layers.0.mlp.down_proj.weight"]
+    assert choice.reasons["model.layers.1.input_layernorm.weight"].startswith(
+        "model.layers.*.input_layernorm, model.layers.*.post_attention_layernorm, model.norm: "
+        "sequence-parallel, sharded: the values between the regions split on the sequence (dim 1): saves"
+    )
 
 
 def test_gpt2_conv1d_and_fused_qkv() -> None:
@@ -120,6 +139,11 @@ def test_dtensor_check_replicates_what_would_redistribute() -> None:
     assert not attn.sharded and "DTensor redistributes inside it" in attn.why and "self_attn" in attn.why
     assert choice.placements["model.layers.0.mlp.down_proj.weight"] == Shard(1)
     assert "model.layers.0.self_attn.q_proj.weight" not in choice.placements
+    # Attention left whole mixes the tokens a sequence split would divide: no sequence parallelism.
+    seq = choice.decisions[-1].describe()
+    assert "sequence-parallel, replicated: DTensor redistributes on it" in seq and "self_attn" in seq
+    assert not any(isinstance(v, SequenceParallel) for v in choice.plan.values())
+    assert choice.plan["model.layers.*.mlp.down_proj"].output_layouts == (Replicate(),)
 
     class NormBetween(nn.Module):  # up -> LayerNorm -> down: a column split would be gathered
         def __init__(self) -> None:
@@ -144,6 +168,67 @@ def test_dtensor_check_replicates_what_would_redistribute() -> None:
     assert auto_tp.find_regions(traced.gm, shapes) == []
 
 
+class _Tokens(nn.Module):
+    """Embedding -> norm -> up -> down (+ residual) -> [cumsum over the sequence] -> norm -> head."""
+
+    def __init__(self, mix: bool) -> None:
+        super().__init__()
+        self.mix = mix
+        self.emb, self.norm1, self.norm2 = nn.Embedding(V, 16), nn.LayerNorm(16), nn.LayerNorm(16)
+        self.up, self.down, self.head = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h = h + self.down(torch.relu(self.up(self.norm1(h))))
+        if self.mix:
+            h = h.cumsum(1)  # every position reads the ones before it
+        return self.head(self.norm2(h))
+
+
+def _trace_choose(model: nn.Module, loss, *inputs: torch.Tensor) -> auto_tp.AutoPlan:
+    def step(model, optim, *xs):
+        loss(model, *xs).backward()
+        optim.step()
+        optim.zero_grad()
+
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = step_inputs.split_args((model, optim, *inputs), {})
+    traced = tracing.trace_step(
+        step, args, step_inputs.lift_state(model, optim), casts=None, accumulate_after_reduce=False
+    )
+    return auto_tp.choose(
+        model, traced.gm, init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard", "tp"))
+    )
+
+
+def test_sequence_parallel_only_where_every_op_is_token_wise() -> None:
+    """The values between the regions split on the sequence when every op there works token by
+    token (norms, the residual add); a cumulative sum over the sequence there, or a loss summed
+    over the tokens of a row-parallel output (a partial sum per rank, no collective), keeps them
+    replicated."""
+    ids = torch.randint(0, V, (2, 8))
+
+    def ce(model, ids):
+        return nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+
+    with fake_process_group(2):
+        plain = _trace_choose(_Tokens(mix=False), ce, ids)
+        mixed = _trace_choose(_Tokens(mix=True), ce, ids)
+        mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        summed = _trace_choose(mlp, lambda m, x: m(x).sum(), torch.randn(4, 8))
+    assert type(plain.plan["norm1"]) is SequenceParallel and type(plain.plan["norm2"]) is SequenceParallel
+    assert plain.plan["down"].output_layouts == (Shard(1),) and plain.plan["emb"].output_layouts == (
+        Shard(1),
+    )
+    assert plain.decisions[-1].describe().startswith("norm1, norm2: sequence-parallel, sharded: ")
+    seq = mixed.decisions[-1]
+    assert not seq.sharded and "aten.cumsum" in seq.why, seq.why
+    assert not any(isinstance(v, SequenceParallel) for v in mixed.plan.values())
+    assert mixed.plan["down"].output_layouts == (Replicate(),)
+    assert not summed.decisions[-1].sharded and "aten.sum" in summed.decisions[-1].why
+    assert summed.plan["2"].output_layouts == (Replicate(),)
+
+
 def test_configuration() -> None:
     """tp ranks without a plan mean automatic placements; the model cannot be distributed before
     the step is traced; tp_plan_of before any choice names the fix."""
@@ -165,8 +250,9 @@ def test_configuration() -> None:
 
 def test_report_and_dump_show_the_choice(tmp_path) -> None:
     """A compiled step with automatic placements (built-in GPT, 2 x 2 under the fake process
-    group): the report lists each candidate class with its verdict and reason, the dump's header
-    each parameter's placement followed by its class's line, and tp_plan_of the equivalent plan."""
+    group): the report lists each candidate class with its verdict and reason (the sequence-parallel
+    one too: refused here), the dump's header each parameter's placement followed by its class's
+    line, and tp_plan_of the equivalent plan."""
     from spmd.models import CONFIGS, GPT, train_step
 
     torch.manual_seed(0)
@@ -183,7 +269,12 @@ def test_report_and_dump_show_the_choice(tmp_path) -> None:
         for c in choices
     )
     assert any("qkv" in c and "replicated: DTensor redistributes inside it" in c for c in choices)
+    # Attention left whole lies between the regions: no sequence parallelism, and the line says why.
+    seq = "blocks.*.ln1, blocks.*.qkv, blocks.*.proj, blocks.*.ln2, ln_f: sequence-parallel, replicated"
+    assert any(c.startswith(seq) and "aten._scaled_dot_product" in c for c in choices)
     final = next(tmp_path.glob("**/rank0/*_final.py")).read_text()
     assert "# blocks.0.out.weight: (Shard(dim=0), Shard(dim=1))" in final
     assert "(tp: blocks.*.fc.weight -> blocks.*.out.weight (x2): column -> row, sharded: saves" in final
+    ln1 = next(line for line in final.splitlines() if line.startswith("# blocks.0.ln1.weight: "))
+    assert f"(tp: {seq}" in ln1
     assert type(spmd.tp_plan_of(model)["blocks.*.fc"]) is ColwiseParallel
