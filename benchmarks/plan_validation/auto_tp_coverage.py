@@ -164,7 +164,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         replicated = "<br>".join(
             f"{_short(c.split(': ', 1)[0])} ({c.split(', replicated: ', 1)[1]})" for c in rep
         )
-        other = sorted({_short(re.sub(r"\.\d+\.", ".*.", w)) for w in uncovered(r.get("weights", []), r["choices"])})
+        bare = uncovered(r.get("weights", []), r["choices"])
+        other = sorted({_short(re.sub(r"\.\d+\.", ".*.", w)) for w in bare})
         err = r.get("error", "").replace("|", "/").replace("\n", " ")[:300]
         secs = f"{r['seconds']:.1f}" if "seconds" in r else "-"
         out.append(

@@ -171,7 +171,8 @@ def _within_groups(n: fx.Node, features: int) -> bool:
         return False
     last = xv.shape[-1]
     if n.target in (aten.native_layer_norm.default, aten.layer_norm.default):
-        dims: Any = [-1] if len(n.args) > 1 and len(n.args[1]) == 1 else None
+        shape = n.args[1] if len(n.args) > 1 else None
+        dims: Any = [-1] if isinstance(shape, (list, tuple)) and len(shape) == 1 else None
     else:
         dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
         if n.target is aten.linalg_vector_norm.default:
