@@ -97,8 +97,8 @@ def _short(names: str) -> str:
 
 
 def uncovered(weights: list[str], choices: list[str]) -> list[str]:
-    """Matrix parameters (2-D) in no candidate class: replicated without a line of their own (a
-    matmul whose output meets a norm or another matmul first, experts, routers)."""
+    """Matrix parameters (2-D, and 3-D experts) in no candidate class: replicated without a line
+    of their own (a matmul whose output meets a norm or another matmul first, experts, routers)."""
     pats = [p for c in choices for p in _names(c)]
     return [w for w in weights if not any(fnmatch.fnmatchcase(w, p) for p in pats)]
 
@@ -117,7 +117,7 @@ def build_one(name: str) -> dict[str, Any]:
         model, optim, idx, tgt = models.build_hf(dict(FAMILIES[name]), batch=BATCH, seq=SEQ)
         row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
         row["class"] = type(model).__name__
-        row["weights"] = [n for n, p in model.named_parameters() if p.dim() == 2]
+        row["weights"] = [n for n, p in model.named_parameters() if p.dim() >= 2]
         mode = spmd.DataParallel("fully_shard", tp_size=TP)
         step = spmd.compile(parallel_mode=mode)(models.causal_lm_step)
         report = spmd.simulate(step, model, optim, idx, tgt, world_size=WORLD)
