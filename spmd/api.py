@@ -317,12 +317,15 @@ class CompiledStep:
     def _choose_from_trace(self, step_args: step_inputs.StepArgs) -> None:
         """The mode's choice from the step traced on the undistributed model. With
         ``_trace_cache`` (``spmd.plan``'s copies of one model), the choice is made once per
-        trace and :meth:`~spmd.parallel.ParallelMode.choice_key` (the tp degree) and reused by
-        the other configurations: one trace and one DTensor check instead of one per
+        forward (mixed precision) and :meth:`~spmd.parallel.ParallelMode.choice_key` (the tp
+        degree) and reused by the other configurations: one trace and one DTensor check instead of one per
         configuration (an 80-layer 70B: about a minute each on 2 cores)."""
         mode, cache = self.parallel_mode, self._trace_cache
         mode_key = mode.choice_key()
-        key = ("choice", self._trace_key(step_args), mode_key)
+        # The choice reads the forward and the state's shapes: the trace key less
+        # accumulate_after_reduce (where backward accumulates gradients), so replicate and the
+        # sharded styles share it.
+        key = ("choice", repr(mode.trace_casts()), mode.trace_args(step_args) is step_args, mode_key)
         if cache is not None and mode_key is not None and key in cache:
             mode.reuse_choice(step_args.module, cache[key])
             return
