@@ -182,7 +182,19 @@ def hf_config(source: str | dict[str, Any]) -> Any:
     for k in ("architectures", "transformers_version", "torch_dtype", "dtype"):
         d.pop(k, None)  # weights' dtype: the plan's mixed precision decides compute dtypes
     d.setdefault("use_cache", False)
-    return AutoConfig.for_model(model_type, attn_implementation="sdpa", **d)
+    attention = d.pop("attn_implementation", None) or _attention(model_type)
+    return AutoConfig.for_model(model_type, attn_implementation=attention, **d)
+
+
+def _attention(model_type: str) -> str:
+    """``"sdpa"`` (one fused attention op in the graph), or ``"eager"`` for a causal LM whose
+    class has no sdpa path (Gemma 2: its attention logits are soft-capped; transformers refuses
+    to build it with sdpa)."""
+    from transformers.models.auto import modeling_auto
+
+    name = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    cls = getattr(_transformers(), name, None) if isinstance(name, str) else None
+    return "eager" if cls is not None and getattr(cls, "_supports_sdpa", True) is False else "sdpa"
 
 
 def causal_lm_step(

@@ -3,6 +3,8 @@
     python benchmarks/plan_validation/plan_profile.py --preset llama3.1-70b --world-size 1024 \
         --batch 2 --seq 8192 --mixed-precision bf16 --styles fully_shard \
         --prefetch 1 --min-unit-mb 1 --reshard true
+    python benchmarks/plan_validation/plan_profile.py --hf-config 70b-8-layers.json --world-size 1024 \
+        --batch 1 --seq 8192 --mixed-precision bf16 --remat full --tp 8 --tp-plan auto --exact
 
 Takes the model options of ``python -m spmd.plan`` and a narrowed search (default: one
 configuration, no remat), runs the plan under cProfile and prints the cumulative time of each
@@ -27,12 +29,15 @@ sys.path.insert(0, ROOT)
 STAGES: list[tuple[str, tuple[str, str]]] = [
     ("fake copy of the arguments", ("spmd/simulate/__init__.py", "fake_copy")),
     ("distribute the fake state (prepare)", ("spmd/parallel/data_parallel.py", "prepare")),
-    ("trace (make_fx)", ("spmd/tracing.py", "trace_step")),
-    ("copy of the cached trace", ("spmd/tracing.py", "copy_traced")),
+    ("trace (make_fx)", ("spmd/frontend/tracing.py", "trace_step")),
+    ("copy of the cached trace", ("spmd/frontend/tracing.py", "copy_traced")),
+    ("automatic tp placements (choose)", ("spmd/parallel/auto_tp.py", "choose")),
+    ("  of which the DTensor check", ("spmd/parallel/auto_tp_check.py", "dirty_nodes")),
+    ("tp expansion (expand_tp)", ("spmd/parallel/tensor_parallel.py", "expand_tp")),
     ("chunked loss head", ("spmd/pipeline.py", "chunk_loss")),
     ("remat", ("passes/remat.py", "rematerialize")),
     ("partition", ("spmd/parallel/data_parallel.py", "partition")),
-    ("copy of the cached partition", ("spmd/tracing.py", "copy_graph_module")),
+    ("copy of the cached partition", ("spmd/frontend/tracing.py", "copy_graph_module")),
     ("pass dedup_collectives", ("passes/dedup.py", "dedup_collectives")),
     ("pass assign_units", ("passes/units.py", "assign_units")),
     ("pass prefetch_all_gathers", ("passes/prefetch.py", "prefetch_all_gathers")),
@@ -47,9 +52,9 @@ STAGES: list[tuple[str, tuple[str, str]]] = [
     ("  of which GraphModule.recompile", ("torch/fx/graph_module.py", "recompile")),
     ("  of which Graph.lint", ("torch/fx/graph.py", "lint")),
     ("invariant checks (check_invariants)", ("passes/invariants.py", "check_invariants")),
-    ("final-graph check (collective buffers)", ("spmd/runtime.py", "check_final_graph")),
-    ("executable (make_executable)", ("spmd/runtime.py", "make_executable")),
-    ("memory estimate + report", ("spmd/report.py", "build_report")),
+    ("final-graph check (collective buffers)", ("spmd/backend/runtime.py", "check_final_graph")),
+    ("executable (make_executable)", ("spmd/backend/runtime.py", "make_executable")),
+    ("memory estimate + report", ("spmd/reporting/report.py", "build_report")),
     ("cost model", ("passes/cost_model.py", "estimate_step_time")),
 ]
 
@@ -83,6 +88,8 @@ def main() -> int:
     p.add_argument("--reshard", default="true")
     p.add_argument("--remat", default="none", help="remat policies, comma-separated (none, selective, full)")
     p.add_argument("--exact", action="store_true", help="no folded search: every row on the full model")
+    p.add_argument("--tp", default="", help="tp sizes searched, e.g. 8 or 1,2,4,8 (default: none)")
+    p.add_argument("--tp-plan", default="auto", help="with --tp: auto, llama or llama-sp")
     p.add_argument("--out", default=None, help="write the raw profile here")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("-v", "--verbose", action="store_true", help="log spmd's progress (each pass's time)")
@@ -96,6 +103,11 @@ def main() -> int:
     fn, (model, optim, idx, targets), mp = models.build_from_args(args)
     step = spmd.compile()(fn)
     remat = [None if r == "none" else r for r in args.remat.split(",")]
+    tp_kw = {}
+    if args.tp:
+        from spmd.plan.__main__ import default_tp_plan
+
+        tp_kw = {"tp_plan": default_tp_plan(args), "tp": tuple(int(x) for x in args.tp.split(","))}
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
@@ -114,6 +126,7 @@ def main() -> int:
         reshard=[x.strip().lower() == "true" for x in args.reshard.split(",")],
         remat=remat,
         exact=args.exact,
+        **tp_kw,
     )
     prof.disable()
     wall = time.perf_counter() - t0

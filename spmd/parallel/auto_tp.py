@@ -163,6 +163,12 @@ def chosen(module: nn.Module) -> AutoPlan | None:
     return _CHOSEN.get(module)
 
 
+def adopt(module: nn.Module, choice: AutoPlan) -> None:
+    """Remember ``choice``, made for a model of ``module``'s structure and the same tp degree, as
+    ``module``'s (``spmd.plan``'s copies of one model: one choice per trace and tp degree)."""
+    _CHOSEN[module] = choice
+
+
 def chosen_plan(module: nn.Module) -> dict[str, Any]:
     """The plan chosen for ``module``; a ConfigError naming the fix if none was chosen yet."""
     choice = _CHOSEN.get(module)
@@ -280,7 +286,7 @@ def choose(module: nn.Module, gm: fx.GraphModule, mesh: Any) -> AutoPlan:
         if not hit:
             break
         for i in hit:
-            node = next(n for r in classes[i] for n in _region_nodes(r) if n in bad)
+            node = _first(gm, {n for r in classes[i] for n in _region_nodes(r)} & bad)
             why_not[i] = (
                 f"DTensor redistributes inside it (at {node.target} in {node.meta.get(MODULE) or '<root>'!r})"
             )
@@ -363,6 +369,12 @@ def _sequence(
 
 def _divides(r: Region, shapes: dict[str, tuple[int, ...]], tp: int) -> bool:
     return all(shapes[p][d] % tp == 0 for p, d in r.params().items())
+
+
+def _first(gm: fx.GraphModule, nodes: set[fx.Node]) -> fx.Node:
+    """The first of ``nodes`` in graph order: the redistribution a reason names is the one that
+    caused the rest (a set's order would name any of them)."""
+    return next(n for n in gm.graph.nodes if n in nodes)
 
 
 def _region_nodes(r: Region) -> set[fx.Node]:

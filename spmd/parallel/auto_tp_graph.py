@@ -135,6 +135,8 @@ def _flow(mat: fx.Node, mats: dict[fx.Node, _Mat]) -> tuple[set[fx.Node], set[fx
     flow: set[fx.Node] = set()
     consumers: set[fx.Node] = set()
     loss = stopped = False
+    out = mat.meta.get("val")
+    features = out.shape[-1] if isinstance(out, torch.Tensor) and out.dim() else 0
     todo = [mat]
     while todo:
         n = todo.pop()
@@ -146,7 +148,7 @@ def _flow(mat: fx.Node, mats: dict[fx.Node, _Mat]) -> tuple[set[fx.Node], set[fx
                 continue  # saved for backward
             if u in mats and mats[u].act is n:
                 consumers.add(u)
-            elif u in mats or u.target in _STOPS:
+            elif u in mats or (u.target in _STOPS and not _within_groups(u, features)):
                 stopped = True
             elif u.target in _LOSS:
                 loss = True
@@ -154,6 +156,30 @@ def _flow(mat: fx.Node, mats: dict[fx.Node, _Mat]) -> tuple[set[fx.Node], set[fx
                 flow.add(u)
                 todo.append(u)
     return flow, consumers, loss, stopped
+
+
+def _within_groups(n: fx.Node, features: int) -> bool:
+    """Whether reduction or norm ``n`` mixes only within groups of a matmul's ``features``: it
+    reduces the last dimension alone, and that dimension is a proper divisor of ``features``
+    (the output viewed as heads x head_dim, normalised per head: Qwen3's and Gemma 3's q/k
+    norms). A column split into whole heads leaves each group on one rank; whether the split
+    does is DTensor's to say (:mod:`spmd.parallel.auto_tp_check` runs the flow). A norm over
+    all the features (OLMo 2's q/k norms) still stops the flow."""
+    x = n.args[0] if n.args else None
+    xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(xv, torch.Tensor) or xv.dim() == 0:
+        return False
+    last = xv.shape[-1]
+    if n.target in (aten.native_layer_norm.default, aten.layer_norm.default):
+        shape = n.args[1] if len(n.args) > 1 else None
+        dims: Any = [-1] if isinstance(shape, (list, tuple)) and len(shape) == 1 else None
+    else:
+        dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        if n.target is aten.linalg_vector_norm.default:
+            dims = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim")
+    if not isinstance(dims, (list, tuple)) or len(dims) != 1 or not isinstance(dims[0], int):
+        return False
+    return dims[0] % xv.dim() == xv.dim() - 1 and 1 < last < features and features % last == 0
 
 
 def _from_batch(ids: Any) -> bool:

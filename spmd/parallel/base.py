@@ -35,9 +35,20 @@ class ParallelMode(abc.ABC):
         :meth:`choose_from_trace`."""
         return False
 
-    def choose_from_trace(self, module: nn.Module, gm: fx.GraphModule) -> None:
+    def choose_from_trace(self, module: nn.Module, gm: fx.GraphModule) -> Any:
         """Make the choices ``prepare`` needs from ``gm``, the step traced on the undistributed
-        model (single-device semantics)."""
+        model (single-device semantics); returns the choice (for :meth:`reuse_choice`)."""
+        return None
+
+    def choice_key(self) -> Hashable | None:
+        """What :meth:`choose_from_trace`'s choice depends on besides the trace and the model's
+        structure (None: never reused). ``spmd.plan`` lowers many configurations of copies of one
+        model: those with equal keys and equal traces reuse the first one's choice."""
+        return None
+
+    def reuse_choice(self, module: nn.Module, choice: Any) -> None:
+        """Adopt for ``module`` a ``choice`` :meth:`choose_from_trace` made for a model of the
+        same structure, with the same :meth:`choice_key` and trace."""
         return None
 
     @abc.abstractmethod

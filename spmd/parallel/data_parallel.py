@@ -215,10 +215,22 @@ class DataParallel(ParallelMode):
         auto_tp.check_traceable(module)
         return not all(isinstance(p, sharding.DTensor) for p in module.parameters())
 
-    def choose_from_trace(self, module: nn.Module, gm: fx.GraphModule) -> None:
+    def choose_from_trace(self, module: nn.Module, gm: fx.GraphModule) -> auto_tp.AutoPlan:
         mesh = self._mesh(module)
         plan.check_mesh(mesh, self.parallel_style)
-        auto_tp.choose(module, gm, mesh)
+        return auto_tp.choose(module, gm, mesh)
+
+    def choice_key(self) -> Hashable | None:
+        # The choice reads the tp degree and the trace; the data dimensions do not enter it.
+        if self.tp_plan != AUTO:
+            return None
+        mesh = self.mesh
+        tp = mesh.size(plan.tp_dim(mesh)) if mesh is not None else self.tp_size
+        return ("auto_tp", tp)
+
+    def reuse_choice(self, module: nn.Module, choice: Any) -> None:
+        plan.check_mesh(self._mesh(module), self.parallel_style)
+        auto_tp.adopt(module, choice)
 
     def trace_casts(self) -> ComputeCasts | None:
         return self.mixed_precision.compute_casts() if self.mixed_precision is not None else None

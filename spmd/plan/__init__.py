@@ -319,8 +319,10 @@ def plan(
             policies when ``spmd.compile`` has the option, else none).
         tp_plan: a tensor-parallel plan (``DataParallel(tp_plan=...)``, e.g.
             ``spmd.parallel.tp_plans.llama()``): the search adds each size of ``tp`` above 1 on a
-            ``(dp_shard, tp)`` mesh of consecutive ranks per tp group. The arguments are rank 0's
-            batch without tensor parallelism: a tp group's data rank gets ``tp`` times it (the
+            ``(dp_shard, tp)`` mesh of consecutive ranks per tp group (hybrid_shard on a
+            ``(dp_replicate, dp_shard, tp)`` mesh where a node holds two tp groups or more).
+            The arguments are rank 0's batch without tensor parallelism: a tp group's data rank
+            gets ``tp`` times it (the
             same global batch and tokens per GPU). A :class:`NamedPlan` writes itself as its
             code in the expressions; any other plan as ``tp_plan``, the variable to define.
             ``"auto"``: automatic placements (``DataParallel(style, tp_size=t, tp_plan="auto")``,

@@ -124,8 +124,10 @@ def configurations(
 ) -> list[dict[str, Any]]:
     """The DataParallel keyword sets to try (see the module docstring): with ``tp_plan``, each
     tensor-parallel size of ``tp`` above 1 adds the replicate and fully_shard configurations on
-    a ``(data, tp)`` mesh (hybrid_shard, a 3-D mesh, is not searched with tp). ``tp_plan="auto"``:
-    automatic placements, chosen while each such configuration lowers."""
+    a ``(data, tp)`` mesh, and hybrid_shard's on a ``(dp_replicate, dp_shard, tp)`` mesh where a
+    node holds at least two tp groups (``dp_shard`` = ``gpus_per_node // tp`` >= 2: with one, it
+    is replicate's). ``tp_plan="auto"``: automatic placements, chosen while each configuration
+    lowers."""
     out = _data_configurations(
         world_size=world_size,
         gpus_per_node=gpus_per_node,
@@ -145,7 +147,7 @@ def configurations(
             world_size=world_size,
             gpus_per_node=gpus_per_node,
             mixed_precision=mixed_precision,
-            styles=[s for s in styles if s != "hybrid_shard"],
+            styles=[s for s in styles if s != "hybrid_shard" or _hybrid_with_tp(gpus_per_node, t)],
             prefetch=prefetch,
             min_unit_mb=min_unit_mb,
             reshard=reshard,
@@ -154,6 +156,12 @@ def configurations(
             remat_opt = {"remat": opts.pop("remat")} if "remat" in opts else {}
             out.append({**opts, "tp_size": t, "tp_plan": tp_plan, **remat_opt})
     return out
+
+
+def _hybrid_with_tp(gpus_per_node: int, tp: int) -> bool:
+    """Whether hybrid_shard x tp has a data-sharding dimension: ``gpus_per_node // tp`` >= 2
+    ranks shard within a node (:func:`spmd.parallel.plan.hybrid_mesh_shape`'s node)."""
+    return gpus_per_node % tp == 0 and gpus_per_node // tp >= 2
 
 
 def _data_configurations(

@@ -129,6 +129,49 @@ def test_gpt2_conv1d_and_fused_qkv() -> None:
     assert not attn.sharded and "aten.split" in attn.why
 
 
+def test_per_head_qk_norms_keep_attention_split() -> None:
+    """Qwen3 (and Gemma 3) normalise q and k per head (an RMSNorm over head_dim after the view
+    into heads): the norm's mean reduces within one head, so a column split into whole heads
+    stays on its rank and q/k/v -> o is one clean region. A norm over all the projection's
+    features (OLMo 2's q/k norm) still stops the flow: those projections are no candidates."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with fake_process_group(2):
+        choice = _choose(tf.Qwen3ForCausalLM(tf.Qwen3Config(**common)), 2)
+        olmo2 = _choose(tf.Olmo2ForCausalLM(tf.Olmo2Config(**common)), 2)
+    assert choice.placements["model.layers.0.self_attn.q_proj.weight"] == Shard(0)
+    assert choice.placements["model.layers.1.self_attn.k_proj.weight"] == Shard(0)
+    assert type(choice.plan["model.layers.*.self_attn.q_proj"]) is ColwiseParallel
+    assert "model.layers.0.self_attn.q_proj.weight" not in olmo2.placements
+    assert olmo2.placements["model.layers.0.self_attn.v_proj.weight"] == Shard(0)
+
+
+def test_gemma2_builds_with_eager_attention() -> None:
+    """Gemma 2 has no sdpa path in transformers (soft-capped attention logits): a config built by
+    spmd.models.hf_config asks for eager attention for it (sdpa for the others), and its
+    attention and MLP split like Llama's."""
+    from spmd import models
+
+    cfg = {
+        "model_type": "gemma2", "vocab_size": V, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "max_position_embeddings": 32, "sliding_window": 8,
+    }  # fmt: skip
+    assert models.hf_config(cfg)._attn_implementation == "eager"
+    assert models.hf_config({**cfg, "model_type": "llama"})._attn_implementation == "sdpa"
+    torch.manual_seed(0)
+    model = models.build_hf(cfg, batch=2, seq=8, fake=False)[0]
+    with fake_process_group(2):
+        choice = _choose(model, 2)
+    assert choice.placements["model.layers.0.self_attn.q_proj.weight"] == Shard(0)
+    assert choice.placements["model.layers.0.mlp.down_proj.weight"] == Shard(1)
+
+
 def test_dtensor_check_replicates_what_would_redistribute() -> None:
     """tp 4 with 2 key/value heads: k_proj and v_proj split into half heads, so DTensor must
     redistribute inside attention: the attention class replicates (the reason names the op and

@@ -90,3 +90,28 @@ def test_command_line_picks_auto_placements_outside_the_llama_family() -> None:
         repr(default_tp_plan(_args(hf_config=mixtral))) == "tp_plans.llama(mlp=False, sequence_parallel=True)"
     )
     assert repr(default_tp_plan(_args(hf_config=mixtral, tp_plan="llama"))) == "tp_plans.llama(mlp=False)"
+
+
+def test_one_choice_per_trace_and_tp_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two configurations that partition differently (replicate, fully_shard) but run the same
+    forward at one tp size: the placements are chosen once and the second row reuses the choice
+    (no second undistributed trace and DTensor check); both rows show the same choice."""
+    from spmd.parallel import auto_tp
+
+    calls = []
+    real = auto_tp.choose
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(auto_tp, "choose", counting)
+    p = plan(
+        spmd.compile()(models.train_step),
+        *models.build("tiny", batch=2, fake=True),
+        world_size=W, device="h100-80gb", styles=("replicate", "fully_shard"), prefetch=(1,),
+        min_unit_mb=(1.0,), reshard=(True,), remat=(None,), tp_plan="auto", tp=(2,), exact=True,
+    )  # fmt: skip
+    tp_rows = [r for r in p.rows if r.options.get("tp_size") == 2]
+    assert len(tp_rows) == 2 and len(calls) == 1
+    assert tp_rows[0].tp_choices == tp_rows[1].tp_choices and tp_rows[0].tp_choices

@@ -140,3 +140,27 @@ def test_full_remat_recomputes_the_forward_with_its_tp_layouts() -> None:
     # vocabulary-parallel loss head's [tokens, 1] statistics; nothing else is added.
     extra = sum(tp_bytes["full"].values()) - sum(tp_bytes[None].values())
     assert extra == 2 * (2 * 64 * 256 * 4) + 2 * 64 * 4
+
+
+def test_hybrid_shard_joins_the_tp_search_on_a_3d_mesh() -> None:
+    """16 ranks on nodes of 8: hybrid_shard x tp 2 is searched on a (dp_replicate 2, dp_shard 4,
+    tp 2) mesh, its bytes split over the three dimensions; at tp 8 a node holds one tp group
+    (dp_shard 1, replicate's row): no hybrid_shard row."""
+    from spmd.plan.space import configurations
+
+    p = plan(
+        spmd.compile()(models.train_step),
+        *models.build("tiny", batch=2, fake=True),
+        world_size=16, device="h100-80gb", gpus_per_node=8, styles=("hybrid_shard",), prefetch=(1,),
+        remat=(None,), tp_plan=NamedPlan(tp_plans.gpt(), "tp_plans.gpt()"), tp=(2,), exact=True,
+    )  # fmt: skip
+    row = next(r for r in p.rows if r.options.get("tp_size") == 2)
+    assert row.options["parallel_style"] == "hybrid_shard"
+    assert row.mesh == "dp_replicate 2 x dp_shard 4 x tp 2"
+    assert set(row.comm_bytes_by_dim) == {"dp_replicate", "dp_shard", "tp"}
+    assert "DataParallel('hybrid_shard', tp_size=2," in row.expression
+    at8 = configurations(
+        world_size=64, gpus_per_node=8, mixed_precision=None, styles=("hybrid_shard",), prefetch=(1,),
+        min_unit_mb=(1.0,), reshard=(True,), remat=(), tp_plan="auto", tp=(2, 8),
+    )  # fmt: skip
+    assert sorted(o.get("tp_size", 1) for o in at8) == [1, 2]

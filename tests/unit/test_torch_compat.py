@@ -28,6 +28,7 @@ NOT_TORCH = {
     "_inst": "random._inst",
     "_rand": "numpy.random.mtrand._rand",
     "_experts_implementation": "a transformers config field",
+    "_supports_sdpa": "a transformers model class attribute (spmd.models: eager where it is False)",
 }
 
 # Attributes that only instances carry: an instance to look them up on.
