@@ -94,18 +94,6 @@ def _identity_root(n: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     return x, chain
 
 
-def _keeps_name(user: fx.Node) -> bool:
-    """Whether ``user`` needs its input to stay the node it is: the output (the caller may hold
-    the object), a split optimizer call, or a tag or tag-clone that one reads through
-    (``untagged_name``; ``optimizer-split`` compares the names it recorded)."""
-    return (
-        user.op == "output"
-        or _SPLIT_OF in user.meta
-        or user.target is TAG_GRAD
-        or bool(user.meta.get(CLONED_TAG))
-    )
-
-
 def fold_view_chains(gm: fx.GraphModule) -> fx.GraphModule:
     """Replace ``detach(x)`` and ``t(t(x))`` (and chains of them) by ``x``.
 
@@ -118,8 +106,7 @@ def fold_view_chains(gm: fx.GraphModule) -> fx.GraphModule:
     without grad, so ``detach``'s ``requires_grad=False`` changes nothing either.
 
     Kept: a view the graph returns (the caller may hold the object), a view written in place, a
-    view read by a split optimizer call or through a gradient tag or its clone (the split's record
-    names its inputs: ``optimizer-split``), and
+    view read by a split optimizer call (its record names its inputs: ``optimizer-split``), and
     a view that carries the gradient role (``spmd_role`` GRAD, found by later passes and the report)
     unless its input is used by nothing else (then the input takes the view's ``spmd_*`` metadata,
     as ``strip_grad_tag`` does). Run after ``strip_grad_tags`` (the tags sit between a gradient's
@@ -130,7 +117,7 @@ def fold_view_chains(gm: fx.GraphModule) -> fx.GraphModule:
         if n.op != "call_function" or n in erased:
             continue
         root, chain = _identity_root(n)
-        if not chain or any(_keeps_name(u) for u in n.users):
+        if not chain or any(u.op == "output" or _SPLIT_OF in u.meta for u in n.users):
             continue
         if any(is_mutated(c) for c in chain):
             continue
