@@ -18,7 +18,7 @@ from passes import torch_compat
 from passes.async_tp import pipeline_tp_collectives
 from passes.bucketing import bucket_collectives
 from passes.chunked_loss import chunk_loss_heads
-from passes.cleanup import fold_view_chains, strip_grad_tags
+from passes.cleanup import strip_grad_tags
 from passes.cross_step import carry_first_gathers
 from passes.dedup import dedup_collectives
 from passes.driver import NamedPass, run_passes
@@ -180,12 +180,6 @@ def build_pipeline(
             name="strip_grad_tags",
             fn=strip_grad_tags,
             reason="last: the partitioner and the passes before it find gradients by their tags",
-        ),
-        NamedPass(
-            name="fold_view_chains",
-            fn=fold_view_chains,
-            reason="after strip_grad_tags (a tag sits between a gradient's detach and its readers): drops "
-            "the detach and t(t(x)) views autograd's trace leaves, a Python call and a tensor each per step",
         ),
     ]
     if inplace_collectives:
