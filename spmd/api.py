@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 
 from passes.stages import Stages
 from spmd.backend.carry import CarriedGathers
@@ -43,10 +42,9 @@ from spmd.frontend import optim as optim_utils
 from spmd.frontend.data_checks import data_checks_collective
 from spmd.frontend.signature import same_trace, signature
 from spmd.options import OPTIONS, check_chunked_loss
-from spmd.override import Override
+from spmd.override import Override, apply_overrides
 from spmd.parallel import DataParallel, ParallelMode
 from spmd.parallel.agreement import check_rank_agreement
-from spmd.parallel.base import OVERRIDE_PLACEMENTS
 from spmd.parallel.sharding import local
 from spmd.pipeline import backend_pipeline, build_trace_pipeline, check_remat, chunk_loss
 from spmd.reporting.dump import dump_entry
@@ -263,7 +261,7 @@ class CompiledStep:
     def _entry(self, step_args: step_inputs.StepArgs) -> _Entry:
         module, optimizer = step_args.module, step_args.optimizer
         if id(module) not in self._overridden:
-            self._apply_overrides(module)
+            apply_overrides(self.module_override, module)
             self._overridden.add(id(module))
         if self.parallel_mode.needs_trace_before_prepare(module):
             self._choose_from_trace(step_args)
@@ -321,27 +319,6 @@ class CompiledStep:
             stack_traces=self._stack_traces,
         )
         return traced.gm
-
-    def _apply_overrides(self, module: nn.Module) -> None:
-        if not self.module_override:
-            return
-
-        def swap(prefix: str, parent: nn.Module) -> None:
-            for name, child in list(parent.named_children()):
-                fqn = f"{prefix}.{name}" if prefix else name
-                new = child
-                for o in self.module_override:
-                    new = o.replacement(fqn, new)
-                if new is child:
-                    swap(fqn, child)
-                else:
-                    log.info("Override: %s (%s) -> %s", fqn, type(child).__name__, type(new).__name__)
-                    declared = [pl for o in self.module_override if (pl := o.placements(fqn)) is not None]
-                    if declared:
-                        setattr(new, OVERRIDE_PLACEMENTS, declared[0])
-                    setattr(parent, name, new)
-
-        swap("", module)
 
     def _compile(self, step_args: step_inputs.StepArgs) -> tuple[_Entry, Hashable]:
         if self.num_graphs >= self.cache_size_limit:

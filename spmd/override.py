@@ -4,11 +4,17 @@ partitioned graph (the old ``torch.distributed._spmd`` API's ``Override``)."""
 from __future__ import annotations
 
 import abc
+import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+
+from spmd.parallel.base import OVERRIDE_PLACEMENTS
+
+log = logging.getLogger("spmd")
 
 
 class Override(abc.ABC):
@@ -39,3 +45,27 @@ class Override(abc.ABC):
         need no DTensor sharding rule. Without, the stand-in is expanded op by op.
         """
         return None
+
+
+def apply_overrides(overrides: Sequence[Override], module: nn.Module) -> None:
+    """Ask every override about every submodule of ``module`` (by fully qualified name, parents
+    first) and swap in the stand-ins it returns, with their declared placements (in place)."""
+    if not overrides:
+        return
+
+    def swap(prefix: str, parent: nn.Module) -> None:
+        for name, child in list(parent.named_children()):
+            fqn = f"{prefix}.{name}" if prefix else name
+            new = child
+            for o in overrides:
+                new = o.replacement(fqn, new)
+            if new is child:
+                swap(fqn, child)
+            else:
+                log.info("Override: %s (%s) -> %s", fqn, type(child).__name__, type(new).__name__)
+                declared = [pl for o in overrides if (pl := o.placements(fqn)) is not None]
+                if declared:
+                    setattr(new, OVERRIDE_PLACEMENTS, declared[0])
+                setattr(parent, name, new)
+
+    swap("", module)
