@@ -17,7 +17,7 @@ from typing import Any
 
 import spmd
 from spmd import models
-from spmd.plan import NamedPlan, plan
+from spmd.plan import REFINE, NamedPlan, plan
 
 # Hugging Face model types with Llama's module names (spmd.parallel.tp_plans.llama), and the plan
 # the command line searches tensor parallelism with for them (Mixtral: experts replicated over tp).
@@ -109,7 +109,21 @@ def main(argv: list[str] | None = None) -> int:
         "--exact",
         action="store_true",
         help="lower every configuration on the full model (default: a model of identical blocks is "
-        "searched on copies with 3 and 6 blocks, extrapolated, and the best row lowered exactly)",
+        "searched on copies with 3 and 6 blocks and extrapolated; see --confirm)",
+    )
+    p.add_argument(
+        "--refine",
+        type=int,
+        default=REFINE,
+        help=f"search the pass options (prefetch, unit size) of this many of the best partitionings "
+        f"(default {REFINE}; 0: every configuration)",
+    )
+    p.add_argument(
+        "--confirm",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="lower the best folded row on the full model: auto (when that costs at most the "
+        "search's own time), yes, no",
     )
     p.add_argument(
         "--tp",
@@ -155,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         tp=args.tp,
         efficiency=args.efficiency,
         exact=args.exact,
+        refine=args.refine or None,
+        confirm={"auto": None, "yes": True, "no": False}[args.confirm],
     )
     print(result.to_json() if args.json else result)
     return 0

@@ -242,11 +242,17 @@ def same_site(a: tuple[str, str], b: tuple[str, str], path: str, l1: int, l2: in
 
 
 def confirm(
-    rows: list[Any], budget: int | None, margin: float, exact: Any, linear: tuple[str, ...]
+    rows: list[Any],
+    budget: int | None,
+    margin: float,
+    exact: Any,
+    linear: tuple[str, ...],
+    affordable: Any = lambda r: True,
 ) -> list[Any]:
     """Lower exactly the rows a folded search could get wrong: those whose extrapolated peak is
     within ``margin`` of the budget (fits or not could flip), then the best row, again until the
-    best row is an exact one."""
+    best row is an exact one. Only rows ``affordable(row)`` says to: the others keep their
+    extrapolation (``exact=False``)."""
 
     def key(r: Any) -> tuple[bool, float, int]:
         return (budget is not None and r.peak_bytes > budget, r.step_s, r.peak_bytes)
@@ -259,9 +265,11 @@ def confirm(
 
     rows = list(rows)
     if budget is not None:
-        rows = [redo(r) if abs(r.peak_bytes - budget) <= margin * budget else r for r in rows]
+        rows = [
+            redo(r) if abs(r.peak_bytes - budget) <= margin * budget and affordable(r) else r for r in rows
+        ]
     rows.sort(key=key)
-    while not rows[0].exact:
+    while not rows[0].exact and affordable(rows[0]):
         rows[0] = redo(rows[0])
         rows.sort(key=key)
     return rows

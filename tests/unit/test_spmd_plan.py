@@ -42,6 +42,7 @@ def tiny_plan() -> spmd.Plan:
         prefetch=(0, 1),
         min_unit_mb=(1.0,),
         remat=(None, "selective"),
+        refine=None,  # every configuration of the grid
     )
 
 
@@ -295,12 +296,14 @@ def test_the_folded_rows_lowered_exactly_are_the_best_and_those_near_the_budget(
     assert not out[3].exact
 
 
-def test_a_peak_that_moves_between_the_copies_is_lowered_exactly() -> None:
+def test_a_peak_that_moves_between_the_copies_is_extrapolated_from_deeper_ones() -> None:
     """Extrapolation through two copies holds only where both peaks are the same point of the step.
     Llama 3.1 70B shapes at 1,024 ranks, fully_shard, prefetch 0, selective remat (before the
     reductions were issued as gradients are made): the 3-block copy peaked late in backward
     (block 1), the 6-block copy early (block 5, the first backward block), and the extrapolated
-    171 GiB was 232 GiB exactly. Here a stand-in lowering gives such peak sites."""
+    171 GiB was 232 GiB exactly. A third copy as much deeper again, peaking where the longer one
+    does, gives that peak's growth; else the full model is lowered. Here a stand-in lowering gives
+    such peak sites."""
     path = "model.layers"
     assert fold.same_site(("backward", "model.layers.2.mlp"), ("backward", "model.layers.5.mlp"), path, 3, 6)
     assert fold.same_site(("backward", "model.layers.1.mlp"), ("backward", "model.layers.1.attn"), path, 3, 6)
@@ -318,7 +321,12 @@ def test_a_peak_that_moves_between_the_copies_is_lowered_exactly() -> None:
         return dataclasses.replace(row, peak_site=sites.get(depth or 0, ("", "")), exact=depth is None)
 
     rows = _folded_search([{"parallel_style": "fully_shard"}], fold.Layers(path, 80), (3, 6), lower, 1)
-    assert asked == [3, 6, None] and rows[0].exact and rows[0].peak_bytes == 800
+    # a third copy (9 blocks) peaks elsewhere again: the full model is lowered
+    assert asked == [3, 6, 9, None] and rows[0].exact and rows[0].peak_bytes == 800
+    sites[9] = ("backward", "model.layers.8.mlp")  # the first backward block, as in 6: from 6 and 9
+    asked.clear()
+    rows = _folded_search([{"parallel_style": "fully_shard"}], fold.Layers(path, 80), (3, 6), lower, 1)
+    assert asked == [3, 6, 9] and not rows[0].exact and rows[0].peak_bytes == 800
     sites[3] = ("backward", "model.layers.2.mlp")  # the first backward block in both: extrapolated
     asked.clear()
     rows = _folded_search([{"parallel_style": "fully_shard"}], fold.Layers(path, 80), (3, 6), lower, 1)
