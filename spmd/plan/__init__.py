@@ -57,7 +57,8 @@ from spmd.errors import ConfigError, SpmdError
 from spmd.frontend import step_inputs
 from spmd.parallel import DataParallel, MixedPrecision
 from spmd.parallel.auto_tp import AUTO
-from spmd.plan import bounds, fold
+from spmd.plan import fold, search
+from spmd.plan.search import REFINE
 from spmd.plan.space import (
     NamedPlan,
     _label,
@@ -84,8 +85,9 @@ _GiB = 2**30
 FOLD_DEPTHS = (3, 6)
 # An extrapolated peak this close to the budget (a fraction of it) is checked exactly.
 FOLD_MARGIN = 0.05
-# Partitionings whose pass options (prefetch depth, min_unit_mb) are searched in full.
-REFINE = 2
+# confirm=None lowers the best folded row on the full model up to this many blocks (Llama 3.1
+# 8B's 32; 70B's 80 blocks take 2-5 minutes a row here, more than the whole folded search).
+CONFIRM_BLOCKS = 32
 
 
 @dataclasses.dataclass
@@ -151,7 +153,8 @@ class Plan:
     # state alone is over the budget: (label, why)
     skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     # configurations of the grid not lowered: pass options of a partitioning outside the
-    # ``refine`` best (plan(refine=None) lowers them all)
+    # ``refine`` best of each tp size, or remat policies past one that fits (refine=None lowers
+    # them all)
     unsearched: int = 0
     refine: int | None = None
     # rows a folded search left extrapolated that confirm=None would have lowered on the full
@@ -235,11 +238,11 @@ class Plan:
         if self.skipped:
             lines.append(
                 f"not lowered, over the budget on their state alone: {len(self.skipped)} "
-                f"configuration(s): {_skipped_words(self.skipped)}"
+                f"configuration(s): {search.skipped_words(self.skipped)}"
             )
         if self.unsearched:
             lines.append(
-                f"pass options searched for the {self.refine} best partitioning(s) only: "
+                f"pass options searched for the {self.refine} best partitioning(s) of each tp size only: "
                 f"{self.unsearched} configuration(s) not lowered (refine=None lowers every one)"
             )
         for label, est in self.unconfirmed:
@@ -250,17 +253,6 @@ class Plan:
                 break
         lines.append(f"best: {self.best.code}")
         return "\n".join(lines)
-
-
-def _skipped_words(skipped: list[tuple[str, str]]) -> str:
-    """``skipped`` (label, why) in a few words: the count per style and the least need."""
-    styles: dict[str, int] = {}
-    for label, _ in skipped:
-        style = label.split(",", 1)[0]
-        styles[style] = styles.get(style, 0) + 1
-    least = min(skipped, key=lambda lw: float(lw[1].split(" need ")[-1].split()[0]))
-    counts = ", ".join(f"{k} ({n})" for k, n in styles.items())
-    return f"{counts}; the least: {least[0]}: {least[1]}"
 
 
 def _scaled_batch(example_args: tuple[Any, ...], kwargs: dict[str, Any], tp: int) -> tuple[Any, Any]:
@@ -334,6 +326,7 @@ def plan(
     fold_margin: float = FOLD_MARGIN,
     refine: int | None = REFINE,
     confirm: bool | None = None,
+    jobs: int = 1,
     step_kwargs: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> Plan:
@@ -380,12 +373,15 @@ def plan(
             checked exactly.
         refine: configurations that differ only in pass options (prefetch depth, ``min_unit_mb``)
             partition alike; each such group is lowered once with DataParallel's defaults, and
-            the pass options searched (one axis at a time) in the ``refine`` best groups only
-            (default 2). ``None``: every configuration lowered.
+            the pass options searched (one axis at a time) in the ``refine`` best groups of each
+            tensor-parallel size only (default 1); the remat policies of a partitioning are tried
+            from the least recompute until one fits. ``None``: every configuration lowered.
         confirm: lower the best row and the rows near the budget on the full model after a
-            folded search: ``True`` always, ``False`` never, ``None`` (default) where that is
-            estimated to take at most as long as the search before it did (the table says when
-            not, and what it would cost).
+            folded search: ``True`` always, ``False`` never, ``None`` (default) for a model of
+            at most ``CONFIRM_BLOCKS`` (32) blocks (the table says when the best row was not,
+            and about what it would cost).
+        jobs: processes to search in (forked from this one; the grid split by tensor-parallel
+            size; the same rows as one process). The command line's default: the cores here.
     """
     t_start = time.perf_counter()
     kwargs = step_keywords(
@@ -414,7 +410,8 @@ def plan(
     if not configs:
         raise ConfigError(f"spmd.plan: no configuration to try with styles={list(styles)!r}.")
     layers = None if exact else _foldable(train_step, example_args, kwargs, fold_depths)
-    configs, skipped = _within_budget(configs, example_args, kwargs, budget, world_size, prof.gpus_per_node)
+    gpn = prof.gpus_per_node
+    configs, skipped = search.within_budget(configs, example_args, kwargs, budget, world_size, gpn)
     if not configs:
         raise ConfigError(
             f"spmd.plan: no configuration fits {(budget or 0) / _GiB:.1f} GiB per rank: "
@@ -467,7 +464,7 @@ def plan(
                     after_copy=lambda a, kw: fold.set_config_depth(a, kw, layers.count, depth),
                 )
 
-            def search(batch: list[dict[str, Any]]) -> list[PlanRow]:
+            def lower_all(batch: list[dict[str, Any]]) -> list[PlanRow]:
                 # A configuration spmd cannot lower is left out of the table and named under it.
                 out: list[PlanRow] = []
                 for opts in batch:
@@ -475,14 +472,27 @@ def plan(
                         if layers is None:
                             out.append(lower(opts, None))
                         else:
-                            out += _folded_search([opts], layers, fold_depths, lower, tokens)
+                            out += fold.folded_search([opts], layers, fold_depths, lower, tokens)
                     except SpmdError as e:
                         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                         log.warning("spmd.plan: %s: not lowered: %s", _label(opts), first)
                         failed.append((_label(opts), first))
                 return out
 
-            rows = _refined_search(configs, search, budget, refine)
+            def share_of(part: list[dict[str, Any]]) -> Any:
+                def run() -> tuple[list[PlanRow], list[tuple[str, str]], dict[tuple[int, int], float]]:
+                    return search.refined_search(part, lower_all, budget, refine), list(failed), dict(cold)
+
+                return run
+
+            parts = search.shares(configs, jobs)
+            if len(parts) > 1:
+                log.info("spmd.plan: searching in %d processes", len(parts))
+            rows = []
+            for got, why, times in search.in_processes([share_of(part) for part in parts]):
+                rows += got
+                failed[:] = list(dict.fromkeys([*failed, *why]))
+                cold.update({k: v for k, v in times.items() if k not in cold})
             if not rows:
                 raise ConfigError(
                     "spmd.plan: no configuration could be lowered: "
@@ -490,19 +500,18 @@ def plan(
                     + ". Narrow the search to configurations that lower (styles=, remat=, tp=)."
                 )
             if layers is not None:
-                searched_s = time.perf_counter() - t_start
 
                 def affordable(r: PlanRow) -> bool:
-                    # the full model's lowering, estimated from the deeper copy's first (cold) one
-                    t = int(r.options.get("tp_size") or 1)
-                    est = cold.get((fold_depths[1], t), 0.0) * layers.count / fold_depths[1]
-                    ok = confirm is True or (confirm is None and est <= searched_s)
+                    ok = confirm is True or (confirm is None and layers.count <= CONFIRM_BLOCKS)
                     if not ok:
+                        # the full model's lowering, estimated from the deeper copy's first one
+                        t = int(r.options.get("tp_size") or 1)
+                        est = cold.get((fold_depths[1], t), 0.0) * layers.count / fold_depths[1]
                         unconfirmed.append((r.label, est))
                     return ok
 
                 rows = fold.confirm(
-                    rows, budget, fold_margin, lambda r: lower(r.options, None), _LINEAR, affordable
+                    rows, budget, fold_margin, lambda r: lower(r.options, None), fold.LINEAR, affordable
                 )
     finally:
         if saved_local is None:
@@ -553,178 +562,6 @@ def _foldable(
             "spmd.plan: folded search on %d and %d of the %d blocks of %s", l1, l2, layers.count, layers.path
         )
     return layers
-
-
-def _within_budget(
-    configs: list[dict[str, Any]],
-    example_args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    budget: int | None,
-    world: int,
-    gpus_per_node: int,
-) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
-    """The configurations whose share of parameters and optimizer state fits ``budget``, and the
-    others as (label, why) (:mod:`spmd.plan.bounds`: known without lowering)."""
-    if budget is None:
-        return configs, []
-    split = step_inputs.split_args(example_args, kwargs)
-    total = bounds.state_bytes(split.module, split.optimizer)
-    keep, skipped = [], []
-    for opts in configs:
-        gathered = bounds.gathered_bytes(split.module, opts)
-        need = bounds.floor_bytes(total, opts, world, gpus_per_node, gathered)
-        if need > budget:
-            what = "parameters and optimizer state" + (" and gathered parameters" if gathered else "")
-            skipped.append((_label(opts), f"{what} alone need {need / _GiB:.1f} GiB per rank"))
-        else:
-            keep.append(opts)
-    if skipped:
-        log.info("spmd.plan: %d configurations over the budget on state alone: not lowered", len(skipped))
-    return keep, skipped
-
-
-def _group_key(opts: dict[str, Any]) -> str:
-    """Configurations with one key partition alike: they differ only in pass options."""
-    return repr(sorted((k, repr(v)) for k, v in opts.items() if k not in _PASS_AXES))
-
-
-def _refined_search(
-    configs: list[dict[str, Any]], search: Any, budget: int | None, refine: int | None
-) -> list[PlanRow]:
-    """Rows for ``configs``: with ``refine``, one per partitioning group (DataParallel's default
-    pass options, or the nearest ones searched), then the pass options of the ``refine`` best
-    groups searched one axis at a time (the best value of each axis kept for the next)."""
-    if refine is None:
-        return search(configs)
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for opts in configs:
-        groups.setdefault(_group_key(opts), []).append(opts)
-
-    def distance(opts: dict[str, Any]) -> int:
-        return sum(opts.get(k, d) != d for k, d in _PASS_AXES.items())
-
-    # Remat policies of one partitioning, from the least recompute: recomputing more adds
-    # compute and never saves time, so once one fits, the ones that recompute more are not tried.
-    chains: dict[str, list[str]] = {}
-    for key, members in groups.items():
-        chains.setdefault(_group_key({k: v for k, v in members[0].items() if k != "remat"}), []).append(key)
-    rows: list[PlanRow] = []
-    by_group: dict[str, PlanRow] = {}
-    for chain in chains.values():
-        fits_at: int | None = None
-        for key in sorted(chain, key=lambda k: _remat_level(groups[k][0])):
-            if fits_at is not None and _remat_level(groups[key][0]) > fits_at:
-                continue
-            got = search([min(groups[key], key=distance)])
-            rows += got
-            if got:
-                by_group[key] = got[0]
-                if budget is not None and got[0].peak_bytes <= budget and fits_at is None:
-                    fits_at = _remat_level(groups[key][0])
-    ranked = sorted(by_group, key=lambda k: _rank(by_group[k], budget))
-    for key in ranked[:refine]:
-        members, best = groups[key], by_group[key]
-        for axis in _PASS_AXES:
-            values = dict.fromkeys(m.get(axis) for m in members)
-            for v in values:
-                if v == best.options.get(axis):
-                    continue
-                want = {**best.options, axis: v}
-                if axis == "forward_prefetch" and "backward_prefetch" in want:
-                    want["backward_prefetch"] = v
-                match = [m for m in members if m == want]
-                if not match:
-                    continue
-                got = search(match)
-                rows += got
-                if got and _rank(got[0], budget) < _rank(best, budget):
-                    best = got[0]
-    return rows
-
-
-def _remat_level(opts: dict[str, Any]) -> int:
-    """0: no recompute; 2: ``remat="full"`` (the most); 1: any other policy or budget."""
-    remat = opts.get("remat")
-    return 0 if remat is None else 2 if remat == "full" else 1
-
-
-def _rank(r: PlanRow, budget: int | None) -> tuple[bool, float, int]:
-    return (budget is not None and r.peak_bytes > budget, r.step_s, r.peak_bytes)
-
-
-# pass-only options the plan searches, with DataParallel's defaults
-_PASS_AXES = {"forward_prefetch": 1, "backward_prefetch": 1, "min_unit_mb": 1.0}
-
-_LINEAR = ("peak_bytes", "step_s", "exposed_comm_s", "comm_s", "compute_s", "flops", "comm_bytes")
-
-
-def _folded_search(
-    configs: list[dict[str, Any]],
-    layers: fold.Layers,
-    depths: tuple[int, int],
-    lower: Any,
-    tokens: int,
-) -> list[PlanRow]:
-    """Each configuration lowered at ``L1`` and ``L2`` blocks, extrapolated to the model's depth
-    (one that does not extrapolate, :func:`fold.extrapolates`, lowered on the full model)."""
-    l1, l2 = depths
-    rows = []
-    for opts in configs:
-        if not fold.extrapolates(opts):
-            rows.append(lower(opts, None))
-            continue
-        a, b = lower(opts, l1), lower(opts, l2)
-        if not fold.same_site(a.peak_site, b.peak_site, layers.path, l1, l2):
-            # The peak is at another point of the step in the two copies (late backward in the
-            # shorter, early backward in the longer): the increment between them is not the
-            # peak's per-block growth (70B shapes, prefetch 0: extrapolated 171 GiB, exactly 232).
-            # A third copy, deeper by as much again, usually has the longer one's peak: the
-            # increment from the longer to it is that peak's growth.
-            l3 = 2 * l2 - l1
-            c = lower(opts, l3) if l3 < layers.count else None
-            if c is None or not fold.same_site(b.peak_site, c.peak_site, layers.path, l2, l3):
-                log.info(
-                    "spmd.plan: %s: the peak moves between %d, %d and %d blocks (%s, %s, %s): "
-                    "lowered exactly",
-                    _label(opts), l1, l2, l3, a.peak_site, b.peak_site, c and c.peak_site,
-                )  # fmt: skip
-                rows.append(lower(opts, None))
-                continue
-            log.info(
-                "spmd.plan: %s: the peak moves between %d and %d blocks (%s, %s): extrapolated "
-                "from %d and %d",
-                _label(opts), l1, l2, a.peak_site, b.peak_site, l2, l3,
-            )  # fmt: skip
-            rows.append(_extrapolated(b, c, l2, l3, layers, tokens, a.lower_s))
-            continue
-        rows.append(_extrapolated(a, b, l1, l2, layers, tokens))
-    return rows
-
-
-def _extrapolated(
-    a: PlanRow, b: PlanRow, l1: int, l2: int, layers: fold.Layers, tokens: int, more_s: float = 0.0
-) -> PlanRow:
-    """The row at the model's depth, extrapolated from its lowerings ``a`` (``l1`` blocks) and
-    ``b`` (``l2``); ``more_s``: seconds of other lowerings it took."""
-    values = {k: fold.extrapolate(getattr(a, k), getattr(b, k), l1, l2, layers.count) for k in _LINEAR}
-    step_s = values["step_s"]
-    return dataclasses.replace(
-        b,
-        peak_bytes=round(values["peak_bytes"]),
-        step_s=step_s,
-        tokens_per_s=tokens / step_s if step_s > 0 else float("inf"),
-        exposed_comm_s=values["exposed_comm_s"],
-        comm_s=values["comm_s"],
-        compute_s=values["compute_s"],
-        flops=values["flops"],
-        comm_bytes=round(values["comm_bytes"]),
-        comm_bytes_by_dim={
-            d: round(fold.extrapolate(a.comm_bytes_by_dim.get(d, 0), v, l1, l2, layers.count))
-            for d, v in b.comm_bytes_by_dim.items()
-        },
-        lower_s=a.lower_s + b.lower_s + more_s,
-        exact=False,
-    )
 
 
 def _set_remat(sim: CompiledStep, remat: Any) -> None:

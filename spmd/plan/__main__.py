@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
@@ -79,6 +80,12 @@ def _remats(s: str) -> list[Any]:
     return out
 
 
+def _cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m spmd.plan", description=__doc__.split("\n\n")[0])
     models.add_model_arguments(p)
@@ -116,14 +123,19 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=REFINE,
         help=f"search the pass options (prefetch, unit size) of this many of the best partitionings "
-        f"(default {REFINE}; 0: every configuration)",
+        f"of each tp size (default {REFINE}; 0: every configuration)",
     )
     p.add_argument(
         "--confirm",
         choices=["auto", "yes", "no"],
         default="auto",
-        help="lower the best folded row on the full model: auto (when that costs at most the "
-        "search's own time), yes, no",
+        help="lower the best folded row on the full model: auto (for models of at most 32 blocks), yes, no",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=min(4, _cores()),
+        help="processes to search in (default: the cores here, at most 4)",
     )
     p.add_argument(
         "--tp",
@@ -171,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         exact=args.exact,
         refine=args.refine or None,
         confirm={"auto": None, "yes": True, "no": False}[args.confirm],
+        jobs=args.jobs,
     )
     print(result.to_json() if args.json else result)
     return 0

@@ -32,6 +32,7 @@ import torch.nn as nn
 from passes import torch_compat
 from passes.meta import MODULE, PHASE
 from spmd.frontend import step_inputs
+from spmd.plan.space import _label
 
 log = logging.getLogger("spmd")
 
@@ -44,6 +45,9 @@ __all__ = [
     "same_site",
     "confirm",
     "peak_site",
+    "LINEAR",
+    "folded_search",
+    "extrapolated_row",
 ]
 
 _PLAIN = (int, float, str, bool, type(None))
@@ -282,3 +286,75 @@ def peak_site(gm: Any, node_name: str) -> tuple[str, str]:
             phase = n.meta.get(PHASE)
             return (getattr(phase, "value", str(phase or "")), str(n.meta.get(MODULE, "")))
     return ("", "")
+
+
+LINEAR = ("peak_bytes", "step_s", "exposed_comm_s", "comm_s", "compute_s", "flops", "comm_bytes")
+
+
+def folded_search(
+    configs: list[dict[str, Any]],
+    layers: Layers,
+    depths: tuple[int, int],
+    lower: Any,
+    tokens: int,
+) -> list[Any]:
+    """Each configuration lowered at ``L1`` and ``L2`` blocks, extrapolated to the model's depth
+    (one that does not extrapolate, :func:`extrapolates`, lowered on the full model)."""
+    l1, l2 = depths
+    rows = []
+    for opts in configs:
+        if not extrapolates(opts):
+            rows.append(lower(opts, None))
+            continue
+        a, b = lower(opts, l1), lower(opts, l2)
+        if not same_site(a.peak_site, b.peak_site, layers.path, l1, l2):
+            # The peak is at another point of the step in the two copies (late backward in the
+            # shorter, early backward in the longer): the increment between them is not the
+            # peak's per-block growth (70B shapes, prefetch 0: extrapolated 171 GiB, exactly 232).
+            # A third copy, deeper by as much again, usually has the longer one's peak: the
+            # increment from the longer to it is that peak's growth.
+            l3 = 2 * l2 - l1
+            c = lower(opts, l3) if l3 < layers.count else None
+            if c is None or not same_site(b.peak_site, c.peak_site, layers.path, l2, l3):
+                log.info(
+                    "spmd.plan: %s: the peak moves between %d, %d and %d blocks (%s, %s, %s): "
+                    "lowered exactly",
+                    _label(opts), l1, l2, l3, a.peak_site, b.peak_site, c and c.peak_site,
+                )  # fmt: skip
+                rows.append(lower(opts, None))
+                continue
+            log.info(
+                "spmd.plan: %s: the peak moves between %d and %d blocks (%s, %s): extrapolated "
+                "from %d and %d",
+                _label(opts), l1, l2, a.peak_site, b.peak_site, l2, l3,
+            )  # fmt: skip
+            rows.append(extrapolated_row(b, c, l2, l3, layers, tokens, a.lower_s))
+            continue
+        rows.append(extrapolated_row(a, b, l1, l2, layers, tokens))
+    return rows
+
+
+def extrapolated_row(
+    a: Any, b: Any, l1: int, l2: int, layers: Layers, tokens: int, more_s: float = 0.0
+) -> Any:
+    """The row at the model's depth, extrapolated from its lowerings ``a`` (``l1`` blocks) and
+    ``b`` (``l2``); ``more_s``: seconds of other lowerings it took."""
+    values = {k: extrapolate(getattr(a, k), getattr(b, k), l1, l2, layers.count) for k in LINEAR}
+    step_s = values["step_s"]
+    return dataclasses.replace(
+        b,
+        peak_bytes=round(values["peak_bytes"]),
+        step_s=step_s,
+        tokens_per_s=tokens / step_s if step_s > 0 else float("inf"),
+        exposed_comm_s=values["exposed_comm_s"],
+        comm_s=values["comm_s"],
+        compute_s=values["compute_s"],
+        flops=values["flops"],
+        comm_bytes=round(values["comm_bytes"]),
+        comm_bytes_by_dim={
+            d: round(extrapolate(a.comm_bytes_by_dim.get(d, 0), v, l1, l2, layers.count))
+            for d, v in b.comm_bytes_by_dim.items()
+        },
+        lower_s=a.lower_s + b.lower_s + more_s,
+        exact=False,
+    )

@@ -34,6 +34,7 @@ def auto_rows() -> spmd.Plan:
         remat=(None,),
         tp_plan="auto",
         tp=(1, 2),
+        jobs=2,  # tp 1 and tp 2 in processes of their own
     )
 
 

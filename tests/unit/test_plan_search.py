@@ -5,13 +5,15 @@ searched around the best partitionings only. Stand-in lowerings: nothing is trac
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from spmd.parallel import MixedPrecision
-from spmd.plan import PlanRow, _refined_search, _within_budget, bounds
+from spmd.plan import PlanRow, bounds
+from spmd.plan.search import in_processes, refined_search, shares, within_budget
 
 GiB = 2**30
 
@@ -31,12 +33,12 @@ def test_state_over_the_budget_is_not_lowered() -> None:
         {"parallel_style": "hybrid_shard"},
         {"parallel_style": "replicate", "tp_size": 4},
     ]
-    keep, skipped = _within_budget(configs, (model, optim), {}, int(0.8 * GiB), 8, 4)
+    keep, skipped = within_budget(configs, (model, optim), {}, int(0.8 * GiB), 8, 4)
     assert keep == [configs[1], configs[3], configs[4]]
     assert [label for label, _ in skipped] == ["replicate", "fully_shard, no reshard, prefetch 1"]
     assert "parameters and optimizer state alone need 3.0 GiB" in skipped[0][1]
     assert "and gathered parameters alone need 0.9 GiB" in skipped[1][1]  # 0.375 + 0.5
-    assert _within_budget(configs, (model, optim), {}, None, 8, 4) == (configs, [])
+    assert within_budget(configs, (model, optim), {}, None, 8, 4) == (configs, [])
 
 
 def _row(opts: dict[str, Any], peak: float, step_s: float) -> PlanRow:
@@ -86,8 +88,9 @@ def test_each_partitioning_once_remat_until_it_fits_pass_options_around_the_best
             out.append(_row(o, peak, step - (0.05 if not o["reshard_after_forward"] else 0.0)))
         return out
 
-    rows = _refined_search(configs, search, 80 * GiB, refine=1)
-    keys = [(o["reshard_after_forward"], o["forward_prefetch"], o["min_unit_mb"], o["remat"]) for o in lowered]
+    rows = refined_search(configs, search, 80 * GiB, refine=1)
+    names = ("reshard_after_forward", "forward_prefetch", "min_unit_mb", "remat")
+    keys = [tuple(o[k] for k in names) for o in lowered]
     assert keys == [
         # each partitioning with the default pass options (prefetch 1, unit 1 MiB), remat in order
         (True, 1, 1.0, None),
@@ -104,9 +107,22 @@ def test_each_partitioning_once_remat_until_it_fits_pass_options_around_the_best
     assert best.options["forward_prefetch"] == 2 and not best.options["reshard_after_forward"]
     # refine=None: the whole grid
     lowered.clear()
-    assert len(_refined_search(configs, search, 80 * GiB, refine=None)) == 36
+    assert len(refined_search(configs, search, 80 * GiB, refine=None)) == 36
     # no budget: every remat policy (none fits nothing to stop at)
     lowered.clear()
-    _refined_search(configs, search, None, refine=0)
+    refined_search(configs, search, None, refine=0)
     assert len(lowered) == 6 and all(o["forward_prefetch"] == 1 for o in lowered)
 
+
+def test_the_grid_splits_by_tp_size_into_forked_processes() -> None:
+    """Whole tp sizes per share (their copies share traces and the automatic choice), the larger
+    work first onto the least loaded share; each share runs in a child process."""
+    configs = [
+        {"parallel_style": "fully_shard", "tp_size": t, "remat": r} for t in (1, 2, 4) for r in (None, "full")
+    ]
+    parts = shares(configs, 2)
+    assert [[o["tp_size"] for o in p] for p in parts] == [[2, 2, 1, 1], [4, 4]]
+    assert shares(configs, 1) == [configs]
+    assert shares(configs[:2], 4) == [configs[:2]]  # one tp size: one process
+    pids = in_processes([os.getpid, os.getpid])
+    assert len(set(pids)) == 2 and os.getpid() not in pids

@@ -17,7 +17,7 @@ import torch
 import spmd
 from passes.cost_model import estimate_step_time
 from spmd import models
-from spmd.plan import _LINEAR, PlanRow, _folded_search, _group_info, fold, parse_bytes, plan
+from spmd.plan import PlanRow, _group_info, fold, parse_bytes, plan
 from spmd.plan.__main__ import main as plan_main
 from spmd.profiles import get_profile
 from spmd.simulate import fake_copy, fake_world, fresh_copy
@@ -284,7 +284,7 @@ def test_the_folded_rows_lowered_exactly_are_the_best_and_those_near_the_budget(
         lowered.append(r.label)
         return dataclasses.replace(r, step_s=r.step_s + (1.0 if r.label == "a" else 0.0), exact=True)
 
-    out = fold.confirm(rows, 100, 0.05, exact, _LINEAR)
+    out = fold.confirm(rows, 100, 0.05, exact, fold.LINEAR)
     # c (99 within 5% of 100) first; then a, the best, is slower exactly; then b, the new best
     assert lowered == ["c", "a", "b"]
     assert [r.label for r in out] == ["b", "a", "c", "d"]  # d does not fit
@@ -320,16 +320,16 @@ def test_a_peak_that_moves_between_the_copies_is_extrapolated_from_deeper_ones()
         row = _row("r", 10 * (depth or 80), 1.0)
         return dataclasses.replace(row, peak_site=sites.get(depth or 0, ("", "")), exact=depth is None)
 
-    rows = _folded_search([{"parallel_style": "fully_shard"}], fold.Layers(path, 80), (3, 6), lower, 1)
+    rows = fold.folded_search([{"parallel_style": "fully_shard"}], fold.Layers(path, 80), (3, 6), lower, 1)
     # a third copy (9 blocks) peaks elsewhere again: the full model is lowered
     assert asked == [3, 6, 9, None] and rows[0].exact and rows[0].peak_bytes == 800
     sites[9] = ("backward", "model.layers.8.mlp")  # the first backward block, as in 6: from 6 and 9
     asked.clear()
-    rows = _folded_search([{"parallel_style": "fully_shard"}], fold.Layers(path, 80), (3, 6), lower, 1)
+    rows = fold.folded_search([{"parallel_style": "fully_shard"}], fold.Layers(path, 80), (3, 6), lower, 1)
     assert asked == [3, 6, 9] and not rows[0].exact and rows[0].peak_bytes == 800
     sites[3] = ("backward", "model.layers.2.mlp")  # the first backward block in both: extrapolated
     asked.clear()
-    rows = _folded_search([{"parallel_style": "fully_shard"}], fold.Layers(path, 80), (3, 6), lower, 1)
+    rows = fold.folded_search([{"parallel_style": "fully_shard"}], fold.Layers(path, 80), (3, 6), lower, 1)
     assert asked == [3, 6] and not rows[0].exact and rows[0].peak_bytes == 800
 
 
