@@ -160,6 +160,8 @@ def shares(configs: list[dict[str, Any]], jobs: int) -> list[list[dict[str, Any]
     parallel sizes per share (a tp size's copies share their traces and automatic choice),
     balanced by the work: a tp row lowers at about 3.5 times a data-parallel row's cost (70B
     shapes here). Deterministic: the same split every run."""
+    if jobs <= 1:
+        return [list(configs)]
     by_tp: dict[int, list[dict[str, Any]]] = {}
     for opts in configs:
         by_tp.setdefault(int(opts.get("tp_size") or 1), []).append(opts)
