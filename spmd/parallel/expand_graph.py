@@ -8,6 +8,7 @@ docstring describes what the expansion decides itself, rather than DTensor.
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 from collections.abc import Sequence
@@ -143,8 +144,12 @@ class _Expander(fx.Interpreter):
         def inside(mod: str, b: str) -> bool:
             return mod == b or mod.startswith(b + ".")
 
+        def around(mod: str) -> list[str]:
+            # the planned modules holding ``mod``, innermost first (its dotted prefixes that
+            # are planned: a lookup per prefix, not a scan of every planned module)
+            return [b for b in _prefixes(mod) if b in self.boundaries]
+
         out: list[tuple[Placement, ...]] = []
-        ordered = sorted(self.boundaries, key=len, reverse=True)
         if _phase(a) is Phase.BACKWARD and _phase(consumer) is Phase.BACKWARD:
             # A gradient entering a planned module's backward (the gradient of its output) takes
             # the layout eager's autograd gives it: the gradient of the output before the output
@@ -152,23 +157,23 @@ class _Expander(fx.Interpreter):
             # Not where autograd sums the gradients of one input read by several modules: that
             # sum, tagged with one reader's module, reads that module's own input gradient too
             # (q_proj's input gradient plus k_proj's and v_proj's is no output gradient of q_proj).
-            for b in ordered:
+            for b in around(dst):
                 grad_pl = self.boundaries[b][2] if len(self.boundaries[b]) > 2 else None
-                if grad_pl is not None and inside(dst, b) and not inside(src, b):
+                if grad_pl is not None and not inside(src, b):
                     return [] if _sums_own_gradient(consumer, b) else [grad_pl]
             return []
         if _phase(a) is not Phase.FORWARD or consumer.meta.get(PHASE) is Phase.OPTIMIZER:
             return []
         if a.op == "placeholder" and a.meta.get(ROLE) is not Role.INPUT:
             return []
-        for b in ordered:
+        for b in around(src):
             out_pl = self.boundaries[b][1]
-            if out_pl is not None and a.op != "placeholder" and inside(src, b) and not inside(dst, b):
+            if out_pl is not None and a.op != "placeholder" and not inside(dst, b):
                 out.append(out_pl)
                 break
-        for b in ordered:
+        for b in around(dst):
             in_pl = self.boundaries[b][0]
-            if in_pl is not None and inside(dst, b) and (a.op == "placeholder" or not inside(src, b)):
+            if in_pl is not None and (a.op == "placeholder" or not inside(src, b)):
                 out.append(in_pl)
                 break
         return out
@@ -334,6 +339,16 @@ class _LocalView:
             return [self.outer(p) for p in pl]
         it = iter(pl)
         return tuple(Replicate() if k in self.local else next(it) for k in range(self.ndim))
+
+
+@functools.lru_cache(maxsize=4096)
+def _prefixes(mod: str) -> tuple[str, ...]:
+    """``mod`` and its dotted prefixes, longest first: ``a.b.c`` -> (``a.b.c``, ``a.b``, ``a``)."""
+    out = [mod]
+    while "." in mod:
+        mod = mod.rsplit(".", 1)[0]
+        out.append(mod)
+    return tuple(out)
 
 
 def _phase(n: fx.Node) -> Any:
