@@ -43,23 +43,24 @@ How it chooses, from the graph (never from module names or types):
    split unevenly over heads, a key/value head count tp does not divide, an op with no
    sharding rule, which runs on gathered inputs) is replicated, and the check runs again
    without it (at most once per class).
-4. **Priced.** Each class is priced per rank: bytes of parameters, gradients and optimizer
-   state saved (``1 - 1/tp`` of them), activation bytes saved on its flow, matmul FLOPs saved
-   (forward and backward), and the collectives the split adds (Megatron's minimum: a column
-   -> row region one all-reduce of its output in forward and one of its input gradient in
-   backward; an embedding one in forward; a head one in backward plus three small ones of
-   the loss). A clean class always saves memory, and is sharded: a tp degree asks for the
-   model to be split. The prices are what the report, the dump and the INFO log show as
-   the reason.
+4. **Priced and decided** (:mod:`spmd.parallel.auto_tp_solve`). Each clean class is priced per
+   rank: bytes of parameters, gradients and optimizer state saved (``1 - 1/tp`` of them),
+   activation bytes saved on its flow, matmul time saved (forward and backward) and the time of
+   the collectives the split adds (Megatron's minimum: a column -> row region one all-reduce of
+   its output in forward and one of its input gradient in backward; an embedding one in
+   forward; a head one in backward plus three small ones of the loss), on the device profile
+   the step is lowered for. It is sharded where that saves time, or saves memory for at most 5%
+   of the step's time; else replicated. Without a profile it is sharded (the tp degree asks for
+   the split). The prices are what the report, the dump and the INFO log show as the reason.
 
 5. **Sequence parallelism.** Between the sharded regions (norms, residual adds, the embedding's
    output, the final norm) the values are split on the sequence where every op there is token-wise
    (checked by the same DTensor run), as torchtitan's sequence-parallel plan writes it: one choice
    for the whole residual stream (:mod:`spmd.parallel.auto_tp_sp`).
 
-The choice is deterministic: it reads only the graph (node order is the trace's) and the
-shapes, so every rank chooses the same plan. Cost: one forward expansion per round (usually
-one) and one for sequence parallelism, no solver.
+The choice is deterministic: it reads only the graph (node order is the trace's), the shapes
+and the profile, so every rank chooses the same plan. Cost: one forward expansion per round
+(usually one) and one for sequence parallelism, one cost-model pass over the step, no solver.
 """
 
 from __future__ import annotations
@@ -342,9 +343,10 @@ def choose(
     _CHOSEN[module] = out
     n_sharded = sum(d.sharded for d in decisions)
     log.info(
-        "spmd: automatic tensor parallelism over %d ranks: %d of %d candidate classes sharded "
-        "(%d parameters split), solved in %.2f s:\n  %s",
+        "spmd: automatic tensor parallelism over %d ranks, priced on %s: %d of %d candidate "
+        "classes sharded (%d parameters split), solved in %.2f s:\n  %s",
         tp,
+        profile.name if profile is not None else "no device profile",
         n_sharded,
         len(decisions),
         len(placements),
