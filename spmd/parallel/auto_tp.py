@@ -82,7 +82,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from passes.cost_model import DeviceProfile
 from passes.meta import MODULE, ROLE, STATE_NAME, Role
 from spmd.errors import ConfigError
-from spmd.parallel.auto_tp_graph import Region, find_regions, mm_flops, nbytes
+from spmd.parallel.auto_tp_graph import Region, act_of, find_regions, mm_flops, nbytes
 
 log = logging.getLogger("spmd")
 
@@ -210,7 +210,7 @@ def _price(r: Region, tp: int) -> Price:
         p.flops = int(3 * sum(mm_flops(m) for m in r.mats) * keep)  # forward + 2 backward matmuls
     if r.kind == "pair":
         # Forward: the consumers' outputs summed over tp; backward: the producers' input gradient.
-        ins = [m.args[-2] for m in r.producers if isinstance(m.args[-2], fx.Node)]
+        ins = [a for a in map(act_of, r.producers) if isinstance(a, fx.Node)]
         p.comms = [
             ("all_reduce", sum(nbytes(m) for m in r.consumers)),
             ("all_reduce", max((nbytes(a) for a in ins), default=0)),
