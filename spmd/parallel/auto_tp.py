@@ -16,9 +16,10 @@ so reusing the first trace would mean re-keying every placeholder; a trace is se
 
 How it chooses, from the graph (never from module names or types):
 
-1. **Candidates.** A *parameter matmul* is an ``mm``/``addmm`` whose second operand is a
-   parameter, directly (GPT-2's ``Conv1D``, weight ``(in, out)``) or through a transpose
-   (``nn.Linear``, weight ``(out, in)``); casts and views in between are followed. From each
+1. **Candidates.** A *parameter matmul* is an ``mm``/``addmm`` (or experts' ``_grouped_mm``,
+   a 3-D weight) whose second operand is a parameter, directly (GPT-2's ``Conv1D``, weight
+   ``(in, out)``) or through a transpose (``nn.Linear``, weight ``(out, in)``); casts and views
+   in between are followed. From each
    one's output the forward dataflow is followed through every op until it reaches another
    parameter matmul's activation operand (a *consumer*), the loss (``log_softmax`` /
    ``nll_loss``) or a *stop*: a reduction or a normalisation (which mixes the features a
@@ -28,8 +29,8 @@ How it chooses, from the graph (never from module names or types):
    ops on the way). A producer whose flow ends only in the loss is a **vocabulary-parallel
    head**; an ``embedding`` of a parameter indexed by the step's inputs (token ids, not a
    range of positions or a buffer of token types) is a **vocabulary-parallel embedding**. Everything
-   else (a matmul whose output reaches a norm first, experts computed by ops DTensor has no
-   strategy for, norms, biases of row-parallel layers) replicates.
+   else (a matmul whose output reaches a norm first, norms, biases of row-parallel layers)
+   replicates.
 2. **Repeated blocks solved once.** Regions with the same structure (the shapes and split
    dimensions of their parameters, the ops on their flow) form one class, e.g. the attention
    of every decoder layer; a class is sharded or replicated as a whole, so every layer gets

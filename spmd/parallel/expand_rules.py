@@ -16,14 +16,6 @@ fused Adam/AdamW kernels. What is missing on torch 2.13 and registered here:
   q's placements) and the rule takes it as it is. A sequence-sharded q with a mask is
   refused (no strategy shards the sequence).
 
-* ``aten._grouped_mm`` (Hugging Face's ``grouped_mm`` experts: every expert's matmul in one op
-  over the tokens sorted by expert, ``offs`` their group ends): mm-like over the features, the
-  tokens and ``offs`` replicated. Tokens ``x`` ``[S, K]`` times experts ``w`` ``[E, K, N]``:
-  ``w`` split on ``N`` gives the output split on its features (column), ``x`` and ``w`` split
-  on ``K`` a partial sum (row). The weight gradient's form, ``a`` ``[K, S]`` times ``b``
-  ``[S, N]`` grouped over ``S`` into ``[E, K, N]``: ``a`` split on ``K`` or ``b`` on ``N``
-  splits the output there. Splitting the tokens would cut the groups ``offs`` counts: no rule.
-
 Registration goes through DTensor's private helpers (``_ops.utils.register_op_strategy``,
 ``expand_to_full_mesh_op_strategy``, the pointwise registrar); this module is the one
 place that uses them. ``spmd::tag_grad`` needs no rule: the expansion handles it itself
@@ -46,7 +38,6 @@ RULES = (
     aten._fused_sgd_.tensor_lr,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-    aten._grouped_mm.default,
 )
 
 
@@ -103,21 +94,6 @@ def attn_mask_placements(
     return tuple(_mask_placement(p, q_shape, mask_shape) for p in q_placements)
 
 
-def grouped_mm_strategies(self_ndim: int, mat2_ndim: int, n_tensors: int) -> list[list[Placement]]:
-    """``aten._grouped_mm``'s rows (output, self, mat2, then ``offs`` and any bias replicated;
-    ``n_tensors`` inputs in all) for a 2-D ``self`` and a 3-D (experts) or 2-D ``mat2`` (see the
-    module docstring); all replicated only for the other forms."""
-    from torch.distributed.tensor import Partial
-
-    rest: list[Placement] = [Replicate()] * (n_tensors - 2)
-    rows: list[list[Placement]] = [[Replicate(), Replicate(), Replicate(), *rest]]
-    if self_ndim == 2 and mat2_ndim == 3:  # x [S, K] @ w [E, K, N] -> [S, N]
-        rows += [[Shard(1), Replicate(), Shard(2), *rest], [Partial(), Shard(1), Shard(1), *rest]]
-    elif self_ndim == 2 and mat2_ndim == 2:  # a [K, S] @ b [S, N] per group of S -> [E, K, N]
-        rows += [[Shard(1), Shard(0), Replicate(), *rest], [Shard(2), Replicate(), Shard(1), *rest]]
-    return rows
-
-
 def register() -> None:
     """Register the rules once (idempotent)."""
     global _done
@@ -171,12 +147,3 @@ def register() -> None:
     @register_op_strategy(RULES[3], schema_info=RuntimeSchemaInfo(6))
     def _flash_cpu_backward(op_schema: OpSchema) -> StrategyType:
         return _attention(op_schema, 3, 6)
-
-    @register_op_strategy(RULES[4], schema_info=RuntimeSchemaInfo(3))
-    def _grouped_mm(op_schema: OpSchema) -> StrategyType:
-        mesh = op_schema.get_mesh_from_args()
-        x, w = op_schema.args_schema[:2]
-        assert isinstance(x, OpStrategy) and isinstance(w, OpStrategy)
-        n = len(op_schema.args_strategy) + len(op_schema.kwargs_strategy)
-        rows = grouped_mm_strategies(len(x.shape), len(w.shape), n)
-        return expand_to_full_mesh_op_strategy(mesh, op_schema, list(rows), input_index=1)

@@ -311,6 +311,38 @@ def _trace_choose(model: nn.Module, loss, *inputs: torch.Tensor, profile=None) -
     )
 
 
+def test_routed_experts_split_on_their_ffn_dimension_where_it_pays() -> None:
+    """Experts multiplied by ``grouped_mm`` (tokens [S, d] by experts [E, ffn, d]; up, ReLU, down)
+    form a column -> row region: up split on its ffn rows (Shard(1)), down on its ffn columns
+    (Shard(2)), clean by DTensor's own grouped_mm strategy (tests/dist/test_auto_tp.py checks the
+    values). The cost model decides: on an H100 the split of this tiny layer costs
+    more than the step (replicated); on a device whose matmuls run at 1 GFLOP/s it saves time."""
+    import dataclasses
+
+    from spmd.profiles import PROFILES
+    from tests.dist.workers_tp import PlainExperts
+
+    ids = torch.randint(0, V, (2, 8))
+
+    def ce(model, ids):
+        return nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+
+    slow_mm = dataclasses.replace(PROFILES["h100-80gb"], name="slow-matmul", peak_flops={"fp32": 1e9})
+    torch.manual_seed(0)
+    with fake_process_group(2):
+        plain = _trace_choose(PlainExperts(), ce, ids)
+        h100 = _trace_choose(PlainExperts(), ce, ids, profile=PROFILES["h100-80gb"])
+        slow = _trace_choose(PlainExperts(), ce, ids, profile=slow_mm)
+    assert plain.placements["experts.up"] == Shard(1) and plain.placements["experts.down"] == Shard(2)
+    assert plain.plan["experts.up"] == Shard(1)
+    experts = "experts.up -> experts.down: column -> row, "
+    assert h100.reasons["experts.up"].startswith(experts + "replicated: saves "), h100.reasons["experts.up"]
+    assert "experts.up" not in h100.placements
+    assert slow.reasons["experts.up"].startswith(experts + "sharded: saves "), slow.reasons["experts.up"]
+    assert slow.placements["experts.down"] == Shard(2)
+    assert "on slow-matmul: saves " in slow.reasons["experts.up"]
+
+
 def test_sequence_parallel_only_where_every_op_is_token_wise() -> None:
     """The values between the regions split on the sequence when every op there works token by
     token (norms, the residual add); a cumulative sum over the sequence there, or a loss summed
