@@ -134,7 +134,9 @@ def ms(s: float) -> str:
         return f"{s:.2f} s"
     if abs(s) >= 1e-3:
         return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} us"
+    if abs(s) >= 1e-7:
+        return f"{s * 1e6:.1f} us"
+    return f"{s * 1e9:.1f} ns"
 
 
 def collectives(comms: list[tuple[str, int]]) -> str:
