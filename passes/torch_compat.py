@@ -189,6 +189,7 @@ PRIVATE_OPS: tuple[str, ...] = (
     "aten._fused_adam_",
     "aten._fused_adamw_",
     "aten._fused_sgd_",
+    "aten._grouped_mm",
     "aten._log_softmax",
     "aten._log_softmax_backward_data",
     "aten._native_batch_norm_legit",

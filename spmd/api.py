@@ -183,6 +183,9 @@ class CompiledStep:
         # the profile (passes that choose by device, the chunked loss head's chunks, then choose
         # as they would there). None: each pass reads the traced graph's devices.
         self._target_accelerator: bool | None = None
+        # The device profile the step is lowered for (spmd.plan, spmd.simulate): what the
+        # automatic tensor-parallel placements are priced on. None: the local device's.
+        self._target_profile: Any = None
         # Whether a compile hands the final graph to the backend (inductor) and builds the eager
         # candidate of spmd.backend.step_aside. spmd.plan and spmd.simulate turn it off: they read
         # the graph and its cost model and never run the step, and inductor's compile of one
@@ -297,7 +300,8 @@ class CompiledStep:
         if cache is not None and mode_key is not None and key in cache:
             mode.reuse_choice(step_args.module, cache[key])
             return
-        choice = mode.choose_from_trace(step_args.module, self._trace_undistributed(step_args))
+        gm = self._trace_undistributed(step_args)
+        choice = mode.choose_from_trace(step_args.module, gm, self._target_profile)
         if cache is not None and mode_key is not None and choice is not None:
             cache[key] = choice
 

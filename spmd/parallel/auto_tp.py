@@ -16,9 +16,10 @@ so reusing the first trace would mean re-keying every placeholder; a trace is se
 
 How it chooses, from the graph (never from module names or types):
 
-1. **Candidates.** A *parameter matmul* is an ``mm``/``addmm`` whose second operand is a
-   parameter, directly (GPT-2's ``Conv1D``, weight ``(in, out)``) or through a transpose
-   (``nn.Linear``, weight ``(out, in)``); casts and views in between are followed. From each
+1. **Candidates.** A *parameter matmul* is an ``mm``/``addmm`` (or experts' ``_grouped_mm``,
+   a 3-D weight) whose second operand is a parameter, directly (GPT-2's ``Conv1D``, weight
+   ``(in, out)``) or through a transpose (``nn.Linear``, weight ``(out, in)``); casts and views
+   in between are followed. From each
    one's output the forward dataflow is followed through every op until it reaches another
    parameter matmul's activation operand (a *consumer*), the loss (``log_softmax`` /
    ``nll_loss``) or a *stop*: a reduction or a normalisation (which mixes the features a
@@ -28,8 +29,8 @@ How it chooses, from the graph (never from module names or types):
    ops on the way). A producer whose flow ends only in the loss is a **vocabulary-parallel
    head**; an ``embedding`` of a parameter indexed by the step's inputs (token ids, not a
    range of positions or a buffer of token types) is a **vocabulary-parallel embedding**. Everything
-   else (a matmul whose output reaches a norm first, experts computed by ops DTensor has no
-   strategy for, norms, biases of row-parallel layers) replicates.
+   else (a matmul whose output reaches a norm first, norms, biases of row-parallel layers)
+   replicates.
 2. **Repeated blocks solved once.** Regions with the same structure (the shapes and split
    dimensions of their parameters, the ops on their flow) form one class, e.g. the attention
    of every decoder layer; a class is sharded or replicated as a whole, so every layer gets
@@ -43,23 +44,24 @@ How it chooses, from the graph (never from module names or types):
    split unevenly over heads, a key/value head count tp does not divide, an op with no
    sharding rule, which runs on gathered inputs) is replicated, and the check runs again
    without it (at most once per class).
-4. **Priced.** Each class is priced per rank: bytes of parameters, gradients and optimizer
-   state saved (``1 - 1/tp`` of them), activation bytes saved on its flow, matmul FLOPs saved
-   (forward and backward), and the collectives the split adds (Megatron's minimum: a column
-   -> row region one all-reduce of its output in forward and one of its input gradient in
-   backward; an embedding one in forward; a head one in backward plus three small ones of
-   the loss). A clean class always saves memory, and is sharded: a tp degree asks for the
-   model to be split. The prices are what the report, the dump and the INFO log show as
-   the reason.
+4. **Priced and decided** (:mod:`spmd.parallel.auto_tp_solve`). Each clean class is priced per
+   rank: bytes of parameters, gradients and optimizer state saved (``1 - 1/tp`` of them),
+   activation bytes saved on its flow, matmul time saved (forward and backward) and the time of
+   the collectives the split adds (Megatron's minimum: a column -> row region one all-reduce of
+   its output in forward and one of its input gradient in backward; an embedding one in
+   forward; a head one in backward plus three small ones of the loss), on the device profile
+   the step is lowered for. It is sharded where that saves time, or saves memory for at most 5%
+   of the step's time; else replicated. Without a profile it is sharded (the tp degree asks for
+   the split). The prices are what the report, the dump and the INFO log show as the reason.
 
 5. **Sequence parallelism.** Between the sharded regions (norms, residual adds, the embedding's
    output, the final norm) the values are split on the sequence where every op there is token-wise
    (checked by the same DTensor run), as torchtitan's sequence-parallel plan writes it: one choice
    for the whole residual stream (:mod:`spmd.parallel.auto_tp_sp`).
 
-The choice is deterministic: it reads only the graph (node order is the trace's) and the
-shapes, so every rank chooses the same plan. Cost: one forward expansion per round (usually
-one) and one for sequence parallelism, no solver.
+The choice is deterministic: it reads only the graph (node order is the trace's), the shapes
+and the profile, so every rank chooses the same plan. Cost: one forward expansion per round
+(usually one) and one for sequence parallelism, one cost-model pass over the step, no solver.
 """
 
 from __future__ import annotations
@@ -78,9 +80,10 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from passes.cost_model import DeviceProfile
 from passes.meta import MODULE, ROLE, STATE_NAME, Role
 from spmd.errors import ConfigError
-from spmd.parallel.auto_tp_graph import Region, find_regions, mm_flops, nbytes
+from spmd.parallel.auto_tp_graph import Region, act_of, find_regions, mm_flops, nbytes
 
 log = logging.getLogger("spmd")
 
@@ -100,6 +103,7 @@ class Price:
     flops: int = 0  # matmul FLOPs saved, forward and backward
     collectives: int = 0  # collectives added
     collective_bytes: int = 0
+    comms: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (kind, bytes) of each
 
     def __iadd__(self, o: Price) -> Price:
         for f in dataclasses.fields(self):
@@ -207,17 +211,21 @@ def _price(r: Region, tp: int) -> Price:
         p.flops = int(3 * sum(mm_flops(m) for m in r.mats) * keep)  # forward + 2 backward matmuls
     if r.kind == "pair":
         # Forward: the consumers' outputs summed over tp; backward: the producers' input gradient.
-        ins = [m.args[-2] for m in r.producers if isinstance(m.args[-2], fx.Node)]
-        p.collectives = 2
-        p.collective_bytes = sum(nbytes(m) for m in r.consumers) + max((nbytes(a) for a in ins), default=0)
+        ins = [a for a in map(act_of, r.producers) if isinstance(a, fx.Node)]
+        p.comms = [
+            ("all_reduce", sum(nbytes(m) for m in r.consumers)),
+            ("all_reduce", max((nbytes(a) for a in ins), default=0)),
+        ]
     elif r.kind == "embedding":
-        p.collectives, p.collective_bytes = 1, sum(nbytes(m) for m in r.mats)
+        p.comms = [("all_reduce", sum(nbytes(m) for m in r.mats))]
     else:  # the input gradient, and the loss's per-row maximum, sum and target logit (fp32)
         head = r.producers[0]
         rows = head.meta["val"].shape[0]
         x = head.args[-2]
-        p.collectives = 4
-        p.collective_bytes = (nbytes(x) if isinstance(x, fx.Node) else 0) + 3 * 4 * rows
+        p.comms = [("all_reduce", nbytes(x) if isinstance(x, fx.Node) else 0)] + [
+            ("all_reduce", 4 * rows)
+        ] * 3
+    p.collectives, p.collective_bytes = len(p.comms), sum(b for _, b in p.comms)
     return p
 
 
@@ -250,10 +258,14 @@ def _short(fqn: str) -> str:
 # ----------------------------------------------------------------------------- the solve
 
 
-def choose(module: nn.Module, gm: fx.GraphModule, mesh: Any) -> AutoPlan:
+def choose(
+    module: nn.Module, gm: fx.GraphModule, mesh: Any, profile: DeviceProfile | None = None
+) -> AutoPlan:
     """Choose ``module``'s tensor-parallel placements from its traced step ``gm`` (single-device
-    semantics, traced on the undistributed model) for ``mesh``'s ``"tp"`` dimension; remembered
-    for ``module`` (:func:`chosen`) and returned."""
+    semantics, traced on the undistributed model) for ``mesh``'s ``"tp"`` dimension, priced on
+    ``profile`` (None: :func:`~spmd.parallel.auto_tp_solve.local_profile`); remembered for
+    ``module`` (:func:`chosen`) and returned."""
+    from spmd.parallel import auto_tp_solve as solve
     from spmd.parallel import plan as plan_mod
     from spmd.parallel.auto_tp_check import dirty_nodes
 
@@ -293,6 +305,8 @@ def choose(module: nn.Module, gm: fx.GraphModule, mesh: Any) -> AutoPlan:
         live = [i for i in live if i not in hit]
     else:  # pragma: no cover - each round drops at least one class
         live = []
+    profile = profile if profile is not None else solve.local_profile()
+    step_s = solve.step_time(gm, profile) if profile is not None and live else 0.0
     for i, regs in enumerate(classes):
         price = Price()
         for r in regs:
@@ -301,12 +315,25 @@ def choose(module: nn.Module, gm: fx.GraphModule, mesh: Any) -> AutoPlan:
         shared = {q for r in regs for q in r.params()}
         price.state_bytes = int(sum(state_bytes.get(q, 0) for q in shared) * (1.0 - 1.0 / tp))
         ok = i in live
-        decisions.append(Decision(regs, ok, price, _why(price) if ok else why_not.get(i, "not clean")))
-    sharded = [r for i in live for r in classes[i]]
+        if not ok:
+            why = why_not.get(i, "not clean")
+        elif profile is None:  # no times to weigh: shard, as the tp degree asks
+            why = f"{_why(price)}; no device profile to price them in time"
+        else:
+            saved = solve.compute_saved_s(
+                [m for r in regs if r.kind != "embedding" for m in r.mats], tp, profile
+            )
+            added = solve.comm_s(price.comms, tp, profile)
+            ok = solve.decide(saved, added, price.state_bytes + price.activation_bytes, step_s)
+            why = solve.reason(
+                ok, price.state_bytes, price.activation_bytes, price.comms, saved, added, step_s, profile
+            )
+        decisions.append(Decision(regs, ok, price, why))
+    sharded = [r for d in decisions if d.sharded for r in d.regions]
     placements = _placements(sharded)
     plan_ = write_plan(module, placements)
     if sharded:  # the values between the sharded regions: split on the sequence, or replicated
-        seq, seq_plan = _sequence(module, gm, mesh, tp, sharded, placements)
+        seq, seq_plan = _sequence(module, gm, mesh, tp, sharded, placements, profile, step_s)
         decisions.append(seq)
         plan_ = seq_plan or plan_
     reasons = {p: d.describe() for d in decisions for r in d.regions for p in r.params()}
@@ -317,9 +344,10 @@ def choose(module: nn.Module, gm: fx.GraphModule, mesh: Any) -> AutoPlan:
     _CHOSEN[module] = out
     n_sharded = sum(d.sharded for d in decisions)
     log.info(
-        "spmd: automatic tensor parallelism over %d ranks: %d of %d candidate classes sharded "
-        "(%d parameters split), solved in %.2f s:\n  %s",
+        "spmd: automatic tensor parallelism over %d ranks, priced on %s: %d of %d candidate "
+        "classes sharded (%d parameters split), solved in %.2f s:\n  %s",
         tp,
+        profile.name if profile is not None else "no device profile",
         n_sharded,
         len(decisions),
         len(placements),
@@ -336,6 +364,8 @@ def _sequence(
     tp: int,
     regions: list[Region],
     placements: dict[str, Placement],
+    profile: DeviceProfile | None,
+    step_s: float,
 ) -> tuple[Decision, dict[str, Any] | None]:
     """Sequence parallelism between the sharded ``regions`` (:mod:`spmd.parallel.auto_tp_sp`):
     its decision and, when it is taken, the plan with it."""
@@ -359,7 +389,23 @@ def _sequence(
                 "sequence, or has no rule for a split one)"
             )
     price, why = sp.price(gm, stream, regions, tp)
-    if why_not is None and price.activation_bytes <= price.collective_bytes:
+    if profile is not None:
+        from spmd.parallel import auto_tp_solve as solve
+
+        # Each swapped all-reduce becomes a reduce-scatter and an all-gather of its bytes.
+        swapped = [b for r in regions for _, b in _price(r, tp).comms[: 2 if r.kind == "pair" else 1]]
+        added = solve.comm_s(price.comms, tp, profile)
+        added += sum(
+            solve.comm_s([("reduce_scatter", b), ("all_gather", b)], tp, profile)
+            - solve.comm_s([("all_reduce", b)], tp, profile)
+            for b in swapped
+        )
+        ok = solve.decide(0.0, added, price.activation_bytes, step_s)
+        clause = solve.clause(ok, added, step_s, price.activation_bytes > 0)
+        why = f"{why}; {solve.ms(added)} of collectives added on {profile.name}: {clause}"
+        if why_not is None and not ok:
+            why_not = why
+    elif why_not is None and price.activation_bytes <= price.collective_bytes:
         why_not = f"saves no more than it adds: {why}"
     ok = why_not is None
     return sp.SequenceDecision(

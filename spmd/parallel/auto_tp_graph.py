@@ -117,17 +117,31 @@ def _param_matmuls(gm: fx.GraphModule, shapes: dict[str, tuple[int, ...]]) -> di
             act, w, bias = n.args[0], n.args[1], None
         elif n.target is aten.addmm.default:
             act, w, bias = n.args[1], n.args[2], _weight(n.args[0])
+        elif n.target is aten._grouped_mm.default:
+            act, w, bias = n.args[0], n.args[1], None
         else:
             continue
         found = _weight(w)
-        if found is None or _weight(act) is not None or len(shapes[found[0]]) != 2:
+        if found is None or _weight(act) is not None or len(shapes[found[0]]) != _weight_ndim(n):
             continue
         p, flipped = found
         # mm(x, W^T): W is (out, in), nn.Linear's layout; mm(x, W): (in, out), GPT-2's Conv1D.
+        # Experts (grouped_mm) the same behind their expert dimension: (E, out, in) or (E, in, out).
         col, row = (0, 1) if flipped else (1, 0)
+        if _weight_ndim(n) == 3:
+            col, row = col + 1, row + 1
         b = bias[0] if bias is not None and not bias[1] and len(shapes[bias[0]]) == 1 else None
         out[n] = _Mat(n, p, act, col, row, b)
     return out
+
+
+def _weight_ndim(mm: fx.Node) -> int:
+    """The dimensions of a parameter matmul's weight: 3 for experts multiplied by
+    ``aten._grouped_mm`` (tokens ``[S, K]`` by experts ``[E, K, N]``), else 2."""
+    if mm.target is aten._grouped_mm.default:
+        x = mm.args[0].meta.get("val") if isinstance(mm.args[0], fx.Node) else None
+        return 3 if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
+    return 2
 
 
 def _flow(mat: fx.Node, mats: dict[fx.Node, _Mat]) -> tuple[set[fx.Node], set[fx.Node], bool, bool]:
@@ -266,8 +280,15 @@ def nbytes(n: fx.Node) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
+def act_of(n: fx.Node) -> Any:
+    """A parameter matmul's activation operand (``mm``'s first, ``addmm``'s second argument; the
+    tokens of an expert matmul)."""
+    return n.args[0 if n.target is aten._grouped_mm.default else -2]
+
+
 def mm_flops(n: fx.Node) -> int:
-    a, out = n.args[-2], n.meta.get("val")
+    """FLOPs of a parameter matmul (an expert matmul: of all its experts' token groups together)."""
+    a, out = act_of(n), n.meta.get("val")
     av = a.meta.get("val") if isinstance(a, fx.Node) else None
     if not isinstance(av, torch.Tensor) or not isinstance(out, torch.Tensor) or av.dim() != 2:
         return 0

@@ -272,6 +272,7 @@ def price(gm: fx.GraphModule, stream: Stream, regions: list[Region], tp: int) ->
     grads = [
         n for n in gm.graph.nodes if n.op == "placeholder" and str(n.meta.get(STATE_NAME)) in stream.params
     ]
+    p.comms = [("all_reduce", nbytes(n)) for n in grads]
     p.collectives = len(grads)
     p.collective_bytes = sum(nbytes(n) for n in grads)
     # Megatron's all-reduces that become a reduce-scatter and an all-gather: a pair's two (its output

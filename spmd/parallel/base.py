@@ -35,9 +35,10 @@ class ParallelMode(abc.ABC):
         :meth:`choose_from_trace`."""
         return False
 
-    def choose_from_trace(self, module: nn.Module, gm: fx.GraphModule) -> Any:
+    def choose_from_trace(self, module: nn.Module, gm: fx.GraphModule, profile: Any = None) -> Any:
         """Make the choices ``prepare`` needs from ``gm``, the step traced on the undistributed
-        model (single-device semantics); returns the choice (for :meth:`reuse_choice`)."""
+        model (single-device semantics), priced on ``profile`` (the device profile the step is
+        lowered for; None: the local device's); returns the choice (for :meth:`reuse_choice`)."""
         return None
 
     def choice_key(self) -> Hashable | None:

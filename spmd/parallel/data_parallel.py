@@ -215,10 +215,12 @@ class DataParallel(ParallelMode):
         auto_tp.check_traceable(module)
         return not all(isinstance(p, sharding.DTensor) for p in module.parameters())
 
-    def choose_from_trace(self, module: nn.Module, gm: fx.GraphModule) -> auto_tp.AutoPlan:
+    def choose_from_trace(
+        self, module: nn.Module, gm: fx.GraphModule, profile: Any = None
+    ) -> auto_tp.AutoPlan:
         mesh = self._mesh(module)
         plan.check_mesh(mesh, self.parallel_style)
-        return auto_tp.choose(module, gm, mesh)
+        return auto_tp.choose(module, gm, mesh, profile)
 
     def choice_key(self) -> Hashable | None:
         # The choice reads the tp degree and the trace; the data dimensions do not enter it.

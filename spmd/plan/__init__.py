@@ -593,6 +593,7 @@ def _one(
         _set_remat(sim, opts["remat"])
     sim._trace_cache = trace_cache
     sim._target_accelerator = prof.accelerator  # lowered as for the profile's device
+    sim._target_profile = prof  # and its automatic tp placements priced on it
     sim._keep_stages = False
     sim._stack_traces = False
     # Configurations that partition alike (they differ only in pass options) place the state

@@ -83,7 +83,8 @@ def simulate(
     check_call("spmd.simulate", train_step, world_size, example_args, kwargs)
     sim = fresh_copy(train_step)
     if device is not None:
-        sim._target_accelerator = get_profile(device).accelerator
+        sim._target_profile = get_profile(device)
+        sim._target_accelerator = sim._target_profile.accelerator
     args, kwargs = fake_copy(example_args, kwargs)
     with fake_world(world_size):
         t0 = time.perf_counter()

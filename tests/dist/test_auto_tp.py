@@ -6,9 +6,10 @@ Same harness and bar as tests/dist/test_tensor_parallel.py (5 steps, fused AdamW
 runs AdamW with ``eps=1e-6``: some weights of the built-in GPT and of BERT get gradients of ~1e-8,
 where Adam's first step magnifies a rounding difference by ``lr / eps`` (see that docstring).
 Several models run in one spawn, and the suite splits the models between the two meshes to keep
-its time small (8-30 s per model on 2 ranks on 2 shared cores: GPT-2 8 s, Qwen2 13, Llama 17, GPT
-24, BERT 29, Mixtral 30); ``SPMD_SWEEP_FULL=1`` runs every model on both meshes (measured: all six
-pass on both: 99 s on 2 ranks and 134 s on 2 x 2 on quiet cores, 190 s and 254 s under load).
+its time small (8-30 s per model on 2 ranks on 2 shared cores: GPT-2 8 s, experts 10, Qwen2 13,
+Llama 17, GPT 24, BERT 29, Mixtral 30); ``SPMD_SWEEP_FULL=1`` runs every model on both meshes
+(measured before the experts model joined: the six others pass on both: 99 s on 2 ranks and 134 s
+on 2 x 2 on quiet cores, 190 s and 254 s under load).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from tests.dist import workers_tp
 from tests.dist.launcher import run_ranks
 
 TOL = 1e-5
-MODELS = ["hf_llama", "hf_qwen2", "hf_gpt2", "hf_mixtral", "hf_bert", "gpt"]
+MODELS = ["hf_llama", "hf_qwen2", "hf_gpt2", "hf_mixtral", "hf_bert", "gpt", "experts"]
 FULL = bool(os.environ.get("SPMD_SWEEP_FULL"))
-ON_TWO = MODELS if FULL else ["hf_gpt2", "hf_mixtral", "hf_bert"]
+ON_TWO = MODELS if FULL else ["hf_gpt2", "hf_mixtral", "hf_bert", "experts"]
 ON_TWO_BY_TWO = MODELS if FULL else ["hf_llama", "gpt"]
 SLACK = 3 if FULL else 1  # the full sweep runs three times the models
 # A parameter every model must have split over tp (a column -> row region of its MLP).
@@ -34,6 +35,7 @@ SPLIT = {
     "hf_mixtral": "model.layers.0.self_attn.o_proj.weight",
     "hf_bert": "bert.encoder.layer.0.output.dense.weight",
     "gpt": "blocks.0.out.weight",
+    "experts": "experts.down",  # routed experts (grouped_mm) split on their ffn dimension
 }
 
 
@@ -55,6 +57,18 @@ def test_automatic_tp_on_two_ranks() -> None:
     # its regions on the sequence; GPT-2's attention, left whole, keeps them replicated.
     assert any("sequence-parallel, sharded" in c for c in results[0]["hf_bert"]["tp_choices"])
     assert any("sequence-parallel, replicated" in c for c in results[0]["hf_gpt2"]["tp_choices"])
+    # Experts: ungated ones split on their ffn dimension (up Shard(1), down Shard(2)); Mixtral's
+    # fused gate_up would need a strided split (each rank its share of gate and of up): DTensor
+    # redistributes at its split into gate and up, so they replicate, and the line says so.
+    experts = results[0]["experts"]["placements"]
+    assert experts["experts.up"][1] == "S(1)" and experts["experts.down"][1] == "S(2)", experts
+    mixtral = results[0]["hf_mixtral"]
+    assert mixtral["placements"]["model.layers.0.mlp.experts.down_proj"][1] == "R"
+    assert any(
+        c.startswith("model.layers.*.mlp.experts.gate_up_proj -> model.layers.*.mlp.experts.down_proj")
+        and "replicated: DTensor redistributes inside it (at aten.split.Tensor" in c
+        for c in mixtral["tp_choices"]
+    ), mixtral["tp_choices"]
 
 
 @pytest.mark.timeout(400 * SLACK)

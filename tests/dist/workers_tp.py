@@ -27,12 +27,36 @@ _LLAMA = dict(
 )  # fmt: skip
 
 
+class PlainExperts(nn.Module):
+    """Embedding -> routed experts without a gate (up, ReLU, down: ``F.grouped_mm`` over the
+    tokens in fixed groups, one per expert) + residual -> norm -> head. Experts a column -> row split
+    divides on their ffn dimension, as Megatron splits an MLP (Mixtral's fused gate_up needs a
+    strided split: tests/unit/test_auto_tp.py)."""
+
+    def __init__(self, experts: int = 4, d: int = 32, ffn: int = 64, tokens: int = B * T) -> None:
+        super().__init__()
+        self.emb, self.norm, self.head = nn.Embedding(V, d), nn.LayerNorm(d), nn.Linear(d, V)
+        self.experts = nn.Module()
+        self.experts.up = nn.Parameter(torch.randn(experts, ffn, d) / d**0.5)
+        self.experts.down = nn.Parameter(torch.randn(experts, d, ffn) / ffn**0.5)
+        ends = torch.arange(1, experts + 1) * (tokens // experts)
+        self.register_buffer("offs", ends.to(torch.int32))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids).flatten(0, 1)
+        h = nn.functional.grouped_mm(x, self.experts.up.transpose(-2, -1), offs=self.offs)
+        h = nn.functional.grouped_mm(torch.relu(h), self.experts.down.transpose(-2, -1), offs=self.offs)
+        return self.head(self.norm(x + h)).view(*ids.shape, -1)
+
+
 def build(name: str) -> tuple[nn.Module, dict[str, Any], bool]:
     """(model, tp plan, whether the model returns HF outputs) for a test model name."""
     if name == "gpt":
         from spmd.models import CONFIGS, GPT
 
         return GPT(CONFIGS["tiny"]), tp_plans.gpt(), False
+    if name == "experts":  # routed experts (grouped_mm); the plan is only for automatic placements
+        return PlainExperts(), {}, False
     import transformers as tf
 
     if name == "hf_llama":  # grouped-query attention: 4 query heads, 2 key/value heads

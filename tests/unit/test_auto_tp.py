@@ -37,20 +37,23 @@ def _step(model, optim, ids, labels):
     optim.zero_grad()
 
 
-def _choose(model: nn.Module, tp: int, times: int = 1) -> auto_tp.AutoPlan:
+def _choose(
+    model: nn.Module, tp: int, times: int = 1, profile=None, vocab: int = V, seq: int = 8
+) -> auto_tp.AutoPlan:
     """Trace the step on the undistributed model (as spmd.compile does) and choose for tp ranks
-    (``times`` solves of the same trace; the last is returned, all must agree)."""
+    (``times`` solves of the same trace; the last is returned, all must agree), priced on
+    ``profile`` (None: the local device's; none under the tests' conftest)."""
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    ids = torch.randint(0, V, (2, 8))
+    ids = torch.randint(0, vocab, (2, seq))
     args = step_inputs.split_args((model, optim, ids, ids.roll(-1, 1)), {})
     optim_utils.ensure_state(optim, list(model.parameters()))
     traced = tracing.trace_step(
         _step, args, step_inputs.lift_state(model, optim), casts=None, accumulate_after_reduce=False
     )
     mesh = init_device_mesh("cpu", (1, tp), mesh_dim_names=("dp_shard", "tp"))
-    first = auto_tp.choose(model, traced.gm, mesh)
+    first = auto_tp.choose(model, traced.gm, mesh, profile)
     for _ in range(times - 1):
-        again = auto_tp.choose(model, traced.gm, mesh)
+        again = auto_tp.choose(model, traced.gm, mesh, profile)
         assert list(again.plan) == list(first.plan) and again.placements == first.placements
     return first
 
@@ -105,6 +108,70 @@ def test_llama_block_gets_torchtitans_plan() -> None:
         "model.layers.*.input_layernorm, model.layers.*.post_attention_layernorm, model.norm: "
         "sequence-parallel, sharded: the values between the regions split on the sequence (dim 1): saves"
     )
+
+
+def _slow_link():
+    """An H100 whose link takes 1 ms per ring step: every all-reduce costs 2 ms."""
+    import dataclasses
+
+    from spmd.profiles import PROFILES
+
+    return dataclasses.replace(PROFILES["h100-80gb"], name="slow-link", intra_node_latency_s=1e-3)
+
+
+def test_llama_block_priced_on_an_h100_gets_torchtitans_plan() -> None:
+    """Priced by the cost model on h100-80gb at a Llama's proportions (d 512, ffn 2048, 8 query and
+    4 key/value heads, 2 x 256 tokens, fp32), every class pays and the choice is torchtitan's
+    sequence-parallel plan; each reason gives the times. The MLP saves more matmul time than its
+    two all-reduces cost; sequence parallelism adds time (the norms' gradient all-reduces, and a
+    reduce-scatter + all-gather is slower than the all-reduce it replaces at NCCL's measured bus
+    bandwidths) and is taken for the memory, within 5% of the step."""
+    import transformers as tf
+
+    from spmd.parallel import tp_plans
+    from spmd.profiles import PROFILES
+
+    cfg = tf.LlamaConfig(
+        vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with fake_process_group(2):
+        choice = _choose(tf.LlamaForCausalLM(cfg), 2, profile=PROFILES["h100-80gb"], vocab=4096, seq=256)
+    assert _layouts(choice.plan) == _layouts(tp_plans.llama(sequence_parallel=True))
+    assert all(d.sharded for d in choice.decisions)
+    mlp = choice.reasons["model.layers.0.mlp.down_proj.weight"]
+    assert "column -> row, sharded: saves " in mlp and "adds 4 all-reduces (4.0 MiB)" in mlp, mlp
+    assert "on h100-80gb: saves " in mlp and mlp.endswith(" a step"), mlp
+    sp = choice.reasons["model.norm.weight"]
+    assert "sequence-parallel, sharded" in sp and "within 5% of the step's" in sp, sp
+
+
+def test_a_region_that_does_not_pay_replicates() -> None:
+    """A small matmul pair (8 -> 16 -> 8) on a slow link: its two all-reduces cost 4 ms, far more
+    than the step's matmuls save and more than 5% of the step, and it saves a few KiB a rank with
+    no memory to gain from: replicated, the reason in times. Without a profile (nothing to weigh)
+    the same pair is sharded, as the tp degree asks; spmd.simulate's device is the profile the
+    choice prices on."""
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    with fake_process_group(2):
+        slow = _trace_choose(mlp, lambda m, x: m(x).sum(), torch.randn(4, 8), profile=_slow_link())
+        plain = _trace_choose(mlp, lambda m, x: m(x).sum(), torch.randn(4, 8))
+    (pair,) = slow.decisions
+    assert not pair.sharded and slow.placements == {} and slow.plan == {}
+    assert pair.describe().startswith("0.weight -> 2.weight: column -> row, replicated: saves ")
+    assert "adds 2 all-reduces (256 B) 4.00 ms on slow-link: costs 4.00 ms a step, more than 5%" in pair.why
+    assert plain.decisions[0].sharded and "no device profile" in plain.decisions[0].why
+
+    def step(model, optim, x):
+        model(x).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    compiled = spmd.compile(parallel_mode=spmd.DataParallel("replicate", tp_size=2))(step)
+    optim = torch.optim.SGD(mlp.parameters(), lr=0.1)
+    report = spmd.simulate(compiled, mlp, optim, torch.randn(4, 8), world_size=2, device=_slow_link())
+    assert any("replicated" in c and "on slow-link" in c for c in report.tp_choices), report.tp_choices
 
 
 def test_gpt2_conv1d_and_fused_qkv() -> None:
@@ -228,7 +295,7 @@ class _Tokens(nn.Module):
         return self.head(self.norm2(h))
 
 
-def _trace_choose(model: nn.Module, loss, *inputs: torch.Tensor) -> auto_tp.AutoPlan:
+def _trace_choose(model: nn.Module, loss, *inputs: torch.Tensor, profile=None) -> auto_tp.AutoPlan:
     def step(model, optim, *xs):
         loss(model, *xs).backward()
         optim.step()
@@ -240,8 +307,40 @@ def _trace_choose(model: nn.Module, loss, *inputs: torch.Tensor) -> auto_tp.Auto
         step, args, step_inputs.lift_state(model, optim), casts=None, accumulate_after_reduce=False
     )
     return auto_tp.choose(
-        model, traced.gm, init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard", "tp"))
+        model, traced.gm, init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard", "tp")), profile
     )
+
+
+def test_routed_experts_split_on_their_ffn_dimension_where_it_pays() -> None:
+    """Experts multiplied by ``grouped_mm`` (tokens [S, d] by experts [E, ffn, d]; up, ReLU, down)
+    form a column -> row region: up split on its ffn rows (Shard(1)), down on its ffn columns
+    (Shard(2)), clean by DTensor's own grouped_mm strategy (tests/dist/test_auto_tp.py checks the
+    values). The cost model decides: on an H100 the split of this tiny layer costs
+    more than the step (replicated); on a device whose matmuls run at 1 GFLOP/s it saves time."""
+    import dataclasses
+
+    from spmd.profiles import PROFILES
+    from tests.dist.workers_tp import PlainExperts
+
+    ids = torch.randint(0, V, (2, 8))
+
+    def ce(model, ids):
+        return nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+
+    slow_mm = dataclasses.replace(PROFILES["h100-80gb"], name="slow-matmul", peak_flops={"fp32": 1e9})
+    torch.manual_seed(0)
+    with fake_process_group(2):
+        plain = _trace_choose(PlainExperts(), ce, ids)
+        h100 = _trace_choose(PlainExperts(), ce, ids, profile=PROFILES["h100-80gb"])
+        slow = _trace_choose(PlainExperts(), ce, ids, profile=slow_mm)
+    assert plain.placements["experts.up"] == Shard(1) and plain.placements["experts.down"] == Shard(2)
+    assert plain.plan["experts.up"] == Shard(1)
+    experts = "experts.up -> experts.down: column -> row, "
+    assert h100.reasons["experts.up"].startswith(experts + "replicated: saves "), h100.reasons["experts.up"]
+    assert "experts.up" not in h100.placements
+    assert slow.reasons["experts.up"].startswith(experts + "sharded: saves "), slow.reasons["experts.up"]
+    assert slow.placements["experts.down"] == Shard(2)
+    assert "on slow-matmul: saves " in slow.reasons["experts.up"]
 
 
 def test_sequence_parallel_only_where_every_op_is_token_wise() -> None:

@@ -44,8 +44,10 @@ def test_auto_tp_row_runs_as_its_code_and_names_its_placements(auto_rows: spmd.P
     tp = rows[2]
     assert tp.options["tp_plan"] == "auto" and tp.mesh == "dp_shard 4 x tp 2"
     assert "tp_plan='auto'" in tp.expression and "tp_plans" not in tp.code
-    # the choice was made (something sharded over tp) and is what the report of the run says
-    assert any(", sharded: " in c for c in tp.tp_choices) and rows[1].tp_choices == []
+    # the choice was made, priced on the plan's device (at this size nothing pays on an H100: the
+    # classes DTensor accepts replicate, their lines give the times), and is what the run reports
+    assert tp.tp_choices and rows[1].tp_choices == []
+    assert all("on h100-80gb: costs" in c or "DTensor redistributes" in c for c in tp.tp_choices)
     scope: dict = {}
     exec(tp.code.replace("spmd.compile(", "step = spmd.compile(", 1), scope)
     step = scope["step"](models.train_step)
@@ -57,7 +59,7 @@ def test_auto_tp_row_runs_as_its_code_and_names_its_placements(auto_rows: spmd.P
     assert rep.peak_memory_bytes == tp.peak_bytes and rep.comm_bytes_by_dim() == tp.comm_bytes_by_dim
     text = str(auto_rows)
     line = f"tp 2: auto: {tp_summary(tp.tp_choices)}"
-    assert line in text.splitlines() and " sharded (" in line
+    assert line in text.splitlines() and " replicated (" in line
     assert f"best: {auto_rows.best.code}" in text
 
 
