@@ -5,10 +5,10 @@
 - :func:`refined_search`: configurations that differ only in pass options (prefetch depth,
   ``min_unit_mb``) partition alike, into one *group*; each group is lowered once, with
   DataParallel's defaults (or the nearest values searched). The remat policies of one
-  partitioning are tried from the least recompute, and once one fits the ones that recompute more
-  are not (recomputing adds compute: it never makes a step faster). Then the ``refine`` best
-  groups of each tensor-parallel size get their pass options searched, one axis at a time, each
-  axis's best value kept for the next. ``refine=None`` lowers the whole grid.
+  partitioning are tried "full" first (where the most recompute does not fit, nothing does),
+  then none (where it fits, the policies between would only add compute), then the rest. Then
+  the ``refine`` best groups of each tensor-parallel size get their pass options searched, one
+  axis at a time, each axis's best value kept for the next. ``refine=None`` lowers the whole grid.
 - :func:`shares` and :func:`in_processes`: with ``jobs=`` above 1 the grid is split by
   tensor-parallel size over processes forked from the plan's (the same rows as one process:
   refinement is per tp size).
@@ -88,24 +88,30 @@ def refined_search(
     def distance(opts: dict[str, Any]) -> int:
         return sum(opts.get(k, d) != d for k, d in PASS_AXES.items())
 
-    # Remat policies of one partitioning, from the least recompute: recomputing more adds
-    # compute and never saves time, so once one fits, the ones that recompute more are not tried.
+    # Remat policies of one partitioning: recomputing more adds compute (never saves time) and
+    # keeps less (never needs more memory). So "full" first: where it does not fit, nothing
+    # does; then none: where it fits, the policies between are not tried.
     chains: dict[str, list[str]] = {}
     for key, members in groups.items():
         chains.setdefault(_group_key({k: v for k, v in members[0].items() if k != "remat"}), []).append(key)
     rows: list[Any] = []
     by_group: dict[str, Any] = {}
     for chain in chains.values():
-        fits_at: int | None = None
-        for key in sorted(chain, key=lambda k: _remat_level(groups[k][0])):
-            if fits_at is not None and _remat_level(groups[key][0]) > fits_at:
+        done: set[int] = set()  # levels that decided the rest
+        for key in sorted(chain, key=lambda k: _TRY_ORDER[_remat_level(groups[k][0])]):
+            level = _remat_level(groups[key][0])
+            if budget is not None and (2 in done or (0 in done and level == 1)):
                 continue
             got = search([min(groups[key], key=distance)])
             rows += got
-            if got:
-                by_group[key] = got[0]
-                if budget is not None and got[0].peak_bytes <= budget and fits_at is None:
-                    fits_at = _remat_level(groups[key][0])
+            if not got:
+                continue
+            by_group[key] = got[0]
+            if budget is None:
+                continue
+            fits = got[0].peak_bytes <= budget
+            if (level == 2 and not fits) or (level == 0 and fits):
+                done.add(level)
     ranked = sorted(by_group, key=lambda k: _rank(by_group[k], budget))
     best_of_tp: dict[int, list[str]] = {}
     for key in ranked:
@@ -128,6 +134,10 @@ def refined_search(
                 if got and _rank(got[0], budget) < _rank(best, budget):
                     best = got[0]
     return rows
+
+
+# remat levels (:func:`_remat_level`) in the order they are tried: full, none, the rest
+_TRY_ORDER = {2: 0, 0: 1, 1: 2}
 
 
 def _remat_level(opts: dict[str, Any]) -> int:

@@ -61,8 +61,9 @@ def _row(opts: dict[str, Any], peak: float, step_s: float) -> PlanRow:
 
 def test_each_partitioning_once_remat_until_it_fits_pass_options_around_the_best() -> None:
     """Two partitionings (reshard on, off) x remat none/selective/full x prefetch 0/1/2 x unit
-    1/64: 36 configurations. Stand-in predictions: no remat does not fit; selective fits (so
-    full is never tried); prefetch 2 is faster, unit size changes nothing; reshard off faster."""
+    1/64: 36 configurations. Stand-in predictions (budget 80): with reshard nothing fits (full
+    needs 90), so nothing else is tried; without, full fits (20), none does not (100),
+    selective does (50); prefetch 2 is faster, the unit size changes nothing."""
     configs = [
         {
             "parallel_style": "fully_shard",
@@ -83,32 +84,34 @@ def test_each_partitioning_once_remat_until_it_fits_pass_options_around_the_best
         out = []
         for o in batch:
             lowered.append(o)
-            peak = {None: 100, "selective": 50, "full": 20}[o["remat"]]
+            peak = {None: 100, "selective": 50, "full": 20}[o["remat"]] + (
+                70 if o["reshard_after_forward"] else 0
+            )
             step = {None: 1.0, "selective": 1.2, "full": 1.5}[o["remat"]] - 0.1 * o["forward_prefetch"]
-            out.append(_row(o, peak, step - (0.05 if not o["reshard_after_forward"] else 0.0)))
+            out.append(_row(o, peak, step))
         return out
 
     rows = refined_search(configs, search, 80 * GiB, refine=1)
     names = ("reshard_after_forward", "forward_prefetch", "min_unit_mb", "remat")
     keys = [tuple(o[k] for k in names) for o in lowered]
     assert keys == [
-        # each partitioning with the default pass options (prefetch 1, unit 1 MiB), remat in order
-        (True, 1, 1.0, None),
-        (True, 1, 1.0, "selective"),
+        # each partitioning with the default pass options (prefetch 1, unit 1 MiB): remat full first
+        (True, 1, 1.0, "full"),
+        (False, 1, 1.0, "full"),
         (False, 1, 1.0, None),
         (False, 1, 1.0, "selective"),
-        # the best (no reshard, selective): prefetch searched, then unit at the best prefetch (2)
+        # the best that fits (no reshard, selective): prefetch searched, then unit at prefetch 2
         (False, 0, 1.0, "selective"),
         (False, 2, 1.0, "selective"),
         (False, 2, 64.0, "selective"),
     ]
     assert len(rows) == 7
     best = min(rows, key=lambda r: (r.peak_bytes > 80 * GiB, r.step_s))
-    assert best.options["forward_prefetch"] == 2 and not best.options["reshard_after_forward"]
+    assert best.options["forward_prefetch"] == 2 and best.options["remat"] == "selective"
     # refine=None: the whole grid
     lowered.clear()
     assert len(refined_search(configs, search, 80 * GiB, refine=None)) == 36
-    # no budget: every remat policy (none fits nothing to stop at)
+    # no budget: every remat policy (nothing fits or not), default pass options only
     lowered.clear()
     refined_search(configs, search, None, refine=0)
     assert len(lowered) == 6 and all(o["forward_prefetch"] == 1 for o in lowered)
