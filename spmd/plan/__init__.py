@@ -479,9 +479,13 @@ def plan(
                         failed.append((_label(opts), first))
                 return out
 
+            def traced() -> int:
+                return sum(1 for c in caches.values() for k in c if k[0] == "trace")
+
             def share_of(part: list[dict[str, Any]]) -> Any:
-                def run() -> tuple[list[PlanRow], list[tuple[str, str]], dict[tuple[int, int], float]]:
-                    return search.refined_search(part, lower_all, budget, refine), list(failed), dict(cold)
+                def run() -> tuple[list[PlanRow], list[tuple[str, str]], dict[tuple[int, int], float], int]:
+                    got = search.refined_search(part, lower_all, budget, refine)
+                    return got, list(failed), dict(cold), traced()
 
                 return run
 
@@ -489,8 +493,10 @@ def plan(
             if len(parts) > 1:
                 log.info("spmd.plan: searching in %d processes", len(parts))
             rows = []
-            for got, why, times in search.in_processes([share_of(part) for part in parts]):
+            traces = 0
+            for got, why, times, n in search.in_processes([share_of(part) for part in parts]):
                 rows += got
+                traces += n if len(parts) > 1 else 0
                 failed[:] = list(dict.fromkeys([*failed, *why]))
                 cold.update({k: v for k, v in times.items() if k not in cold})
             if not rows:
@@ -525,7 +531,7 @@ def plan(
         tokens_per_step=tokens,
         memory_per_rank=None,
         plan_s=time.perf_counter() - t_start,
-        traces=sum(1 for c in caches.values() for k in c if k[0] == "trace"),
+        traces=traces + traced(),
         profile=prof.to_dict(),
         failed=failed,
         skipped=skipped,
