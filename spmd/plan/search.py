@@ -5,8 +5,8 @@
 - :func:`refined_search`: configurations that differ only in pass options (prefetch depth,
   ``min_unit_mb``) partition alike, into one *group*; each group is lowered once, with
   DataParallel's defaults (or the nearest values searched). The remat policies of one
-  partitioning are tried "full" first (where the most recompute does not fit, nothing does),
-  then none (where it fits, the policies between would only add compute), then the rest. Then
+  partitioning are tried from the most recompute ("full", the policies between, none), and
+  where one does not fit, those that recompute less are not tried (they keep more). Then
   the ``refine`` best groups of each tensor-parallel size get their pass options searched, one
   axis at a time, each axis's best value kept for the next. ``refine=None`` lowers the whole grid.
 - :func:`shares` and :func:`in_processes`: with ``jobs=`` above 1 the grid is split by
@@ -88,30 +88,28 @@ def refined_search(
     def distance(opts: dict[str, Any]) -> int:
         return sum(opts.get(k, d) != d for k, d in PASS_AXES.items())
 
-    # Remat policies of one partitioning: recomputing more adds compute (never saves time) and
-    # keeps less (never needs more memory). So "full" first: where it does not fit, nothing
-    # does; then none: where it fits, the policies between are not tried.
+    # Remat policies of one partitioning, from the most recompute: recomputing less never needs
+    # less memory, so where one does not fit, the ones that recompute less are not tried ("full"
+    # first, the policies between, none last). Recomputing more never saves time either, so a
+    # fitting policy does not end the chain: the next may fit and be faster.
     chains: dict[str, list[str]] = {}
     for key, members in groups.items():
         chains.setdefault(_group_key({k: v for k, v in members[0].items() if k != "remat"}), []).append(key)
     rows: list[Any] = []
     by_group: dict[str, Any] = {}
     for chain in chains.values():
-        done: set[int] = set()  # levels that decided the rest
-        for key in sorted(chain, key=lambda k: _TRY_ORDER[_remat_level(groups[k][0])]):
+        over: int | None = None  # the level that did not fit: less recompute is not tried
+        for key in sorted(chain, key=lambda k: -_remat_level(groups[k][0])):
             level = _remat_level(groups[key][0])
-            if budget is not None and (2 in done or (0 in done and level == 1)):
+            if budget is not None and over is not None and level < over:
                 continue
             got = search([min(groups[key], key=distance)])
             rows += got
             if not got:
                 continue
             by_group[key] = got[0]
-            if budget is None:
-                continue
-            fits = got[0].peak_bytes <= budget
-            if (level == 2 and not fits) or (level == 0 and fits):
-                done.add(level)
+            if budget is not None and got[0].peak_bytes > budget and over is None:
+                over = level
     ranked = sorted(by_group, key=lambda k: _rank(by_group[k], budget))
     best_of_tp: dict[int, list[str]] = {}
     for key in ranked:
@@ -134,10 +132,6 @@ def refined_search(
                 if got and _rank(got[0], budget) < _rank(best, budget):
                     best = got[0]
     return rows
-
-
-# remat levels (:func:`_remat_level`) in the order they are tried: full, none, the rest
-_TRY_ORDER = {2: 0, 0: 1, 1: 2}
 
 
 def _remat_level(opts: dict[str, Any]) -> int:
