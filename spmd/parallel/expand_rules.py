@@ -15,6 +15,13 @@ fused Adam/AdamW kernels. What is missing on torch 2.13 and registered here:
   argument, so the expansion places the mask first (:func:`attn_mask_placements`, from
   q's placements) and the rule takes it as it is. A sequence-sharded q with a mask is
   refused (no strategy shards the sequence).
+* ``aten.new_empty`` and ``aten.new_empty_strided``: DTensor's rule lets the new tensor follow
+  its input's placements only where the shapes are equal, else it replicates. Here it also
+  follows a sharded input where every dimension the input is sharded on keeps its size (the
+  memory is uninitialised: what is written into it decides its values). DeepSeek-V2's MLA
+  builds its keys so: ``kv.new_empty(B, H, S, nope + rope)`` from a ``[B, H, S, nope + v]``
+  tensor sharded on heads, then copies the heads' parts into slices; replicated, the copy
+  gathered the heads.
 
 Registration goes through DTensor's private helpers (``_ops.utils.register_op_strategy``,
 ``expand_to_full_mesh_op_strategy``, the pointwise registrar); this module is the one
@@ -38,6 +45,8 @@ RULES = (
     aten._fused_sgd_.tensor_lr,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
 )
 
 
@@ -94,6 +103,20 @@ def attn_mask_placements(
     return tuple(_mask_placement(p, q_shape, mask_shape) for p in q_placements)
 
 
+def follows_input(in_shape: Sequence[int], out_shape: Sequence[int], placements: Sequence[Placement]) -> bool:
+    """Whether a new uninitialised tensor of ``out_shape`` can take the ``placements`` of its
+    input of ``in_shape``: equal shapes (DTensor's own rule), or every dimension the input is
+    sharded on exists in the output with the same size (and nothing is partial)."""
+    if tuple(in_shape) == tuple(out_shape):
+        return True
+    if len(in_shape) != len(out_shape) or not any(isinstance(p, Shard) for p in placements):
+        return False
+    return all(
+        isinstance(p, Replicate) or (isinstance(p, Shard) and in_shape[p.dim] == out_shape[p.dim])
+        for p in placements
+    )
+
+
 def register() -> None:
     """Register the rules once (idempotent)."""
     global _done
@@ -101,7 +124,9 @@ def register() -> None:
         return
     _done = True
     from passes.torch_compat import (
+        DTensorSpec,
         OpSchema,
+        OpSpec,
         OpStrategy,
         RuntimeSchemaInfo,
         StrategyType,
@@ -147,3 +172,19 @@ def register() -> None:
     @register_op_strategy(RULES[3], schema_info=RuntimeSchemaInfo(6))
     def _flash_cpu_backward(op_schema: OpSchema) -> StrategyType:
         return _attention(op_schema, 3, 6)
+
+    @register_op_strategy(list(RULES[4:6]), schema_info=RuntimeSchemaInfo(1, ["dtype"]))
+    def _new_empty(op_schema: OpSchema) -> StrategyType:
+        x = op_schema.args_schema[0]
+        size = op_schema.args_schema[1]
+        assert isinstance(x, OpStrategy) and isinstance(size, list | tuple)
+        out = OpStrategy([])
+        for s in x.strategies:
+            spec = s.output_spec
+            rep = DTensorSpec(x.mesh, (Replicate(),) * x.mesh.ndim)
+            n = len(x.strategies)
+            out.strategies.append(OpSpec(rep, input_specs=(spec,), redistribute_cost=[[0.0] * n]))
+            if follows_input(x.shape, size, spec.placements):
+                # Preferred: the new tensor where its input is (no redistribution of what fills it).
+                out.strategies.append(OpSpec(spec, input_specs=(spec,), redistribute_cost=[[-0.1] * n]))
+        return out

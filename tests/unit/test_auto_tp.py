@@ -321,3 +321,27 @@ def test_report_and_dump_show_the_choice(tmp_path) -> None:
     ln1 = next(line for line in final.splitlines() if line.startswith("# blocks.0.ln1.weight: "))
     assert f"(tp: {seq}" in ln1
     assert type(spmd.tp_plan_of(model)["blocks.*.fc"]) is ColwiseParallel
+
+
+def test_mla_keys_built_in_new_empty_stay_split() -> None:
+    """DeepSeek-V2's MLA builds its keys with ``new_empty`` (last dimension nope + rope, its
+    input's nope + v) and copies the heads' parts into slices: the new tensor follows its input's
+    split on heads (expand_rules), so q_b/kv_b -> o is one clean region (replicated, the copy
+    gathered the heads)."""
+    from spmd import models
+
+    cfg = {
+        "model_type": "deepseek_v2", "vocab_size": V, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "max_position_embeddings": 32, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 8, "v_head_dim": 8, "first_k_dense_replace": 1, "n_routed_experts": 2,
+        "num_experts_per_tok": 1, "moe_intermediate_size": 16, "topk_method": "greedy",
+        "n_group": 1, "topk_group": 1,
+    }  # fmt: skip
+    torch.manual_seed(0)
+    model = models.build_hf(cfg, batch=2, seq=8, fake=False)[0]
+    with fake_process_group(2):
+        choice = _choose(model, 2)
+    assert choice.placements["model.layers.0.self_attn.kv_b_proj.weight"] == Shard(0)
+    assert choice.placements["model.layers.0.self_attn.q_b_proj.weight"] == Shard(0)
+    assert choice.placements["model.layers.0.self_attn.o_proj.weight"] == Shard(1)
