@@ -79,6 +79,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from passes.meta import MODULE, ROLE, STATE_NAME, Role
+from passes.torch_compat import StridedShard
 from spmd.errors import ConfigError
 from spmd.parallel.auto_tp_graph import Region, find_regions, mm_flops, nbytes
 
@@ -368,7 +369,7 @@ def _sequence(
 
 
 def _divides(r: Region, shapes: dict[str, tuple[int, ...]], tp: int) -> bool:
-    return all(shapes[p][d] % tp == 0 for p, d in r.params().items())
+    return all(shapes[p][d] % (tp * r.strided.get(p, 1)) == 0 for p, d in r.params().items())
 
 
 def _first(gm: fx.GraphModule, nodes: set[fx.Node]) -> fx.Node:
@@ -410,7 +411,9 @@ def _placements(regions: Iterable[Region]) -> dict[str, Placement]:
     out: dict[str, Placement] = {}
     for r in regions:
         for p, d in r.params().items():
-            out.setdefault(p, Shard(d))
+            k = r.strided.get(p, 1)
+            # A fused projection split into k parts: each rank its share of every part.
+            out.setdefault(p, Shard(d) if k == 1 else StridedShard(d, split_factor=k))
     return dict(sorted(out.items()))
 
 

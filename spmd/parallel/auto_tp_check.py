@@ -24,6 +24,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.experimental import implicit_replication
 
 from passes.meta import PHASE, ROLE, STATE_NAME, Phase, Role
+from passes.torch_compat import StridedShard
 from spmd.frontend.kernel_layouts import KernelLayoutFakeMode
 from spmd.parallel import expand_rules
 from spmd.parallel import plan as plan_mod
@@ -97,7 +98,7 @@ def dirty_nodes(
         if ph.meta.get(ROLE) is Role.PARAM:
             pl = resolved.params.get(str(ph.meta.get(STATE_NAME)), Replicate())
         shape = list(val.shape)
-        if isinstance(pl, Shard):
+        if isinstance(pl, Shard | StridedShard):
             shape[pl.dim % len(shape)] //= mesh.size(tp)
         with fake:
             local = torch.empty(shape, dtype=val.dtype, device=val.device)

@@ -7,6 +7,7 @@ what each candidate is and why it is recognised from the graph rather than from 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +70,9 @@ class Region:
     producers: list[fx.Node]  # the column-split matmuls (or the embedding)
     consumers: list[fx.Node] = dataclasses.field(default_factory=list)  # the row-split matmuls
     bias: dict[str, int] = dataclasses.field(default_factory=dict)  # column biases: Shard(0)
+    # Fused column parameters (and their biases) whose output is split into k equal parts (a fused
+    # qkv, gate/up): fqn -> k; they split strided (each rank its share of every part).
+    strided: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def mats(self) -> list[fx.Node]:
@@ -84,7 +88,7 @@ class Region:
             for p, d in group.items()
         )
         ops = sorted(str(n.target) for n in self.flow)
-        return (self.kind, tuple(ps), tuple(ops))
+        return (self.kind, tuple(ps), tuple(ops), tuple(sorted(self.strided.values())))
 
 
 def _placeholder_param(n: fx.Node) -> str | None:
@@ -182,6 +186,65 @@ def _within_groups(n: fx.Node, features: int) -> bool:
     return dims[0] % xv.dim() == xv.dim() - 1 and 1 < last < features and features % last == 0
 
 
+# Views that keep a matmul output's last dimension on the way to its split into parts.
+_KEEP_LAST = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._to_copy.default,
+              aten.alias.default, aten.clone.default}  # fmt: skip
+
+
+def fused_parts(mat: fx.Node) -> int:
+    """Into how many equal parts the matmul's output is split on its features before anything
+    else reads it (a fused qkv split into q, k and v; a fused gate/up chunked in two): the
+    features over the greatest common divisor of the parts' boundaries; 1 if it is not split,
+    or something else reads it whole."""
+    out = mat.meta.get("val")
+    if not isinstance(out, torch.Tensor) or out.dim() == 0:
+        return 1
+    features = out.shape[-1]
+    cuts: list[int] = []
+    todo = [mat]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.meta.get(PHASE) is not Phase.FORWARD:
+                continue
+            uv = u.meta.get("val")
+            if u.target in _KEEP_LAST and isinstance(uv, torch.Tensor) and uv.dim() and uv.shape[-1] == features:
+                todo.append(u)
+                continue
+            got = _feature_cuts(u, n, features)
+            if got is None:
+                return 1
+            cuts += got
+    g = features
+    for c in cuts:
+        g = math.gcd(g, c)
+    return features // g if cuts and 0 < g < features else 1
+
+
+def _feature_cuts(u: fx.Node, x: fx.Node, features: int) -> list[int] | None:
+    """The boundaries a split or slice of ``x`` on its last dimension cuts at; None for any other use."""
+    xv = x.meta.get("val")
+    if not isinstance(xv, torch.Tensor) or u.args[0] is not x:
+        return None
+    nd = xv.dim()
+    if u.target in (aten.split.Tensor, aten.split_with_sizes.default):
+        dim = u.args[2] if len(u.args) > 2 else 0
+        if dim % nd != nd - 1:
+            return None
+        size = u.args[1]
+        sizes = list(size) if isinstance(size, list | tuple) else [size] * -(-features // size)
+        return [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    if u.target is aten.slice.Tensor:
+        args = list(u.args[1:5]) + [0, None, None, 1][len(u.args) - 1 :]
+        dim, start, end, step = args[:4]
+        if dim % nd != nd - 1 or step != 1:
+            return None
+        start = 0 if start is None else min(max(start + features if start < 0 else start, 0), features)
+        end = features if end is None else min(max(end + features if end < 0 else end, 0), features)
+        return [start, end]
+    return None
+
+
 def _from_batch(ids: Any) -> bool:
     """Whether a lookup's indices come from the step's inputs (token ids), not from a range or a
     buffer (positions, token types: a table indexed by every rank alike gains nothing split)."""
@@ -237,6 +300,10 @@ def find_regions(gm: fx.GraphModule, shapes: dict[str, tuple[int, ...]]) -> list
             r.col[mats[m].param] = mats[m].col
             if (b := mats[m].bias) is not None:
                 r.bias[b] = 0
+            if (k := fused_parts(m)) > 1:
+                r.strided[mats[m].param] = k
+                if b is not None:
+                    r.strided[b] = k
             r.flow |= flows[m][0]
         for c in consumers:
             r.row[mats[c].param] = mats[c].row

@@ -236,6 +236,10 @@ class _Expander(fx.Interpreter):
 
             with loss_parallel():
                 return super().call_function(target, args, kwargs)
+        if target in expand_rules.STRIDED_OPS:
+            out = expand_rules.strided_call(target, args, kwargs, _wrap_meta)
+            if out is not None:
+                return out
         if self.replicate_unknown and target in self._unknown:
             return self._replicated_call(target, args, kwargs)
         try:
@@ -377,6 +381,21 @@ def _wrap(
     from passes.torch_compat import DTensorSpec, TensorMeta
 
     spec = DTensorSpec(mesh, tuple(placements), TensorMeta(like.shape, like.stride(), like.dtype))
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+
+
+def _wrap_meta(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: Sequence[int],
+    stride: Sequence[int],
+    dtype: torch.dtype,
+) -> DTensor:
+    """:func:`_wrap` given the global shape, stride and dtype instead of a tensor of them."""
+    from passes.torch_compat import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size(shape), tuple(stride), dtype))
     return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
 
 

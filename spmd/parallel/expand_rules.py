@@ -23,6 +23,17 @@ fused Adam/AdamW kernels. What is missing on torch 2.13 and registered here:
   tensor sharded on heads, then copies the heads' parts into slices; replicated, the copy
   gathered the heads.
 
+Computed by the expansion itself (:func:`strided_call`), not by a DTensor strategy (whose local
+op would run with the global sizes): ``split``, ``split_with_sizes``, ``slice``, ``cat`` and
+``slice_backward`` along a dimension split *strided* over one mesh dimension
+(``_StridedShard(d, split_factor=k)``: the dimension is k equal groups and each rank holds its
+1/n of every group, e.g. a fused qkv projection's output, each rank its share of q, of k and of
+v). A split or slice on group boundaries gives each part its groups' shares (``Shard(d)`` for
+one group); a ``cat`` of parts sharded alike on the dimension, with equal groups, is the
+strided whole again (the backward of the split), and ``slice_backward`` pads the same way. DTensor
+2.13 propagates the strided split through matmuls, views and pointwise ops, but gathers at
+these ops.
+
 Registration goes through DTensor's private helpers (``_ops.utils.register_op_strategy``,
 ``expand_to_full_mesh_op_strategy``, the pointwise registrar); this module is the one
 place that uses them. ``spmd::tag_grad`` needs no rule: the expansion handles it itself
@@ -31,10 +42,15 @@ place that uses them. ``spmd::tag_grad`` needs no rule: the expansion handles it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from passes import torch_compat
+from passes.torch_compat import StridedShard
 
 aten = torch.ops.aten
 _done = False
@@ -188,3 +204,156 @@ def register() -> None:
                 # Preferred: the new tensor where its input is (no redistribution of what fills it).
                 out.strategies.append(OpSpec(spec, input_specs=(spec,), redistribute_cost=[[-0.1] * n]))
         return out
+
+
+# ----------------------------------------------------------------------------- strided splits
+
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+STRIDED_OPS = (*_SPLITS, aten.slice.Tensor, aten.cat.default, aten.slice_backward.default)
+
+
+def _split_on(x: Any, dim: int) -> tuple[int, int, int] | None:
+    """(mesh dimension, its size, groups) if ``x`` is a DTensor split on tensor dimension ``dim``
+    over exactly one mesh dimension (replicated on the others): ``Shard(dim)`` is one group,
+    ``_StridedShard(dim, split_factor=k)`` k groups."""
+    if not isinstance(x, DTensor):
+        return None
+    found = None
+    for i, p in enumerate(x.placements):
+        if isinstance(p, Replicate):
+            continue
+        if found is not None or not isinstance(p, Shard | StridedShard) or p.dim % x.ndim != dim:
+            return None
+        k = p.split_factor if isinstance(p, StridedShard) else 1
+        found = (i, x.device_mesh.size(i), k)
+    return found
+
+
+def _part(dim: int, groups: int) -> Placement:
+    return Shard(dim) if groups == 1 else StridedShard(dim, split_factor=groups)
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def strided_call(
+    target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], wrap: Callable[..., DTensor]
+) -> Any:
+    """``target`` on a strided split (see the module docstring), computed on the local tensors;
+    None where it does not apply (then DTensor runs the op). ``wrap(local, mesh, placements,
+    shape, stride, dtype)`` makes the DTensor of a local result."""
+    if target not in STRIDED_OPS or kwargs:
+        return None
+    if target is aten.cat.default:
+        return _cat(args, wrap)
+    x = args[0]
+    if not isinstance(x, DTensor):
+        return None
+    if target is aten.slice_backward.default:
+        return _slice_backward(args, wrap)
+    dim = (args[2] if len(args) > 2 else 0) if target in _SPLITS else (args[1] if len(args) > 1 else 0)
+    dim %= x.ndim
+    info = _split_on(x, dim)
+    if info is None or info[2] == 1:
+        return None
+    mesh_dim, n, k = info
+    length = x.shape[dim]
+    group = length // k
+    if group * k != length or group % n:
+        return None
+    if target is aten.slice.Tensor:
+        given = list(args[2:5])
+        start, end, step = given + [None, None, 1][len(given) :]
+        start, end = _bound(start, 0, length), _bound(end, length, length)
+        if step != 1 or end <= start or start % group or end % group:
+            return None
+        sizes = [end - start]
+    else:
+        size = args[1]
+        sizes = list(size) if target is aten.split_with_sizes.default else [size] * -(-length // size)
+        if target is aten.split.Tensor:
+            sizes[-1] = length - size * (len(sizes) - 1)
+        start = 0
+        if any(s <= 0 or s % group for s in sizes):
+            return None
+    local = torch_compat.local_tensor(x)
+    placements = list(x.placements)
+
+    def out(piece: torch.Tensor, size: int) -> DTensor:
+        shape = list(x.shape)
+        shape[dim] = size
+        placements[mesh_dim] = _part(dim, size // group)
+        return wrap(piece, x.device_mesh, tuple(placements), shape, x.stride(), x.dtype)
+
+    if target is aten.slice.Tensor:
+        piece = aten.slice.Tensor(local, dim, start // n, (start + sizes[0]) // n)
+        return out(piece, sizes[0])
+    pieces = aten.split_with_sizes.default(local, [s // n for s in sizes], dim)
+    return [out(p, s) for p, s in zip(pieces, sizes)]
+
+
+def _bound(v: Any, default: int, length: int) -> int:
+    if v is None:
+        return default
+    v = int(v)
+    if v < 0:
+        v += length
+    return max(0, min(v, length))
+
+
+def _cat(args: tuple[Any, ...], wrap: Callable[..., DTensor]) -> DTensor | None:
+    """Parts split alike on the cat dimension, with groups of one size: the strided whole."""
+    xs = args[0]
+    if not isinstance(xs, list | tuple) or len(xs) < 2 or not all(isinstance(x, DTensor) for x in xs):
+        return None
+    first = xs[0]
+    dim = (args[1] if len(args) > 1 else 0) % first.ndim
+    infos = [_split_on(x, dim) for x in xs]
+    if any(i is None for i in infos):
+        return None
+    groups = {x.shape[dim] // i[2] for x, i in zip(xs, infos) if i is not None}
+    where = {(i[0], i[1]) for i in infos if i is not None}
+    same = {
+        (x.device_mesh, tuple(p for j, p in enumerate(x.placements) if j != i[0]))
+        for x, i in zip(xs, infos)
+        if i is not None
+    }
+    if len(groups) != 1 or len(where) != 1 or len(same) != 1:
+        return None
+    (mesh_dim, n), group = next(iter(where)), next(iter(groups))
+    if group % n or any(x.shape[dim] % group for x in xs):
+        return None
+    local = aten.cat.default([torch_compat.local_tensor(x) for x in xs], dim)
+    shape = list(first.shape)
+    shape[dim] = sum(x.shape[dim] for x in xs)
+    placements = list(first.placements)
+    placements[mesh_dim] = _part(dim, shape[dim] // group)
+    return wrap(local, first.device_mesh, tuple(placements), shape, _contiguous_stride(shape), first.dtype)
+
+
+def _slice_backward(args: tuple[Any, ...], wrap: Callable[..., DTensor]) -> DTensor | None:
+    """The gradient of a slice on group boundaries: the strided whole, zero outside the slice."""
+    g, sizes, dim, start, end, step = args
+    dim %= g.ndim
+    info = _split_on(g, dim)
+    if info is None or step != 1:
+        return None
+    mesh_dim, n, k = info
+    length = int(sizes[dim])
+    start, end = _bound(start, 0, length), _bound(end, length, length)
+    group = (end - start) // k
+    if group <= 0 or group * k != end - start or group % n or start % group or length % group:
+        return None
+    local_sizes = list(sizes)
+    local_sizes[dim] = length // n
+    local = aten.slice_backward.default(
+        torch_compat.local_tensor(g), local_sizes, dim, start // n, end // n, 1
+    )
+    placements = list(g.placements)
+    placements[mesh_dim] = _part(dim, length // group)
+    return wrap(local, g.device_mesh, tuple(placements), list(sizes), _contiguous_stride(sizes), g.dtype)

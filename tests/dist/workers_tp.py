@@ -54,6 +54,9 @@ def build(name: str) -> tuple[nn.Module, dict[str, Any], bool]:
             max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         )  # fmt: skip
         return tf.BertForMaskedLM(cfg), {}, True
+    if name == "hf_phi3":  # fused qkv_proj (sliced) and gate_up_proj (chunked): strided splits
+        cfg = tf.Phi3Config(**{**_LLAMA, "num_key_value_heads": 4}, pad_token_id=0)
+        return tf.Phi3ForCausalLM(cfg), {}, True
     if name == "hf_gpt2":  # transposed Conv1D weights
         cfg = tf.GPT2Config(
             vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4, use_cache=False,
