@@ -211,6 +211,10 @@ def _price(r: Region, tp: int) -> Price:
         ins = [m.args[-2] for m in r.producers if isinstance(m.args[-2], fx.Node)]
         p.collectives = 2
         p.collective_bytes = sum(nbytes(m) for m in r.consumers) + max((nbytes(a) for a in ins), default=0)
+        # A statistic over all of a producer's features (OLMo 2's q/k norm): all-reduced both ways.
+        stats = r.statistics
+        p.collectives += 2 * len(stats)
+        p.collective_bytes += 2 * sum(nbytes(s) for s in stats)
     elif r.kind == "embedding":
         p.collectives, p.collective_bytes = 1, sum(nbytes(m) for m in r.mats)
     else:  # the input gradient, and the loss's per-row maximum, sum and target logit (fp32)

@@ -75,6 +75,15 @@ class Region:
     strided: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
+    def statistics(self) -> list[fx.Node]:
+        """The flow's statistics over all of a producer's features (:func:`whole_statistic`):
+        each one all-reduced over tp in forward and in backward."""
+        widths = {
+            p.meta["val"].shape[-1] for p in self.producers if isinstance(p.meta.get("val"), torch.Tensor)
+        }
+        return [n for n in self.flow if any(whole_statistic(n, f) for f in widths)]
+
+    @property
     def mats(self) -> list[fx.Node]:
         return [*self.producers, *self.consumers]
 
@@ -134,8 +143,11 @@ def _param_matmuls(gm: fx.GraphModule, shapes: dict[str, tuple[int, ...]]) -> di
     return out
 
 
-def _flow(mat: fx.Node, mats: dict[fx.Node, _Mat]) -> tuple[set[fx.Node], set[fx.Node], bool, bool]:
-    """(flow nodes, consumer matmuls, reaches the loss, stopped) from ``mat``'s output."""
+def _flow(
+    mat: fx.Node, mats: dict[fx.Node, _Mat], statistics: bool = False
+) -> tuple[set[fx.Node], set[fx.Node], bool, bool]:
+    """(flow nodes, consumer matmuls, reaches the loss, stopped) from ``mat``'s output;
+    ``statistics``: go on through statistics over all its features (:func:`whole_statistic`)."""
     flow: set[fx.Node] = set()
     consumers: set[fx.Node] = set()
     loss = stopped = False
@@ -152,7 +164,11 @@ def _flow(mat: fx.Node, mats: dict[fx.Node, _Mat]) -> tuple[set[fx.Node], set[fx
                 continue  # saved for backward
             if u in mats and mats[u].act is n:
                 consumers.add(u)
-            elif u in mats or (u.target in _STOPS and not _within_groups(u, features)):
+            elif u in mats or (
+                u.target in _STOPS
+                and not _within_groups(u, features)
+                and not (statistics and whole_statistic(u, features))
+            ):
                 stopped = True
             elif u.target in _LOSS:
                 loss = True
@@ -208,7 +224,12 @@ def fused_parts(mat: fx.Node) -> int:
             if u.meta.get(PHASE) is not Phase.FORWARD:
                 continue
             uv = u.meta.get("val")
-            if u.target in _KEEP_LAST and isinstance(uv, torch.Tensor) and uv.dim() and uv.shape[-1] == features:
+            if (
+                u.target in _KEEP_LAST
+                and isinstance(uv, torch.Tensor)
+                and uv.dim()
+                and uv.shape[-1] == features
+            ):
                 todo.append(u)
                 continue
             got = _feature_cuts(u, n, features)
@@ -245,6 +266,28 @@ def _feature_cuts(u: fx.Node, x: fx.Node, features: int) -> list[int] | None:
     return None
 
 
+# Reductions whose output, over a column split's features, is a sum of per-rank partial sums.
+_STATISTICS = {aten.mean.dim, aten.sum.dim_IntList}
+
+
+def whole_statistic(n: fx.Node, features: int) -> bool:
+    """Whether ``n`` is a statistic over all of a matmul's ``features``: a mean or sum over the
+    last dimension alone, keeping it (``[..., 1]``), of a value as wide as the features (OLMo 2's
+    q/k RMSNorm over the whole projection, before the view into heads). Under a column split
+    each rank sums its features and an all-reduce of the small ``[tokens, 1]`` result completes
+    it: the flow goes on through it, and the DTensor check accepts that all-reduce
+    (:mod:`spmd.parallel.auto_tp_check`), priced as two collectives (forward and backward)."""
+    if n.target not in _STATISTICS or len(n.args) < 2:
+        return False
+    x, dims = n.args[0], n.args[1]
+    xv, out = (x.meta.get("val") if isinstance(x, fx.Node) else None), n.meta.get("val")
+    if not isinstance(xv, torch.Tensor) or not isinstance(out, torch.Tensor) or xv.dim() == 0:
+        return False
+    if not isinstance(dims, list | tuple) or len(dims) != 1 or dims[0] % xv.dim() != xv.dim() - 1:
+        return False
+    return xv.shape[-1] == features > 1 and out.dim() == xv.dim() and out.shape[-1] == 1
+
+
 def _from_batch(ids: Any) -> bool:
     """Whether a lookup's indices come from the step's inputs (token ids), not from a range or a
     buffer (positions, token types: a table indexed by every rank alike gains nothing split)."""
@@ -266,6 +309,17 @@ def find_regions(gm: fx.GraphModule, shapes: dict[str, tuple[int, ...]]) -> list
     """The candidate regions of a traced step (see the module docstring), in graph order."""
     mats = _param_matmuls(gm, shapes)
     flows = {m: _flow(m, mats) for m in mats}
+    # A matmul stopped by a norm over all its features (OLMo 2's q/k norms) is a column candidate
+    # through it, unless it is a row candidate already (a row output's norm is the residual
+    # stream's: its flow stops there, as before), or it would feed a column candidate (DeepSeek's
+    # q_a_proj -> norm -> q_b_proj: a low-rank pair, not a Megatron one).
+    cols = {m for m, (_, cons, loss, stop) in flows.items() if cons and not loss and not stop}
+    rows = {c for m in cols for c in flows[m][1]}
+    for m, (_, _, _, stop) in list(flows.items()):
+        if stop and m not in rows:
+            again = _flow(m, mats, statistics=True)
+            if again[1] and not again[2] and not again[3] and not again[1] & cols:
+                flows[m] = again
     # Union producers that reach a common consumer; a producer that is also a consumer of a
     # region (row and column at once) cannot be split both ways.
     parent: dict[fx.Node, fx.Node] = {}

@@ -132,8 +132,10 @@ def test_gpt2_conv1d_and_fused_qkv() -> None:
 def test_per_head_qk_norms_keep_attention_split() -> None:
     """Qwen3 (and Gemma 3) normalise q and k per head (an RMSNorm over head_dim after the view
     into heads): the norm's mean reduces within one head, so a column split into whole heads
-    stays on its rank and q/k/v -> o is one clean region. A norm over all the projection's
-    features (OLMo 2's q/k norm) still stops the flow: those projections are no candidates."""
+    stays on its rank and q/k/v -> o is one clean region. OLMo 2's q/k norms are over all the
+    projection's features: split, each rank sums its share and the mean is all-reduced (a
+    [tokens, 1] statistic), which the DTensor check accepts and the price counts (two per norm,
+    forward and backward: 2 + 2 x 2 per layer). Its row outputs' post-norms still stop there."""
     import transformers as tf
 
     common = dict(
@@ -147,8 +149,12 @@ def test_per_head_qk_norms_keep_attention_split() -> None:
     assert choice.placements["model.layers.0.self_attn.q_proj.weight"] == Shard(0)
     assert choice.placements["model.layers.1.self_attn.k_proj.weight"] == Shard(0)
     assert type(choice.plan["model.layers.*.self_attn.q_proj"]) is ColwiseParallel
-    assert "model.layers.0.self_attn.q_proj.weight" not in olmo2.placements
-    assert olmo2.placements["model.layers.0.self_attn.v_proj.weight"] == Shard(0)
+    assert olmo2.placements["model.layers.0.self_attn.q_proj.weight"] == Shard(0)
+    assert olmo2.placements["model.layers.1.self_attn.k_proj.weight"] == Shard(0)
+    assert olmo2.placements["model.layers.0.self_attn.o_proj.weight"] == Shard(1)
+    attn = next(d for d in olmo2.decisions if "q_proj" in d.describe())
+    assert attn.sharded and attn.price.collectives == 2 * (2 + 2 * 2), attn.describe()
+    assert olmo2.placements["model.layers.0.mlp.down_proj.weight"] == Shard(1)
 
 
 def test_gemma2_builds_with_eager_attention() -> None:
