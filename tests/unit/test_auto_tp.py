@@ -110,8 +110,13 @@ def test_llama_block_gets_torchtitans_plan() -> None:
 def test_gpt2_conv1d_and_fused_qkv() -> None:
     """GPT-2's Conv1D stores its weight (in, out) and the graph uses it untransposed: the MLP's
     c_fc splits dim 1 (column) and c_proj dim 0 (row), written as the same styles. The fused
-    c_attn's even split would cut heads (DTensor redistributes at the split into q, k, v): that
-    class replicates. The token embedding is tied to the head: one vocabulary split."""
+    c_attn's output is split into q, k, v: an even split would cut heads, so it splits strided
+    (each rank its share of q, of k and of v: ``_StridedShard(1, split_factor=3)``, its bias on
+    dim 0), written as parameter placements that resolve back to the same. The token embedding
+    is tied to the head: one vocabulary split."""
+    from passes.torch_compat import StridedShard
+    from spmd.parallel.tensor_parallel import resolve_plan
+
     import transformers as tf
 
     cfg = tf.GPT2Config(
@@ -119,14 +124,51 @@ def test_gpt2_conv1d_and_fused_qkv() -> None:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(cfg)
     with fake_process_group(2):
-        choice = _choose(tf.GPT2LMHeadModel(cfg), 2)
+        choice = _choose(model, 2)
     assert choice.placements["transformer.h.0.mlp.c_fc.weight"] == Shard(1)
     assert choice.placements["transformer.h.1.mlp.c_proj.weight"] == Shard(0)
     assert choice.placements["transformer.wte.weight"] == Shard(0)
     assert type(choice.plan["transformer.h.*.mlp.c_fc"]) is ColwiseParallel
     attn = next(d for d in choice.decisions if "c_attn" in d.describe())
-    assert not attn.sharded and "aten.split" in attn.why
+    assert attn.sharded, attn.describe()
+    assert choice.placements["transformer.h.1.attn.c_attn.weight"] == StridedShard(1, split_factor=3)
+    assert choice.placements["transformer.h.1.attn.c_attn.bias"] == StridedShard(0, split_factor=3)
+    assert choice.placements["transformer.h.1.attn.c_proj.weight"] == Shard(0)
+    assert choice.plan["transformer.h.*.attn.c_attn.weight"] == StridedShard(1, split_factor=3)
+    resolved = resolve_plan(model, spmd.tp_plan_of(model)).params
+    assert {k: v for k, v in resolved.items() if k in choice.placements} == choice.placements
+
+
+def test_phi3_fused_projections_split_strided() -> None:
+    """Phi-3 slices its fused qkv_proj into q, k, v and chunks gate_up_proj in two: both split
+    strided over tp (dim 0 of an nn.Linear weight). With grouped key/value heads the parts are
+    unequal (q twice k): a strided split by the common part gives each rank q heads the
+    key/value heads it holds do not serve, DTensor redistributes at the attention, and the
+    attention replicates with that reason (the MLP stays split)."""
+    import transformers as tf
+
+    from passes.torch_compat import StridedShard
+
+    def phi3(kv: int) -> nn.Module:
+        cfg = tf.Phi3Config(
+            vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=kv, max_position_embeddings=32, use_cache=False, pad_token_id=0,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return tf.Phi3ForCausalLM(cfg)
+
+    with fake_process_group(2):
+        choice = _choose(phi3(4), 2)
+        gqa = _choose(phi3(2), 2)
+    assert choice.placements["model.layers.0.self_attn.qkv_proj.weight"] == StridedShard(0, split_factor=3)
+    assert choice.placements["model.layers.0.mlp.gate_up_proj.weight"] == StridedShard(0, split_factor=2)
+    assert choice.placements["model.layers.1.self_attn.o_proj.weight"] == Shard(1)
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in gqa.placements
+    attn = next(d for d in gqa.decisions if "qkv_proj" in d.describe())
+    assert not attn.sharded and "DTensor redistributes inside it" in attn.why
+    assert gqa.placements["model.layers.0.mlp.gate_up_proj.weight"] == StridedShard(0, split_factor=2)
 
 
 def test_per_head_qk_norms_keep_attention_split() -> None:
