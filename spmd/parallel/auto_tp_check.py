@@ -27,10 +27,9 @@ from passes.meta import PHASE, ROLE, STATE_NAME, Phase, Role
 from passes.torch_compat import StridedShard
 from spmd.frontend.kernel_layouts import KernelLayoutFakeMode
 from spmd.parallel import expand_rules
-from spmd.parallel.auto_tp_graph import whole_statistic
 from spmd.parallel import plan as plan_mod
+from spmd.parallel.auto_tp_graph import whole_statistic
 from spmd.parallel.expand_graph import _Expander, _LocalView, _wrap
-
 
 _ALL_REDUCE = torch.ops.c10d_functional.all_reduce
 

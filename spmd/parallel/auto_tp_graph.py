@@ -248,17 +248,16 @@ def _feature_cuts(u: fx.Node, x: fx.Node, features: int) -> list[int] | None:
     if not isinstance(xv, torch.Tensor) or u.args[0] is not x:
         return None
     nd = xv.dim()
+    args: list[Any] = list(u.args[1:5])
     if u.target in (aten.split.Tensor, aten.split_with_sizes.default):
-        dim = u.args[2] if len(u.args) > 2 else 0
-        if dim % nd != nd - 1:
+        size, dim = args[0], (args[1] if len(args) > 1 else 0)
+        if not isinstance(dim, int) or dim % nd != nd - 1:
             return None
-        size = u.args[1]
         sizes = list(size) if isinstance(size, list | tuple) else [size] * -(-features // size)
-        return [sum(sizes[: i + 1]) for i in range(len(sizes))]
+        return [min(sum(sizes[: i + 1]), features) for i in range(len(sizes))]
     if u.target is aten.slice.Tensor:
-        args = list(u.args[1:5]) + [0, None, None, 1][len(u.args) - 1 :]
-        dim, start, end, step = args[:4]
-        if dim % nd != nd - 1 or step != 1:
+        dim, start, end, step = args + [0, None, None, 1][len(args) :]
+        if not isinstance(dim, int) or dim % nd != nd - 1 or step != 1:
             return None
         start = 0 if start is None else min(max(start + features if start < 0 else start, 0), features)
         end = features if end is None else min(max(end + features if end < 0 else end, 0), features)
@@ -283,7 +282,9 @@ def whole_statistic(n: fx.Node, features: int) -> bool:
     xv, out = (x.meta.get("val") if isinstance(x, fx.Node) else None), n.meta.get("val")
     if not isinstance(xv, torch.Tensor) or not isinstance(out, torch.Tensor) or xv.dim() == 0:
         return False
-    if not isinstance(dims, list | tuple) or len(dims) != 1 or dims[0] % xv.dim() != xv.dim() - 1:
+    if not isinstance(dims, list | tuple) or len(dims) != 1 or not isinstance(dims[0], int):
+        return False
+    if dims[0] % xv.dim() != xv.dim() - 1:
         return False
     return xv.shape[-1] == features > 1 and out.dim() == xv.dim() and out.shape[-1] == 1
 

@@ -42,7 +42,6 @@ place that uses them. ``spmd::tag_grad`` needs no rule: the expansion handles it
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 

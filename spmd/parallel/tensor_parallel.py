@@ -204,10 +204,11 @@ def resolve_plan(module: nn.Module, tp_plan: Mapping[str, Any]) -> TPPlan:
             for fqn, p in params.items():
                 if fnmatch.fnmatchcase(fqn, pattern):
                     matched = True
-                    if not isinstance(value, Replicate) and not -p.dim() <= value.dim < p.dim():
+                    dim = getattr(value, "dim", None)  # Shard and _StridedShard
+                    if isinstance(dim, int) and not -p.dim() <= dim < p.dim():
                         raise ConfigError(
                             f"spmd tp_plan[{pattern!r}] = {value!r}: parameter {fqn!r} of shape "
-                            f"{tuple(p.shape)} has no dimension {value.dim}."
+                            f"{tuple(p.shape)} has no dimension {dim}."
                         )
                     _check_strided(pattern, value, fqn, p)
                     out.setdefault(fqn, value)

@@ -114,10 +114,10 @@ def test_gpt2_conv1d_and_fused_qkv() -> None:
     (each rank its share of q, of k and of v: ``_StridedShard(1, split_factor=3)``, its bias on
     dim 0), written as parameter placements that resolve back to the same. The token embedding
     is tied to the head: one vocabulary split."""
+    import transformers as tf
+
     from passes.torch_compat import StridedShard
     from spmd.parallel.tensor_parallel import resolve_plan
-
-    import transformers as tf
 
     cfg = tf.GPT2Config(
         vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4, use_cache=False,
