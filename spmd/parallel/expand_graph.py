@@ -80,6 +80,9 @@ class _Expander(fx.Interpreter):
         self.boundaries = boundaries or {}
         self._bounded: dict[tuple[Any, ...], Any] = {}
         self.param_pl = param_pl
+        # A parameter split strided (a fused projection): splits, slices and cats of such splits
+        # are computed locally (expand_rules.strided_call); without one, DTensor runs them as ever.
+        self.strided = any(expand_rules.splits_strided(pl) for pl in param_pl.values() if pl)
         self.regions = regions
         self.placements: dict[str, Any] = {}
         self.region_of: dict[fx.Node, str] = {}
@@ -236,7 +239,7 @@ class _Expander(fx.Interpreter):
 
             with loss_parallel():
                 return super().call_function(target, args, kwargs)
-        if target in expand_rules.STRIDED_OPS:
+        if self.strided and target in expand_rules.STRIDED_OPS:
             out = expand_rules.strided_call(target, args, kwargs, _wrap_meta)
             if out is not None:
                 return out

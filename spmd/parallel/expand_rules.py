@@ -23,9 +23,10 @@ fused Adam/AdamW kernels. What is missing on torch 2.13 and registered here:
   tensor sharded on heads, then copies the heads' parts into slices; replicated, the copy
   gathered the heads.
 
-Computed by the expansion itself (:func:`strided_call`), not by a DTensor strategy (whose local
-op would run with the global sizes): ``split``, ``split_with_sizes``, ``slice``, ``cat`` and
-``slice_backward`` along a dimension split *strided* over one mesh dimension
+Computed by the expansion itself (:func:`strided_call`, where a parameter splits strided), not by
+a DTensor strategy (whose local op would run with the global sizes): ``split``,
+``split_with_sizes``, ``slice``, ``cat`` and ``slice_backward`` along a dimension split
+*strided* over one mesh dimension
 (``_StridedShard(d, split_factor=k)``: the dimension is k equal groups and each rank holds its
 1/n of every group, e.g. a fused qkv projection's output, each rank its share of q, of k and of
 v). A split or slice on group boundaries gives each part its groups' shares (``Shard(d)`` for
@@ -209,6 +210,18 @@ def register() -> None:
 
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
 STRIDED_OPS = (*_SPLITS, aten.slice.Tensor, aten.cat.default, aten.slice_backward.default)
+
+
+def splits_strided(placements: Sequence[Placement]) -> bool:
+    """Whether ``placements`` split a dimension strided into groups (a fused projection's
+    ``_StridedShard`` with nothing splitting that dimension after it; FSDP x TP's data-dimension
+    ``_StridedShard(0, split_factor=tp)`` has tp's ``Shard(0)`` after it and is contiguous)."""
+    for i, p in enumerate(placements):
+        if isinstance(p, StridedShard) and not any(
+            isinstance(q, Shard | StridedShard) and q.dim == p.dim for q in placements[i + 1 :]
+        ):
+            return True
+    return False
 
 
 def _split_on(x: Any, dim: int) -> tuple[int, int, int] | None:

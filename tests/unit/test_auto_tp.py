@@ -359,12 +359,18 @@ def test_report_and_dump_show_the_choice(tmp_path) -> None:
         c.startswith("blocks.*.fc.weight -> blocks.*.out.weight (x2): column -> row, sharded")
         for c in choices
     )
-    assert any("qkv" in c and "replicated: DTensor redistributes inside it" in c for c in choices)
-    # Attention left whole lies between the regions: no sequence parallelism, and the line says why.
-    seq = "blocks.*.ln1, blocks.*.qkv, blocks.*.proj, blocks.*.ln2, ln_f: sequence-parallel, replicated"
-    assert any(c.startswith(seq) and "aten._scaled_dot_product" in c for c in choices)
+    # The fused qkv splits strided (each rank its share of q, k and v); written as parameter
+    # placements (no style), its input is read whole: no sequence parallelism, and the line says why.
+    assert any(
+        c.startswith("blocks.*.qkv.weight -> blocks.*.proj.weight (x2): column -> row, sharded")
+        for c in choices
+    )
+    seq = "blocks.*.ln1, blocks.*.ln2, ln_f: sequence-parallel, replicated"
+    assert any(c.startswith(seq) and "aten.addmm.default in 'blocks.0.qkv'" in c for c in choices)
     final = next(tmp_path.glob("**/rank0/*_final.py")).read_text()
     assert "# blocks.0.out.weight: (Shard(dim=0), Shard(dim=1))" in final
+    # Split strided on dim 0 over tp, the fused weight replicates over the data dimension.
+    assert "# blocks.0.qkv.weight: (Replicate(), _StridedShard(dim=0, sf=3))" in final
     assert "(tp: blocks.*.fc.weight -> blocks.*.out.weight (x2): column -> row, sharded: saves" in final
     ln1 = next(line for line in final.splitlines() if line.startswith("# blocks.0.ln1.weight: "))
     assert f"(tp: {seq}" in ln1
