@@ -7,8 +7,10 @@ runs AdamW with ``eps=1e-6``: some weights of the built-in GPT and of BERT get g
 where Adam's first step magnifies a rounding difference by ``lr / eps`` (see that docstring).
 Several models run in one spawn, and the suite splits the models between the two meshes to keep
 its time small (8-30 s per model on 2 ranks on 2 shared cores: GPT-2 8 s, Phi-3 11, Qwen2 13, Llama
-17, GPT 24, BERT 29, Mixtral 30); ``SPMD_SWEEP_FULL=1`` runs every model on both meshes (measured: all six
-pass on both: 99 s on 2 ranks and 134 s on 2 x 2 on quiet cores, 190 s and 254 s under load).
+17, GPT 24, BERT 29, Mixtral 30); ``SPMD_SWEEP_FULL=1`` runs every model on both meshes (measured
+before Phi-3, OLMo 2 and DeepSeek-V2 were added: all six pass on both, 99 s on 2 ranks and 134 s on
+2 x 2 on quiet cores, 190 s and 254 s under load; OLMo 2 and DeepSeek-V2, run once on both meshes
+alone, pass).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tests.dist.launcher import run_ranks
 
 TOL = 1e-5
 MODELS = ["hf_llama", "hf_qwen2", "hf_gpt2", "hf_phi3", "hf_mixtral", "hf_bert", "gpt"]
+MODELS += ["hf_olmo2", "hf_deepseek_v2"]
 FULL = bool(os.environ.get("SPMD_SWEEP_FULL"))
 ON_TWO = MODELS if FULL else ["hf_gpt2", "hf_phi3", "hf_mixtral", "hf_bert"]
 ON_TWO_BY_TWO = MODELS if FULL else ["hf_llama", "gpt"]
@@ -32,6 +35,8 @@ SPLIT = {
     "hf_qwen2": "model.layers.0.mlp.down_proj.weight",
     "hf_gpt2": "transformer.h.0.mlp.c_proj.weight",
     "hf_phi3": "model.layers.0.mlp.down_proj.weight",
+    "hf_olmo2": "model.layers.0.self_attn.q_proj.weight",  # q/k norms over the whole projection
+    "hf_deepseek_v2": "model.layers.0.self_attn.kv_b_proj.weight",  # MLA
     "hf_mixtral": "model.layers.0.self_attn.o_proj.weight",
     "hf_bert": "bert.encoder.layer.0.output.dense.weight",
     "gpt": "blocks.0.out.weight",
@@ -73,3 +78,5 @@ def test_fsdp_x_automatic_tp_on_two_by_two() -> None:
     assert any("sequence-parallel, sharded" in c for c in llama["tp_choices"]), llama["tp_choices"]
     assert llama["placements"]["model.layers.0.self_attn.k_proj.weight"] == ("_S(0, 2)", "S(0)")
     assert llama["placements"]["model.layers.0.self_attn.o_proj.weight"] == ("S(0)", "S(1)")
+    # The built-in GPT's fused qkv splits strided over tp and, on dim 0, replicates over dp.
+    assert results[0]["gpt"]["placements"]["blocks.0.qkv.weight"] == ("R", "_S(0, 3)")
