@@ -75,14 +75,9 @@ class _Probe(_Expander):
             if isinstance(self.env.get(a), DTensor)
             and any(isinstance(p, Partial) for p in self.env[a].placements)
         ]
-        return (
-            bool(partial)
-            and all(
-                whole_statistic(a, a.args[0].meta["val"].shape[-1])
-                for a in partial
-                if isinstance(a.args[0], fx.Node)
-            )
-            and all(isinstance(a.args[0], fx.Node) for a in partial)
+        return bool(partial) and all(
+            isinstance(a.args[0], fx.Node) and whole_statistic(a, a.args[0].meta["val"].shape[-1])
+            for a in partial
         )
 
 
