@@ -121,6 +121,7 @@ PRIVATE_NAMES: dict[str, Private] = {
     "StridedShard": Private("torch.distributed.tensor.placement_types", "_StridedShard"),
     "OpSchema": Private("torch.distributed.tensor._op_schema", "OpSchema"),
     "OpStrategy": Private("torch.distributed.tensor._op_schema", "OpStrategy"),
+    "OpSpec": Private("torch.distributed.tensor._op_schema", "OpSpec"),
     "RuntimeSchemaInfo": Private("torch.distributed.tensor._op_schema", "RuntimeSchemaInfo"),
     "StrategyType": Private("torch.distributed.tensor._op_schema", "StrategyType"),
     # DTensor's pointwise strategy for a list op (see register_list_pointwise): torch 2.12 added the first.

@@ -82,6 +82,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from passes.cost_model import DeviceProfile
 from passes.meta import MODULE, ROLE, STATE_NAME, Role
+from passes.torch_compat import StridedShard
 from spmd.errors import ConfigError
 from spmd.parallel.auto_tp_graph import Region, act_of, find_regions, mm_flops, nbytes
 
@@ -216,6 +217,8 @@ def _price(r: Region, tp: int) -> Price:
             ("all_reduce", sum(nbytes(m) for m in r.consumers)),
             ("all_reduce", max((nbytes(a) for a in ins), default=0)),
         ]
+        # A statistic over all of a producer's features (OLMo 2's q/k norm): all-reduced both ways.
+        p.comms += [("all_reduce", nbytes(st)) for st in r.statistics for _ in range(2)]
     elif r.kind == "embedding":
         p.comms = [("all_reduce", sum(nbytes(m) for m in r.mats))]
     else:  # the input gradient, and the loss's per-row maximum, sum and target logit (fp32)
@@ -414,7 +417,7 @@ def _sequence(
 
 
 def _divides(r: Region, shapes: dict[str, tuple[int, ...]], tp: int) -> bool:
-    return all(shapes[p][d] % tp == 0 for p, d in r.params().items())
+    return all(shapes[p][d] % (tp * r.strided.get(p, 1)) == 0 for p, d in r.params().items())
 
 
 def _first(gm: fx.GraphModule, nodes: set[fx.Node]) -> fx.Node:
@@ -456,7 +459,9 @@ def _placements(regions: Iterable[Region]) -> dict[str, Placement]:
     out: dict[str, Placement] = {}
     for r in regions:
         for p, d in r.params().items():
-            out.setdefault(p, Shard(d))
+            k = r.strided.get(p, 1)
+            # A fused projection split into k parts: each rank its share of every part.
+            out.setdefault(p, Shard(d) if k == 1 else StridedShard(d, split_factor=k))
     return dict(sorted(out.items()))
 
 

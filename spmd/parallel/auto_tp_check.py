@@ -19,15 +19,19 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.experimental import implicit_replication
 
 from passes.meta import PHASE, ROLE, STATE_NAME, Phase, Role
+from passes.torch_compat import StridedShard
 from spmd.frontend.kernel_layouts import KernelLayoutFakeMode
 from spmd.parallel import expand_rules
 from spmd.parallel import plan as plan_mod
+from spmd.parallel.auto_tp_graph import whole_statistic
 from spmd.parallel.expand_graph import _Expander, _LocalView, _wrap
+
+_ALL_REDUCE = torch.ops.c10d_functional.all_reduce
 
 
 class _Stop(Exception):
@@ -55,9 +59,26 @@ class _Probe(_Expander):
             except Exception:  # noqa: BLE001 - DTensor cannot propagate the candidate here
                 self.dirty.add(n)
                 raise _Stop from None
-        if comm.get_total_counts():
+        if comm.get_total_counts() and not self._completes_statistic(n, comm):
             self.dirty.add(n)
         return out
+
+    def _completes_statistic(self, n: fx.Node, comm: CommDebugMode) -> bool:
+        """Whether ``n``'s only collectives are all-reduces of partial statistics over split
+        features (:func:`spmd.parallel.auto_tp_graph.whole_statistic`): the small collective a
+        norm over a column split's features needs, priced by the solve rather than refused."""
+        if set(comm.get_comm_counts()) != {_ALL_REDUCE}:
+            return False
+        partial = [
+            a
+            for a in n.all_input_nodes
+            if isinstance(self.env.get(a), DTensor)
+            and any(isinstance(p, Partial) for p in self.env[a].placements)
+        ]
+        return bool(partial) and all(
+            isinstance(a.args[0], fx.Node) and whole_statistic(a, a.args[0].meta["val"].shape[-1])
+            for a in partial
+        )
 
 
 def dirty_nodes(
@@ -97,7 +118,7 @@ def dirty_nodes(
         if ph.meta.get(ROLE) is Role.PARAM:
             pl = resolved.params.get(str(ph.meta.get(STATE_NAME)), Replicate())
         shape = list(val.shape)
-        if isinstance(pl, Shard):
+        if isinstance(pl, Shard | StridedShard):
             shape[pl.dim % len(shape)] //= mesh.size(tp)
         with fake:
             local = torch.empty(shape, dtype=val.dtype, device=val.device)

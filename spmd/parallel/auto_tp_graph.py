@@ -7,6 +7,7 @@ what each candidate is and why it is recognised from the graph rather than from 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +70,18 @@ class Region:
     producers: list[fx.Node]  # the column-split matmuls (or the embedding)
     consumers: list[fx.Node] = dataclasses.field(default_factory=list)  # the row-split matmuls
     bias: dict[str, int] = dataclasses.field(default_factory=dict)  # column biases: Shard(0)
+    # Fused column parameters (and their biases) whose output is split into k equal parts (a fused
+    # qkv, gate/up): fqn -> k; they split strided (each rank its share of every part).
+    strided: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def statistics(self) -> list[fx.Node]:
+        """The flow's statistics over all of a producer's features (:func:`whole_statistic`):
+        each one all-reduced over tp in forward and in backward."""
+        widths = {
+            p.meta["val"].shape[-1] for p in self.producers if isinstance(p.meta.get("val"), torch.Tensor)
+        }
+        return [n for n in self.flow if any(whole_statistic(n, f) for f in widths)]
 
     @property
     def mats(self) -> list[fx.Node]:
@@ -84,7 +97,7 @@ class Region:
             for p, d in group.items()
         )
         ops = sorted(str(n.target) for n in self.flow)
-        return (self.kind, tuple(ps), tuple(ops))
+        return (self.kind, tuple(ps), tuple(ops), tuple(sorted(self.strided.values())))
 
 
 def _placeholder_param(n: fx.Node) -> str | None:
@@ -144,8 +157,11 @@ def _weight_ndim(mm: fx.Node) -> int:
     return 2
 
 
-def _flow(mat: fx.Node, mats: dict[fx.Node, _Mat]) -> tuple[set[fx.Node], set[fx.Node], bool, bool]:
-    """(flow nodes, consumer matmuls, reaches the loss, stopped) from ``mat``'s output."""
+def _flow(
+    mat: fx.Node, mats: dict[fx.Node, _Mat], statistics: bool = False
+) -> tuple[set[fx.Node], set[fx.Node], bool, bool]:
+    """(flow nodes, consumer matmuls, reaches the loss, stopped) from ``mat``'s output;
+    ``statistics``: go on through statistics over all its features (:func:`whole_statistic`)."""
     flow: set[fx.Node] = set()
     consumers: set[fx.Node] = set()
     loss = stopped = False
@@ -162,7 +178,11 @@ def _flow(mat: fx.Node, mats: dict[fx.Node, _Mat]) -> tuple[set[fx.Node], set[fx
                 continue  # saved for backward
             if u in mats and mats[u].act is n:
                 consumers.add(u)
-            elif u in mats or (u.target in _STOPS and not _within_groups(u, features)):
+            elif u in mats or (
+                u.target in _STOPS
+                and not _within_groups(u, features)
+                and not (statistics and whole_statistic(u, features))
+            ):
                 stopped = True
             elif u.target in _LOSS:
                 loss = True
@@ -196,6 +216,93 @@ def _within_groups(n: fx.Node, features: int) -> bool:
     return dims[0] % xv.dim() == xv.dim() - 1 and 1 < last < features and features % last == 0
 
 
+# Views that keep a matmul output's last dimension on the way to its split into parts.
+_KEEP_LAST = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._to_copy.default,
+              aten.alias.default, aten.clone.default}  # fmt: skip
+
+
+def fused_parts(mat: fx.Node) -> int:
+    """Into how many equal parts the matmul's output is split on its features before anything
+    else reads it (a fused qkv split into q, k and v; a fused gate/up chunked in two): the
+    features over the greatest common divisor of the parts' boundaries; 1 if it is not split,
+    or something else reads it whole."""
+    out = mat.meta.get("val")
+    if not isinstance(out, torch.Tensor) or out.dim() == 0:
+        return 1
+    features = out.shape[-1]
+    cuts: list[int] = []
+    todo = [mat]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.meta.get(PHASE) is not Phase.FORWARD:
+                continue
+            uv = u.meta.get("val")
+            if (
+                u.target in _KEEP_LAST
+                and isinstance(uv, torch.Tensor)
+                and uv.dim()
+                and uv.shape[-1] == features
+            ):
+                todo.append(u)
+                continue
+            got = _feature_cuts(u, n, features)
+            if got is None:
+                return 1
+            cuts += got
+    g = features
+    for c in cuts:
+        g = math.gcd(g, c)
+    return features // g if cuts and 0 < g < features else 1
+
+
+def _feature_cuts(u: fx.Node, x: fx.Node, features: int) -> list[int] | None:
+    """The boundaries a split or slice of ``x`` on its last dimension cuts at; None for any other use."""
+    xv = x.meta.get("val")
+    if not isinstance(xv, torch.Tensor) or u.args[0] is not x:
+        return None
+    nd = xv.dim()
+    args: list[Any] = list(u.args[1:5])
+    if u.target in (aten.split.Tensor, aten.split_with_sizes.default):
+        size, dim = args[0], (args[1] if len(args) > 1 else 0)
+        if not isinstance(dim, int) or dim % nd != nd - 1:
+            return None
+        sizes = list(size) if isinstance(size, list | tuple) else [size] * -(-features // size)
+        return [min(sum(sizes[: i + 1]), features) for i in range(len(sizes))]
+    if u.target is aten.slice.Tensor:
+        dim, start, end, step = args + [0, None, None, 1][len(args) :]
+        if not isinstance(dim, int) or dim % nd != nd - 1 or step != 1:
+            return None
+        start = 0 if start is None else min(max(start + features if start < 0 else start, 0), features)
+        end = features if end is None else min(max(end + features if end < 0 else end, 0), features)
+        return [start, end]
+    return None
+
+
+# Reductions whose output, over a column split's features, is a sum of per-rank partial sums.
+_STATISTICS = {aten.mean.dim, aten.sum.dim_IntList}
+
+
+def whole_statistic(n: fx.Node, features: int) -> bool:
+    """Whether ``n`` is a statistic over all of a matmul's ``features``: a mean or sum over the
+    last dimension alone, keeping it (``[..., 1]``), of a value as wide as the features (OLMo 2's
+    q/k RMSNorm over the whole projection, before the view into heads). Under a column split
+    each rank sums its features and an all-reduce of the small ``[tokens, 1]`` result completes
+    it: the flow goes on through it, and the DTensor check accepts that all-reduce
+    (:mod:`spmd.parallel.auto_tp_check`), priced as two collectives (forward and backward)."""
+    if n.target not in _STATISTICS or len(n.args) < 2:
+        return False
+    x, dims = n.args[0], n.args[1]
+    xv, out = (x.meta.get("val") if isinstance(x, fx.Node) else None), n.meta.get("val")
+    if not isinstance(xv, torch.Tensor) or not isinstance(out, torch.Tensor) or xv.dim() == 0:
+        return False
+    if not isinstance(dims, list | tuple) or len(dims) != 1 or not isinstance(dims[0], int):
+        return False
+    if dims[0] % xv.dim() != xv.dim() - 1:
+        return False
+    return xv.shape[-1] == features > 1 and out.dim() == xv.dim() and out.shape[-1] == 1
+
+
 def _from_batch(ids: Any) -> bool:
     """Whether a lookup's indices come from the step's inputs (token ids), not from a range or a
     buffer (positions, token types: a table indexed by every rank alike gains nothing split)."""
@@ -217,6 +324,17 @@ def find_regions(gm: fx.GraphModule, shapes: dict[str, tuple[int, ...]]) -> list
     """The candidate regions of a traced step (see the module docstring), in graph order."""
     mats = _param_matmuls(gm, shapes)
     flows = {m: _flow(m, mats) for m in mats}
+    # A matmul stopped by a norm over all its features (OLMo 2's q/k norms) is a column candidate
+    # through it, unless it is a row candidate already (a row output's norm is the residual
+    # stream's: its flow stops there, as before), or it would feed a column candidate (DeepSeek's
+    # q_a_proj -> norm -> q_b_proj: a low-rank pair, not a Megatron one).
+    cols = {m for m, (_, cons, loss, stop) in flows.items() if cons and not loss and not stop}
+    rows = {c for m in cols for c in flows[m][1]}
+    for m, (_, _, _, stop) in list(flows.items()):
+        if stop and m not in rows:
+            again = _flow(m, mats, statistics=True)
+            if again[1] and not again[2] and not again[3] and not again[1] & cols:
+                flows[m] = again
     # Union producers that reach a common consumer; a producer that is also a consumer of a
     # region (row and column at once) cannot be split both ways.
     parent: dict[fx.Node, fx.Node] = {}
@@ -251,6 +369,10 @@ def find_regions(gm: fx.GraphModule, shapes: dict[str, tuple[int, ...]]) -> list
             r.col[mats[m].param] = mats[m].col
             if (b := mats[m].bias) is not None:
                 r.bias[b] = 0
+            if (k := fused_parts(m)) > 1:
+                r.strided[mats[m].param] = k
+                if b is not None:
+                    r.strided[b] = k
             r.flow |= flows[m][0]
         for c in consumers:
             r.row[mats[c].param] = mats[c].row

@@ -81,6 +81,9 @@ class _Expander(fx.Interpreter):
         self.boundaries = boundaries or {}
         self._bounded: dict[tuple[Any, ...], Any] = {}
         self.param_pl = param_pl
+        # A parameter split strided (a fused projection): splits, slices and cats of such splits
+        # are computed locally (expand_rules.strided_call); without one, DTensor runs them as ever.
+        self.strided = any(expand_rules.splits_strided(pl) for pl in param_pl.values() if pl)
         self.regions = regions
         self.placements: dict[str, Any] = {}
         self.region_of: dict[fx.Node, str] = {}
@@ -241,6 +244,10 @@ class _Expander(fx.Interpreter):
 
             with loss_parallel():
                 return super().call_function(target, args, kwargs)
+        if self.strided and target in expand_rules.STRIDED_OPS:
+            out = expand_rules.strided_call(target, args, kwargs, _wrap_meta)
+            if out is not None:
+                return out
         if self.replicate_unknown and target in self._unknown:
             return self._replicated_call(target, args, kwargs)
         try:
@@ -392,6 +399,21 @@ def _wrap(
     from passes.torch_compat import DTensorSpec, TensorMeta
 
     spec = DTensorSpec(mesh, tuple(placements), TensorMeta(like.shape, like.stride(), like.dtype))
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+
+
+def _wrap_meta(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: Sequence[int],
+    stride: Sequence[int],
+    dtype: torch.dtype,
+) -> DTensor:
+    """:func:`_wrap` given the global shape, stride and dtype instead of a tensor of them."""
+    from passes.torch_compat import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size(shape), tuple(stride), dtype))
     return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
 
 

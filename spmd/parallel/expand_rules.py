@@ -15,6 +15,25 @@ fused Adam/AdamW kernels. What is missing on torch 2.13 and registered here:
   argument, so the expansion places the mask first (:func:`attn_mask_placements`, from
   q's placements) and the rule takes it as it is. A sequence-sharded q with a mask is
   refused (no strategy shards the sequence).
+* ``aten.new_empty`` and ``aten.new_empty_strided``: DTensor's rule lets the new tensor follow
+  its input's placements only where the shapes are equal, else it replicates. Here it also
+  follows a sharded input where every dimension the input is sharded on keeps its size (the
+  memory is uninitialised: what is written into it decides its values). DeepSeek-V2's MLA
+  builds its keys so: ``kv.new_empty(B, H, S, nope + rope)`` from a ``[B, H, S, nope + v]``
+  tensor sharded on heads, then copies the heads' parts into slices; replicated, the copy
+  gathered the heads.
+
+Computed by the expansion itself (:func:`strided_call`, where a parameter splits strided), not by
+a DTensor strategy (whose local op would run with the global sizes): ``split``,
+``split_with_sizes``, ``slice``, ``cat`` and ``slice_backward`` along a dimension split
+*strided* over one mesh dimension
+(``_StridedShard(d, split_factor=k)``: the dimension is k equal groups and each rank holds its
+1/n of every group, e.g. a fused qkv projection's output, each rank its share of q, of k and of
+v). A split or slice on group boundaries gives each part its groups' shares (``Shard(d)`` for
+one group); a ``cat`` of parts sharded alike on the dimension, with equal groups, is the
+strided whole again (the backward of the split), and ``slice_backward`` pads the same way. DTensor
+2.13 propagates the strided split through matmuls, views and pointwise ops, but gathers at
+these ops.
 
 Registration goes through DTensor's private helpers (``_ops.utils.register_op_strategy``,
 ``expand_to_full_mesh_op_strategy``, the pointwise registrar); this module is the one
@@ -24,10 +43,14 @@ place that uses them. ``spmd::tag_grad`` needs no rule: the expansion handles it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from passes import torch_compat
+from passes.torch_compat import StridedShard
 
 aten = torch.ops.aten
 _done = False
@@ -38,6 +61,8 @@ RULES = (
     aten._fused_sgd_.tensor_lr,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
 )
 
 
@@ -94,6 +119,20 @@ def attn_mask_placements(
     return tuple(_mask_placement(p, q_shape, mask_shape) for p in q_placements)
 
 
+def follows_input(in_shape: Sequence[int], out_shape: Sequence[int], placements: Sequence[Placement]) -> bool:
+    """Whether a new uninitialised tensor of ``out_shape`` can take the ``placements`` of its
+    input of ``in_shape``: equal shapes (DTensor's own rule), or every dimension the input is
+    sharded on exists in the output with the same size (and nothing is partial)."""
+    if tuple(in_shape) == tuple(out_shape):
+        return True
+    if len(in_shape) != len(out_shape) or not any(isinstance(p, Shard) for p in placements):
+        return False
+    return all(
+        isinstance(p, Replicate) or (isinstance(p, Shard) and in_shape[p.dim] == out_shape[p.dim])
+        for p in placements
+    )
+
+
 def register() -> None:
     """Register the rules once (idempotent)."""
     global _done
@@ -101,7 +140,9 @@ def register() -> None:
         return
     _done = True
     from passes.torch_compat import (
+        DTensorSpec,
         OpSchema,
+        OpSpec,
         OpStrategy,
         RuntimeSchemaInfo,
         StrategyType,
@@ -147,3 +188,184 @@ def register() -> None:
     @register_op_strategy(RULES[3], schema_info=RuntimeSchemaInfo(6))
     def _flash_cpu_backward(op_schema: OpSchema) -> StrategyType:
         return _attention(op_schema, 3, 6)
+
+    @register_op_strategy(list(RULES[4:6]), schema_info=RuntimeSchemaInfo(1, ["dtype"]))
+    def _new_empty(op_schema: OpSchema) -> StrategyType:
+        x = op_schema.args_schema[0]
+        size = op_schema.args_schema[1]
+        assert isinstance(x, OpStrategy) and isinstance(size, list | tuple)
+        out = OpStrategy([])
+        for s in x.strategies:
+            spec = s.output_spec
+            rep = DTensorSpec(x.mesh, (Replicate(),) * x.mesh.ndim)
+            n = len(x.strategies)
+            out.strategies.append(OpSpec(rep, input_specs=(spec,), redistribute_cost=[[0.0] * n]))
+            if follows_input(x.shape, size, spec.placements):
+                # Preferred: the new tensor where its input is (no redistribution of what fills it).
+                out.strategies.append(OpSpec(spec, input_specs=(spec,), redistribute_cost=[[-0.1] * n]))
+        return out
+
+
+# ----------------------------------------------------------------------------- strided splits
+
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+STRIDED_OPS = (*_SPLITS, aten.slice.Tensor, aten.cat.default, aten.slice_backward.default)
+
+
+def splits_strided(placements: Sequence[Placement]) -> bool:
+    """Whether ``placements`` split a dimension strided into groups (a fused projection's
+    ``_StridedShard`` with nothing splitting that dimension after it; FSDP x TP's data-dimension
+    ``_StridedShard(0, split_factor=tp)`` has tp's ``Shard(0)`` after it and is contiguous)."""
+    for i, p in enumerate(placements):
+        if isinstance(p, StridedShard) and not any(
+            isinstance(q, Shard | StridedShard) and q.dim == p.dim for q in placements[i + 1 :]
+        ):
+            return True
+    return False
+
+
+def _split_on(x: Any, dim: int) -> tuple[int, int, int] | None:
+    """(mesh dimension, its size, groups) if ``x`` is a DTensor split on tensor dimension ``dim``
+    over exactly one mesh dimension (replicated on the others): ``Shard(dim)`` is one group,
+    ``_StridedShard(dim, split_factor=k)`` k groups."""
+    if not isinstance(x, DTensor):
+        return None
+    found = None
+    for i, p in enumerate(x.placements):
+        if isinstance(p, Replicate):
+            continue
+        if found is not None or not isinstance(p, Shard | StridedShard) or p.dim % x.ndim != dim:
+            return None
+        k = p.split_factor if isinstance(p, StridedShard) else 1
+        found = (i, x.device_mesh.size(i), k)
+    return found
+
+
+def _part(dim: int, groups: int) -> Placement:
+    return Shard(dim) if groups == 1 else StridedShard(dim, split_factor=groups)
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def strided_call(
+    target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], wrap: Callable[..., DTensor]
+) -> Any:
+    """``target`` on a strided split (see the module docstring), computed on the local tensors;
+    None where it does not apply (then DTensor runs the op). ``wrap(local, mesh, placements,
+    shape, stride, dtype)`` makes the DTensor of a local result."""
+    if target not in STRIDED_OPS or kwargs:
+        return None
+    if target is aten.cat.default:
+        return _cat(args, wrap)
+    x = args[0]
+    if not isinstance(x, DTensor):
+        return None
+    if target is aten.slice_backward.default:
+        return _slice_backward(args, wrap)
+    dim = (args[2] if len(args) > 2 else 0) if target in _SPLITS else (args[1] if len(args) > 1 else 0)
+    dim %= x.ndim
+    info = _split_on(x, dim)
+    if info is None or info[2] == 1:
+        return None
+    mesh_dim, n, k = info
+    length = x.shape[dim]
+    group = length // k
+    if group * k != length or group % n:
+        return None
+    if target is aten.slice.Tensor:
+        given = list(args[2:5])
+        start, end, step = given + [None, None, 1][len(given) :]
+        start, end = _bound(start, 0, length), _bound(end, length, length)
+        if step != 1 or end <= start or start % group or end % group:
+            return None
+        sizes = [end - start]
+    else:
+        size = args[1]
+        sizes = list(size) if target is aten.split_with_sizes.default else [size] * -(-length // size)
+        if target is aten.split.Tensor:
+            sizes[-1] = length - size * (len(sizes) - 1)
+        start = 0
+        if any(s <= 0 or s % group for s in sizes):
+            return None
+    local = torch_compat.local_tensor(x)
+    placements = list(x.placements)
+
+    def out(piece: torch.Tensor, size: int) -> DTensor:
+        shape = list(x.shape)
+        shape[dim] = size
+        placements[mesh_dim] = _part(dim, size // group)
+        return wrap(piece, x.device_mesh, tuple(placements), shape, x.stride(), x.dtype)
+
+    if target is aten.slice.Tensor:
+        piece = aten.slice.Tensor(local, dim, start // n, (start + sizes[0]) // n)
+        return out(piece, sizes[0])
+    pieces = aten.split_with_sizes.default(local, [s // n for s in sizes], dim)
+    return [out(p, s) for p, s in zip(pieces, sizes)]
+
+
+def _bound(v: Any, default: int, length: int) -> int:
+    if v is None:
+        return default
+    v = int(v)
+    if v < 0:
+        v += length
+    return max(0, min(v, length))
+
+
+def _cat(args: tuple[Any, ...], wrap: Callable[..., DTensor]) -> DTensor | None:
+    """Parts split alike on the cat dimension, with groups of one size: the strided whole."""
+    xs = args[0]
+    if not isinstance(xs, list | tuple) or len(xs) < 2 or not all(isinstance(x, DTensor) for x in xs):
+        return None
+    first = xs[0]
+    dim = (args[1] if len(args) > 1 else 0) % first.ndim
+    infos = [_split_on(x, dim) for x in xs]
+    if any(i is None for i in infos):
+        return None
+    groups = {x.shape[dim] // i[2] for x, i in zip(xs, infos) if i is not None}
+    where = {(i[0], i[1]) for i in infos if i is not None}
+    same = {
+        (x.device_mesh, tuple(p for j, p in enumerate(x.placements) if j != i[0]))
+        for x, i in zip(xs, infos)
+        if i is not None
+    }
+    if len(groups) != 1 or len(where) != 1 or len(same) != 1:
+        return None
+    (mesh_dim, n), group = next(iter(where)), next(iter(groups))
+    if group % n or any(x.shape[dim] % group for x in xs):
+        return None
+    local = aten.cat.default([torch_compat.local_tensor(x) for x in xs], dim)
+    shape = list(first.shape)
+    shape[dim] = sum(x.shape[dim] for x in xs)
+    placements = list(first.placements)
+    placements[mesh_dim] = _part(dim, shape[dim] // group)
+    return wrap(local, first.device_mesh, tuple(placements), shape, _contiguous_stride(shape), first.dtype)
+
+
+def _slice_backward(args: tuple[Any, ...], wrap: Callable[..., DTensor]) -> DTensor | None:
+    """The gradient of a slice on group boundaries: the strided whole, zero outside the slice."""
+    g, sizes, dim, start, end, step = args
+    dim %= g.ndim
+    info = _split_on(g, dim)
+    if info is None or step != 1:
+        return None
+    mesh_dim, n, k = info
+    length = int(sizes[dim])
+    start, end = _bound(start, 0, length), _bound(end, length, length)
+    group = (end - start) // k
+    if group <= 0 or group * k != end - start or group % n or start % group or length % group:
+        return None
+    local_sizes = list(sizes)
+    local_sizes[dim] = length // n
+    local = aten.slice_backward.default(
+        torch_compat.local_tensor(g), local_sizes, dim, start // n, end // n, 1
+    )
+    placements = list(g.placements)
+    placements[mesh_dim] = _part(dim, length // group)
+    return wrap(local, g.device_mesh, tuple(placements), list(sizes), _contiguous_stride(sizes), g.dtype)

@@ -250,6 +250,8 @@ def placements_for(
     parameter's tensor-parallel piece over the data dimension, as FSDP2 composes with
     ``parallelize_module``: where tp shards dim 0 too, the data dimension's placement is
     ``_StridedShard(0, split_factor=tp size)`` (tp splits first, then each piece is split again).
+    A parameter split strided on dim 0 over tp (a fused projection) replicates over the data
+    dimension.
     """
     if style == IGNORED:
         return None
@@ -261,6 +263,11 @@ def placements_for(
         return tuple(out)
     if t is not None and isinstance(tp, Shard) and tp.dim in (0, -p.dim()):
         out[shard_dim(mesh)] = _StridedShard(0, split_factor=mesh.size(t))
+    elif t is not None and isinstance(tp, _StridedShard) and tp.dim in (0, -p.dim()):
+        # A fused projection split strided over tp on dim 0: its rows on a rank are groups from
+        # all over the tensor, which no placement of the data dimension's contiguous dim-0
+        # shard of them describes; it replicates over the data dimension (gradient all-reduced).
+        pass
     else:
         out[shard_dim(mesh)] = Shard(0)
     return tuple(out)

@@ -117,15 +117,23 @@ def _to_dtensor(
     if any(isinstance(pl, _StridedShard) for pl in placements):
         # FSDP x TP: the tensor-parallel piece first, then that piece's rows over the data
         # dimension (right to left, as FSDP2 shards a parallelize_module parameter).
+        # A strided split with nothing split after it on its dimension (a fused projection's
+        # tensor-parallel split, groups of equal size): this rank's share of every group.
         piece = t.detach()
+        cut: set[int] = set()
         for dim in reversed(range(len(placements))):
             pl = placements[dim]
             if isinstance(pl, Shard | _StridedShard):
                 d = pl.dim % t.dim()
-                size, off = Shard.local_shard_size_and_offset(
-                    piece.shape[d], mesh.size(dim), mesh.get_local_rank(dim)
-                )
-                piece = piece.narrow(d, off, size)
+                groups = pl.split_factor if isinstance(pl, _StridedShard) and d not in cut else 1
+                parts = []
+                for g in piece.chunk(groups, d):
+                    size, off = Shard.local_shard_size_and_offset(
+                        g.shape[d], mesh.size(dim), mesh.get_local_rank(dim)
+                    )
+                    parts.append(g.narrow(d, off, size))
+                piece = parts[0] if len(parts) == 1 else torch.cat(parts, d)
+                cut.add(d)
         return DTensor.from_local(
             piece.clone(), mesh, list(placements), run_check=False, shape=t.shape, stride=t.stride()
         )

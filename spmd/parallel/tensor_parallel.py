@@ -140,6 +140,18 @@ def _module_layouts(m: nn.Module, style: Any) -> tuple[Placement | None, ...]:
     return None, None, None  # PrepareModuleInput/Output: positional layouts; propagation decides
 
 
+def _check_strided(pattern: str, value: Placement, fqn: str, p: torch.Tensor) -> None:
+    """A strided split (``_StridedShard(d, split_factor=k)``: k equal groups on dim d, each rank
+    its share of every group, as a fused qkv projection splits) must cut its dimension into
+    groups of equal size."""
+    if isinstance(value, torch_compat.StridedShard) and p.shape[value.dim] % value.split_factor:
+        raise ConfigError(
+            f"spmd tp_plan[{pattern!r}] = {value!r}: parameter {fqn!r} of shape {tuple(p.shape)}: "
+            f"dimension {value.dim} does not split into {value.split_factor} equal groups. Give a "
+            "split_factor that divides it, or Shard/Replicate."
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class TPPlan:
     """A plan resolved on one model: each placed parameter's placement on tp (the others
@@ -183,19 +195,22 @@ def resolve_plan(module: nn.Module, tp_plan: Mapping[str, Any]) -> TPPlan:
             raise ConfigError(f"spmd tp_plan: keys are module or parameter name patterns, got {pattern!r}.")
         matched = False
         if isinstance(value, Placement):
-            if isinstance(value, Shard | Replicate) is False:
+            if isinstance(value, Shard | Replicate | torch_compat.StridedShard) is False:
                 raise ConfigError(
-                    f"spmd tp_plan[{pattern!r}] = {value!r}: a parameter's placement on tp is Shard(d) or "
-                    "Replicate() (state is never Partial)."
+                    f"spmd tp_plan[{pattern!r}] = {value!r}: a parameter's placement on tp is Shard(d), "
+                    "Replicate() or, for a fused projection, _StridedShard(d, split_factor=k) (state is "
+                    "never Partial)."
                 )
             for fqn, p in params.items():
                 if fnmatch.fnmatchcase(fqn, pattern):
                     matched = True
-                    if isinstance(value, Shard) and not -p.dim() <= value.dim < p.dim():
+                    dim = getattr(value, "dim", None)  # Shard and _StridedShard
+                    if isinstance(dim, int) and not -p.dim() <= dim < p.dim():
                         raise ConfigError(
                             f"spmd tp_plan[{pattern!r}] = {value!r}: parameter {fqn!r} of shape "
-                            f"{tuple(p.shape)} has no dimension {value.dim}."
+                            f"{tuple(p.shape)} has no dimension {dim}."
                         )
+                    _check_strided(pattern, value, fqn, p)
                     out.setdefault(fqn, value)
         elif isinstance(value, ParallelStyle):
             kind = _kind_of(value)
@@ -268,7 +283,7 @@ def _tp_piece(t: torch.Tensor, mesh: DeviceMesh, tp: int, fake: FakeTensorMode) 
     assert isinstance(t, DTensor)
     shape = list(t.shape)
     pl = t.placements[tp]
-    if isinstance(pl, Shard):
+    if isinstance(pl, Shard | torch_compat.StridedShard):  # a strided split: groups divide evenly
         d = pl.dim % t.dim()
         shape[d] = Shard.local_shard_size_and_offset(shape[d], mesh.size(tp), mesh.get_local_rank(tp))[0]
     with fake:

@@ -78,6 +78,19 @@ def build(name: str) -> tuple[nn.Module, dict[str, Any], bool]:
             max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         )  # fmt: skip
         return tf.BertForMaskedLM(cfg), {}, True
+    if name == "hf_phi3":  # fused qkv_proj (sliced) and gate_up_proj (chunked): strided splits
+        cfg = tf.Phi3Config(**{**_LLAMA, "num_key_value_heads": 4}, pad_token_id=0)
+        return tf.Phi3ForCausalLM(cfg), {}, True
+    if name == "hf_olmo2":  # q/k norms over the whole projection: all-reduced statistics under tp
+        return tf.Olmo2ForCausalLM(tf.Olmo2Config(**_LLAMA)), {}, True
+    if name == "hf_deepseek_v2":  # MLA: keys built with new_empty + copy_ into slices
+        cfg = tf.DeepseekV2Config(
+            **{**_LLAMA, "num_key_value_heads": 4, "num_hidden_layers": 1}, q_lora_rank=16, kv_lora_rank=16,
+            qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
+            n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=16, topk_method="greedy",
+            n_group=1, topk_group=1, attn_implementation="sdpa",
+        )  # fmt: skip
+        return tf.DeepseekV2ForCausalLM(cfg), {}, True
     if name == "hf_gpt2":  # transposed Conv1D weights
         cfg = tf.GPT2Config(
             vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4, use_cache=False,

@@ -177,30 +177,74 @@ def test_a_region_that_does_not_pay_replicates() -> None:
 def test_gpt2_conv1d_and_fused_qkv() -> None:
     """GPT-2's Conv1D stores its weight (in, out) and the graph uses it untransposed: the MLP's
     c_fc splits dim 1 (column) and c_proj dim 0 (row), written as the same styles. The fused
-    c_attn's even split would cut heads (DTensor redistributes at the split into q, k, v): that
-    class replicates. The token embedding is tied to the head: one vocabulary split."""
+    c_attn's output is split into q, k, v: an even split would cut heads, so it splits strided
+    (each rank its share of q, of k and of v: ``_StridedShard(1, split_factor=3)``, its bias on
+    dim 0), written as parameter placements that resolve back to the same. The token embedding
+    is tied to the head: one vocabulary split."""
     import transformers as tf
+
+    from passes.torch_compat import StridedShard
+    from spmd.parallel.tensor_parallel import resolve_plan
 
     cfg = tf.GPT2Config(
         vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4, use_cache=False,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(cfg)
     with fake_process_group(2):
-        choice = _choose(tf.GPT2LMHeadModel(cfg), 2)
+        choice = _choose(model, 2)
     assert choice.placements["transformer.h.0.mlp.c_fc.weight"] == Shard(1)
     assert choice.placements["transformer.h.1.mlp.c_proj.weight"] == Shard(0)
     assert choice.placements["transformer.wte.weight"] == Shard(0)
     assert type(choice.plan["transformer.h.*.mlp.c_fc"]) is ColwiseParallel
     attn = next(d for d in choice.decisions if "c_attn" in d.describe())
-    assert not attn.sharded and "aten.split" in attn.why
+    assert attn.sharded, attn.describe()
+    assert choice.placements["transformer.h.1.attn.c_attn.weight"] == StridedShard(1, split_factor=3)
+    assert choice.placements["transformer.h.1.attn.c_attn.bias"] == StridedShard(0, split_factor=3)
+    assert choice.placements["transformer.h.1.attn.c_proj.weight"] == Shard(0)
+    assert choice.plan["transformer.h.*.attn.c_attn.weight"] == StridedShard(1, split_factor=3)
+    resolved = resolve_plan(model, spmd.tp_plan_of(model)).params
+    assert {k: v for k, v in resolved.items() if k in choice.placements} == choice.placements
+
+
+def test_phi3_fused_projections_split_strided() -> None:
+    """Phi-3 slices its fused qkv_proj into q, k, v and chunks gate_up_proj in two: both split
+    strided over tp (dim 0 of an nn.Linear weight). With grouped key/value heads the parts are
+    unequal (q twice k): a strided split by the common part gives each rank q heads the
+    key/value heads it holds do not serve, DTensor redistributes at the attention, and the
+    attention replicates with that reason (the MLP stays split)."""
+    import transformers as tf
+
+    from passes.torch_compat import StridedShard
+
+    def phi3(kv: int) -> nn.Module:
+        cfg = tf.Phi3Config(
+            vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=kv, max_position_embeddings=32, use_cache=False, pad_token_id=0,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return tf.Phi3ForCausalLM(cfg)
+
+    with fake_process_group(2):
+        choice = _choose(phi3(4), 2)
+        gqa = _choose(phi3(2), 2)
+    assert choice.placements["model.layers.0.self_attn.qkv_proj.weight"] == StridedShard(0, split_factor=3)
+    assert choice.placements["model.layers.0.mlp.gate_up_proj.weight"] == StridedShard(0, split_factor=2)
+    assert choice.placements["model.layers.1.self_attn.o_proj.weight"] == Shard(1)
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in gqa.placements
+    attn = next(d for d in gqa.decisions if "qkv_proj" in d.describe())
+    assert not attn.sharded and "DTensor redistributes inside it" in attn.why
+    assert gqa.placements["model.layers.0.mlp.gate_up_proj.weight"] == StridedShard(0, split_factor=2)
 
 
 def test_per_head_qk_norms_keep_attention_split() -> None:
     """Qwen3 (and Gemma 3) normalise q and k per head (an RMSNorm over head_dim after the view
     into heads): the norm's mean reduces within one head, so a column split into whole heads
-    stays on its rank and q/k/v -> o is one clean region. A norm over all the projection's
-    features (OLMo 2's q/k norm) still stops the flow: those projections are no candidates."""
+    stays on its rank and q/k/v -> o is one clean region. OLMo 2's q/k norms are over all the
+    projection's features: split, each rank sums its share and the mean is all-reduced (a
+    [tokens, 1] statistic), which the DTensor check accepts and the price counts (two per norm,
+    forward and backward: 2 + 2 x 2 per layer). Its row outputs' post-norms still stop there."""
     import transformers as tf
 
     common = dict(
@@ -214,8 +258,12 @@ def test_per_head_qk_norms_keep_attention_split() -> None:
     assert choice.placements["model.layers.0.self_attn.q_proj.weight"] == Shard(0)
     assert choice.placements["model.layers.1.self_attn.k_proj.weight"] == Shard(0)
     assert type(choice.plan["model.layers.*.self_attn.q_proj"]) is ColwiseParallel
-    assert "model.layers.0.self_attn.q_proj.weight" not in olmo2.placements
-    assert olmo2.placements["model.layers.0.self_attn.v_proj.weight"] == Shard(0)
+    assert olmo2.placements["model.layers.0.self_attn.q_proj.weight"] == Shard(0)
+    assert olmo2.placements["model.layers.1.self_attn.k_proj.weight"] == Shard(0)
+    assert olmo2.placements["model.layers.0.self_attn.o_proj.weight"] == Shard(1)
+    attn = next(d for d in olmo2.decisions if "q_proj" in d.describe())
+    assert attn.sharded and attn.price.collectives == 2 * (2 + 2 * 2), attn.describe()
+    assert olmo2.placements["model.layers.0.mlp.down_proj.weight"] == Shard(1)
 
 
 def test_gemma2_builds_with_eager_attention() -> None:
@@ -410,13 +458,43 @@ def test_report_and_dump_show_the_choice(tmp_path) -> None:
         c.startswith("blocks.*.fc.weight -> blocks.*.out.weight (x2): column -> row, sharded")
         for c in choices
     )
-    assert any("qkv" in c and "replicated: DTensor redistributes inside it" in c for c in choices)
-    # Attention left whole lies between the regions: no sequence parallelism, and the line says why.
-    seq = "blocks.*.ln1, blocks.*.qkv, blocks.*.proj, blocks.*.ln2, ln_f: sequence-parallel, replicated"
-    assert any(c.startswith(seq) and "aten._scaled_dot_product" in c for c in choices)
+    # The fused qkv splits strided (each rank its share of q, k and v); written as parameter
+    # placements (no style), its input is read whole: no sequence parallelism, and the line says why.
+    assert any(
+        c.startswith("blocks.*.qkv.weight -> blocks.*.proj.weight (x2): column -> row, sharded")
+        for c in choices
+    )
+    seq = "blocks.*.ln1, blocks.*.ln2, ln_f: sequence-parallel, replicated"
+    assert any(c.startswith(seq) and "aten.addmm.default in 'blocks.0.qkv'" in c for c in choices)
     final = next(tmp_path.glob("**/rank0/*_final.py")).read_text()
     assert "# blocks.0.out.weight: (Shard(dim=0), Shard(dim=1))" in final
+    # Split strided on dim 0 over tp, the fused weight replicates over the data dimension.
+    assert "# blocks.0.qkv.weight: (Replicate(), _StridedShard(dim=0, sf=3))" in final
     assert "(tp: blocks.*.fc.weight -> blocks.*.out.weight (x2): column -> row, sharded: saves" in final
     ln1 = next(line for line in final.splitlines() if line.startswith("# blocks.0.ln1.weight: "))
     assert f"(tp: {seq}" in ln1
     assert type(spmd.tp_plan_of(model)["blocks.*.fc"]) is ColwiseParallel
+
+
+def test_mla_keys_built_in_new_empty_stay_split() -> None:
+    """DeepSeek-V2's MLA builds its keys with ``new_empty`` (last dimension nope + rope, its
+    input's nope + v) and copies the heads' parts into slices: the new tensor follows its input's
+    split on heads (expand_rules), so q_b/kv_b -> o is one clean region (replicated, the copy
+    gathered the heads)."""
+    from spmd import models
+
+    cfg = {
+        "model_type": "deepseek_v2", "vocab_size": V, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "max_position_embeddings": 32, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 8, "v_head_dim": 8, "first_k_dense_replace": 1, "n_routed_experts": 2,
+        "num_experts_per_tok": 1, "moe_intermediate_size": 16, "topk_method": "greedy",
+        "n_group": 1, "topk_group": 1,
+    }  # fmt: skip
+    torch.manual_seed(0)
+    model = models.build_hf(cfg, batch=2, seq=8, fake=False)[0]
+    with fake_process_group(2):
+        choice = _choose(model, 2)
+    assert choice.placements["model.layers.0.self_attn.kv_b_proj.weight"] == Shard(0)
+    assert choice.placements["model.layers.0.self_attn.q_b_proj.weight"] == Shard(0)
+    assert choice.placements["model.layers.0.self_attn.o_proj.weight"] == Shard(1)

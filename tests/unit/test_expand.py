@@ -265,6 +265,41 @@ def test_rules_are_listed() -> None:
     assert "aten._scaled_dot_product_flash_attention_for_cpu_backward.default" in names
 
 
+def test_strided_splits_are_computed_locally() -> None:
+    """A fused q, k, v split strided over 2 ranks (``_StridedShard(2, split_factor=3)``): the
+    split into q, k, v gives each its own split (local 16 of 32), a slice on group boundaries
+    too, and their gradients' cat (or slice_backward) is the strided whole again, all without a
+    collective. Off the groups' boundaries, or on a dimension not split, DTensor decides (None)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from passes.torch_compat import StridedShard
+    from spmd.parallel.expand_graph import _wrap, _wrap_meta
+
+    aten = torch.ops.aten
+    with fake_process_group(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        qkv = _wrap(torch.empty(2, 8, 48), mesh, (StridedShard(2, split_factor=3),), torch.empty(2, 8, 96))
+        with CommDebugMode() as comm:
+            q, k, v = expand_rules.strided_call(aten.split.Tensor, (qkv, 32, 2), {}, _wrap_meta)
+            kv = expand_rules.strided_call(aten.slice.Tensor, (qkv, 2, 32, 2**63 - 1), {}, _wrap_meta)
+            whole = expand_rules.strided_call(aten.cat.default, ([q, k, v], 2), {}, _wrap_meta)
+            pad = expand_rules.strided_call(
+                aten.slice_backward.default, (k, [2, 8, 96], 2, 32, 64, 1), {}, _wrap_meta
+            )
+        assert comm.get_total_counts() == 0
+        assert q.placements == (Shard(2),) and q.shape == (2, 8, 32) and q.to_local().shape == (2, 8, 16)
+        assert kv.placements == (StridedShard(2, split_factor=2),) and kv.to_local().shape == (2, 8, 32)
+        assert whole.placements == qkv.placements and whole.to_local().shape == (2, 8, 48)
+        assert (
+            pad.placements == qkv.placements
+            and pad.shape == (2, 8, 96)
+            and pad.to_local().shape == (2, 8, 48)
+        )
+        assert expand_rules.strided_call(aten.split.Tensor, (qkv, 16, 2), {}, _wrap_meta) is None
+        assert expand_rules.strided_call(aten.split.Tensor, (qkv, 4, 1), {}, _wrap_meta) is None
+
+
 def test_error_model_distributed_by_another_mode() -> None:
     with fake_process_group(2):
         torch.manual_seed(0)

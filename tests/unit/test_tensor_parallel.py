@@ -112,6 +112,14 @@ def test_two_d_placements_follow_fsdp2() -> None:
         assert plan.placements_for("fully_shard", mesh, w, Shard(1)) == (Shard(0), Shard(1))
         assert plan.placements_for("replicate", mesh, w, Shard(0)) == (Replicate(), Shard(0))
         assert plan.placements_for("fully_shard", mesh, w, None) == (Shard(0), Replicate())
+        # A fused projection split strided over tp: on dim 1 the data dimension shards rows as
+        # ever; on dim 0 no contiguous row shard describes its rows: replicated over data.
+        qkv = _StridedShard(0, split_factor=3)
+        assert plan.placements_for("fully_shard", mesh, w, _StridedShard(1, split_factor=2)) == (
+            Shard(0),
+            _StridedShard(1, split_factor=2),
+        )
+        assert plan.placements_for("fully_shard", mesh, torch.empty(6, 4), qkv) == (Replicate(), qkv)
         plan.check_mesh(mesh, "fully_shard")
         with pytest.raises(spmd.ConfigError, match="needs 2 data dimensions"):
             plan.check_mesh(mesh, "hybrid_shard")
@@ -212,3 +220,24 @@ def test_meta_device_model_is_materialised_in_tp_pieces() -> None:
         assert tuple(w.placements) == (_StridedShard(0, split_factor=2), Shard(0))
         assert tuple(w.to_local().shape) == (32, 32) and not w.to_local().is_meta
         assert model.tok.weight is model.head.weight
+
+
+def test_strided_pieces_hold_a_share_of_every_group() -> None:
+    """A parameter split strided over tp (``_StridedShard(0, split_factor=3)``: a fused q, k, v)
+    holds this rank's share of each group, [q_r; k_r; v_r], also under a data-dimension shard of
+    another dimension; a plan entry whose dimension does not split into the groups is refused."""
+    from spmd.parallel.sharding import _to_dtensor
+
+    full = torch.arange(24.0).view(12, 2)  # rows: q 0-3, k 4-7, v 8-11
+    with fake_process_group(2):  # this process is rank 0
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        got = _to_dtensor(full, mesh, (_StridedShard(0, split_factor=3),))
+        assert got.to_local().tolist() == full[[0, 1, 4, 5, 8, 9]].tolist()
+    with fake_process_group(4):
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        t = torch.arange(24.0).view(2, 12)
+        got = _to_dtensor(t, mesh2, (Shard(0), _StridedShard(1, split_factor=3)))
+        assert got.to_local().tolist() == t[:1, [0, 1, 4, 5, 8, 9]].tolist()
+    model = nn.Sequential(nn.Linear(4, 9))
+    with pytest.raises(spmd.ConfigError, match="does not split into 2 equal groups"):
+        resolve_plan(model, {"0.weight": _StridedShard(0, split_factor=2)})
