@@ -21,6 +21,7 @@ STAGES: dict[str, int] = {
     "errors": 0,  # the exception hierarchy: every stage raises these
     "frontend": 1,  # the step's arguments, traced into one graph; guards and the cache key
     "parallel": 2,  # the parallel modes: partition the traced graph
+    "profiles": 2,  # the device profiles (data): the automatic tp choice prices on them, as the tools do
     "pipeline": 3,  # the ordered passes over the partitioned graph
     "backend": 4,  # run the final graph (eager or inductor), call after call
     "reporting": 5,  # what a compiled step shows: the report, the dump
@@ -30,7 +31,6 @@ STAGES: dict[str, int] = {
     "simulate": 7,  # the tools, on top of the api
     "plan": 7,
     "calibrate": 7,
-    "profiles": 7,
     "models": 7,
     "__init__": 8,  # the public surface
 }
