@@ -36,9 +36,7 @@ def check_options(dp: DataParallel) -> None:
         )
     for knob in ("reshard_after_forward", "broadcast_buffers", "sync_module_states"):
         if not isinstance(getattr(dp, knob), bool):
-            raise ConfigError(
-                f"spmd.DataParallel: {knob} must be True or False, got {getattr(dp, knob)!r}."
-            )
+            raise ConfigError(f"spmd.DataParallel: {knob} must be True or False, got {getattr(dp, knob)!r}.")
     if dp.mesh is not None:
         plan.check_mesh(dp.mesh, dp.parallel_style)
     if not isinstance(dp.bucket_cap_mb, int | float) or dp.bucket_cap_mb <= 0:
