@@ -5,6 +5,7 @@ searched around the best partitionings only. Stand-in lowerings: nothing is trac
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch.nn as nn
 from spmd.parallel import MixedPrecision
 from spmd.plan import PlanRow, bounds
 from spmd.plan.search import in_processes, refined_search, shares, within_budget
+from tests.unit.test_spmd_plan import _row as stand_in_row
 
 GiB = 2**30
 
@@ -42,21 +44,8 @@ def test_state_over_the_budget_is_not_lowered() -> None:
 
 
 def _row(opts: dict[str, Any], peak: float, step_s: float) -> PlanRow:
-    return PlanRow(
-        label=repr(opts),
-        expression="",
-        options=opts,
-        peak_bytes=int(peak * GiB),
-        fits=None,
-        step_s=step_s,
-        tokens_per_s=1 / step_s,
-        exposed_comm_s=0.0,
-        comm_s=0.0,
-        compute_s=step_s,
-        flops=0.0,
-        comm_bytes=0,
-        lower_s=0.0,
-    )
+    row = stand_in_row(repr(opts), int(peak * GiB), step_s)
+    return dataclasses.replace(row, options=opts, lower_s=0.0, exact=True)
 
 
 def test_each_partitioning_once_remat_until_it_fits_pass_options_around_the_best() -> None:
