@@ -84,8 +84,11 @@ def main() -> None:
             )
         same = {k: type(v).__name__ for k, v in frozen.items()}
         print(f"frozen plan: {same}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
