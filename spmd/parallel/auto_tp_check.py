@@ -32,6 +32,7 @@ from spmd.parallel.auto_tp_graph import whole_statistic
 from spmd.parallel.expand_graph import _Expander, _LocalView, _wrap
 
 _ALL_REDUCE = torch.ops.c10d_functional.all_reduce
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
 
 
 class _Stop(Exception):
@@ -59,9 +60,21 @@ class _Probe(_Expander):
             except Exception:  # noqa: BLE001 - DTensor cannot propagate the candidate here
                 self.dirty.add(n)
                 raise _Stop from None
-        if comm.get_total_counts() and not self._completes_statistic(n, comm):
+        if comm.get_total_counts() and not (
+            self._completes_statistic(n, comm) or self._completes_row_output(n, comm)
+        ):
             self.dirty.add(n)
         return out
+
+    def _completes_row_output(self, n: fx.Node, comm: CommDebugMode) -> bool:
+        """Whether ``n`` is a grouped (experts') matmul whose only collective all-reduces its
+        activation, a partial sum: the previous row-parallel output's all-reduce, done where the
+        experts read it (no module boundary of a plan's style redistributes it before, as one
+        does before attention)."""
+        if n.target is not _GROUPED_MM or set(comm.get_comm_counts()) != {_ALL_REDUCE}:
+            return False
+        x = self.env.get(n.args[0]) if isinstance(n.args[0], fx.Node) else None
+        return isinstance(x, DTensor) and any(isinstance(p, Partial) for p in x.placements)
 
     def _completes_statistic(self, n: fx.Node, comm: CommDebugMode) -> bool:
         """Whether ``n``'s only collectives are all-reduces of partial statistics over split

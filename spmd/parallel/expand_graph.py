@@ -248,6 +248,11 @@ class _Expander(fx.Interpreter):
             out = expand_rules.strided_call(target, args, kwargs, _wrap_meta)
             if out is not None:
                 return out
+        if self.strided and target in expand_rules.STRIDED_AS_SHARD:
+            run = super().call_function
+            out = expand_rules.strided_as_shard(args, kwargs, _wrap_meta, lambda a, k: run(target, a, k))
+            if out is not None:
+                return out
         if self.replicate_unknown and target in self._unknown:
             return self._replicated_call(target, args, kwargs)
         try:

@@ -47,10 +47,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from passes import torch_compat
-from passes.torch_compat import StridedShard
+from passes.torch_compat import StridedShard, pytree
 
 aten = torch.ops.aten
 _done = False
@@ -307,6 +307,68 @@ def strided_call(
         return out(piece, sizes[0])
     pieces = aten.split_with_sizes.default(local, [s // n for s in sizes], dim)
     return [out(p, s) for p, s in zip(pieces, sizes)]
+
+
+# Ops whose strategy (DTensor's) is right for a strided split read as an even one: matmuls over
+# experts, where a split of the weight's output features into k groups gives the output's
+# features the same groups, and a contraction over two inputs split alike is a partial sum.
+STRIDED_AS_SHARD = (aten._grouped_mm.default,)
+
+
+def strided_as_shard(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    wrap: Callable[..., DTensor],
+    run: Callable[[tuple[Any, ...], dict[str, Any]], Any],
+) -> Any:
+    """One of :data:`STRIDED_AS_SHARD` on inputs split strided (Mixtral's fused ``gate_up_proj``,
+    split strided into gate and up): ``run`` (DTensor's own dispatch) on the same local tensors
+    with each ``_StridedShard(d, k)`` read as ``Shard(d)``, and an output ``Shard`` on that mesh
+    dimension given back the ``k`` groups. None where it does not apply: no strided input, two
+    group counts on one mesh dimension, or an even split beside a strided one there (its local
+    pieces are other rows). A partial sum there is all-reduced first."""
+    groups: dict[int, int] = {}
+    other: set[int] = set()
+    for x in pytree.tree_leaves((args, kwargs)):
+        if not isinstance(x, DTensor):
+            continue
+        for i, p in enumerate(x.placements):
+            if isinstance(p, StridedShard):
+                if groups.setdefault(i, p.split_factor) != p.split_factor:
+                    return None
+            elif not isinstance(p, Replicate | Partial):
+                other.add(i)
+    if not groups or other & groups.keys():
+        return None
+
+    def summed(x: Any) -> Any:
+        # a partial sum (the previous row-parallel output, not yet reduced) is all-reduced first,
+        # as DTensor does before a matmul with a split weight
+        if isinstance(x, DTensor) and any(isinstance(p, Partial) for p in x.placements):
+            return x.redistribute(
+                x.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in x.placements]
+            )
+        return x
+
+    args, kwargs = pytree.tree_map(summed, (args, kwargs))
+
+    def retag(x: Any, to: Callable[[int, Placement], Placement]) -> Any:
+        if not isinstance(x, DTensor):
+            return x
+        pls = tuple(to(i, p) for i, p in enumerate(x.placements))
+        return wrap(torch_compat.local_tensor(x), x.device_mesh, pls, x.shape, x.stride(), x.dtype)
+
+    def as_even(i: int, p: Placement) -> Placement:
+        return Shard(p.dim) if isinstance(p, StridedShard) else p
+
+    def as_strided(i: int, p: Placement) -> Placement:
+        if i in groups and isinstance(p, Shard) and not isinstance(p, StridedShard):
+            return StridedShard(p.dim, split_factor=groups[i])
+        return p
+
+    even_args, even_kwargs = pytree.tree_map(lambda x: retag(x, as_even), (args, kwargs))
+    out = run(even_args, even_kwargs)
+    return pytree.tree_map(lambda y: retag(y, as_strided), out)
 
 
 def _bound(v: Any, default: int, length: int) -> int:

@@ -37,7 +37,7 @@ SPLIT = {
     "hf_phi3": "model.layers.0.mlp.down_proj.weight",
     "hf_olmo2": "model.layers.0.self_attn.q_proj.weight",  # q/k norms over the whole projection
     "hf_deepseek_v2": "model.layers.0.self_attn.kv_b_proj.weight",  # MLA
-    "hf_mixtral": "model.layers.0.self_attn.o_proj.weight",
+    "hf_mixtral": "model.layers.0.mlp.experts.down_proj",  # routed experts, split on ffn
     "hf_bert": "bert.encoder.layer.0.output.dense.weight",
     "gpt": "blocks.0.out.weight",
     "experts": "experts.down",  # routed experts (grouped_mm) split on their ffn dimension
@@ -70,15 +70,11 @@ def test_automatic_tp_on_two_ranks() -> None:
     assert gpt2["transformer.h.0.attn.c_attn.weight"][1] == "_S(1, 3)"
     assert phi3["model.layers.0.self_attn.qkv_proj.weight"][1] == "_S(0, 3)"
     assert phi3["model.layers.1.mlp.gate_up_proj.weight"][1] == "_S(0, 2)"
-    # Mixtral's fused gate_up is split strided too, but DTensor's grouped_mm strategy takes no
-    # strided split: its experts replicate, and the line says so.
-    mixtral = results[0]["hf_mixtral"]
-    assert mixtral["placements"]["model.layers.0.mlp.experts.down_proj"][1] == "R"
-    assert any(
-        c.startswith("model.layers.*.mlp.experts.gate_up_proj -> model.layers.*.mlp.experts.down_proj")
-        and "replicated: DTensor redistributes inside it (at aten._grouped_mm" in c
-        for c in mixtral["tp_choices"]
-    ), mixtral["tp_choices"]
+    # Mixtral's fused gate_up splits strided too (each rank its share of gate and of up) and its
+    # experts' matmuls run on it (expand_rules.strided_as_shard): the experts split on ffn.
+    mixtral = results[0]["hf_mixtral"]["placements"]
+    assert mixtral["model.layers.0.mlp.experts.gate_up_proj"][1] == "_S(1, 2)", mixtral
+    assert mixtral["model.layers.0.mlp.experts.down_proj"][1] == "S(2)", mixtral
 
 
 @pytest.mark.timeout(400 * SLACK)

@@ -498,3 +498,25 @@ def test_mla_keys_built_in_new_empty_stay_split() -> None:
     assert choice.placements["model.layers.0.self_attn.kv_b_proj.weight"] == Shard(0)
     assert choice.placements["model.layers.0.self_attn.q_b_proj.weight"] == Shard(0)
     assert choice.placements["model.layers.0.self_attn.o_proj.weight"] == Shard(1)
+
+
+def test_mixtrals_fused_gate_up_experts_split_strided() -> None:
+    """Mixtral's experts: one fused ``gate_up_proj`` [E, 2 ffn, d] whose grouped_mm output is
+    chunked into gate and up. Split strided (each rank its share of gate and of up), the experts'
+    matmuls run on the local pieces (expand_rules.strided_as_shard: DTensor's grouped_mm strategy
+    takes no strided split) and the previous layer's partial output is all-reduced where the
+    experts read it: clean, so split (no profile under the tests: a clean class is split).
+    tests/dist/test_auto_tp.py checks the values against one device."""
+    pytest.importorskip("transformers")
+    import transformers as tf
+
+    from tests.dist.workers_tp import _LLAMA
+
+    cfg = tf.MixtralConfig(**_LLAMA, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0)
+    torch.manual_seed(0)
+    model = tf.MixtralForCausalLM(cfg)
+    with fake_process_group(2):
+        choice = _choose(model, 2)
+    pl = choice.placements
+    assert str(pl["model.layers.1.mlp.experts.gate_up_proj"]) == "_S(1, 2)", pl
+    assert pl["model.layers.1.mlp.experts.down_proj"] == Shard(2)
