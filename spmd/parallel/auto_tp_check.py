@@ -67,14 +67,12 @@ class _Probe(_Expander):
         return out
 
     def _completes_row_output(self, n: fx.Node, comm: CommDebugMode) -> bool:
-        """Whether ``n`` is a grouped (experts') matmul whose only collective all-reduces its
-        activation, a partial sum: the previous row-parallel output's all-reduce, done where the
-        experts read it (no module boundary of a plan's style redistributes it before, as one
-        does before attention)."""
-        if n.target is not _GROUPED_MM or set(comm.get_comm_counts()) != {_ALL_REDUCE}:
-            return False
-        x = self.env.get(n.args[0]) if isinstance(n.args[0], fx.Node) else None
-        return isinstance(x, DTensor) and any(isinstance(p, Partial) for p in x.placements)
+        """Whether ``n`` is a grouped (experts') matmul whose only collectives are all-reduces:
+        of partial sums, a row-parallel output's (its own, or the previous layer's where the
+        experts read it). No module style ends the experts' region, so the expansion reduces
+        them at the matmul (``_Expander.call_function``); a split the op could not take would
+        gather instead."""
+        return n.target is _GROUPED_MM and set(comm.get_comm_counts()) == {_ALL_REDUCE}
 
     def _completes_statistic(self, n: fx.Node, comm: CommDebugMode) -> bool:
         """Whether ``n``'s only collectives are all-reduces of partial statistics over split

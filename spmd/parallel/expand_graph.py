@@ -248,11 +248,15 @@ class _Expander(fx.Interpreter):
             out = expand_rules.strided_call(target, args, kwargs, _wrap_meta)
             if out is not None:
                 return out
-        if self.strided and target in expand_rules.STRIDED_AS_SHARD:
+        if target in expand_rules.STRIDED_AS_SHARD:
             run = super().call_function
-            out = expand_rules.strided_as_shard(args, kwargs, _wrap_meta, lambda a, k: run(target, a, k))
-            if out is not None:
-                return out
+            out = None
+            if self.strided:
+                out = expand_rules.strided_as_shard(args, kwargs, _wrap_meta, lambda a, k: run(target, a, k))
+            # Experts' matmuls have no module style to end their region: the row-parallel one's
+            # partial output is all-reduced here (Megatron's all-reduce, as the region is priced),
+            # not left to whatever layout DTensor's later strategies pick for it.
+            return expand_rules.summed(run(target, args, kwargs) if out is None else out)
         if self.replicate_unknown and target in self._unknown:
             return self._replicated_call(target, args, kwargs)
         try:

@@ -341,15 +341,8 @@ def strided_as_shard(
     if not groups or other & groups.keys():
         return None
 
-    def summed(x: Any) -> Any:
-        # a partial sum (the previous row-parallel output, not yet reduced) is all-reduced first,
-        # as DTensor does before a matmul with a split weight
-        if isinstance(x, DTensor) and any(isinstance(p, Partial) for p in x.placements):
-            return x.redistribute(
-                x.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in x.placements]
-            )
-        return x
-
+    # a partial sum (a row-parallel output not yet reduced) is all-reduced first, as DTensor does
+    # before a matmul with a split weight
     args, kwargs = pytree.tree_map(summed, (args, kwargs))
 
     def retag(x: Any, to: Callable[[int, Placement], Placement]) -> Any:
@@ -369,6 +362,14 @@ def strided_as_shard(
     even_args, even_kwargs = pytree.tree_map(lambda x: retag(x, as_even), (args, kwargs))
     out = run(even_args, even_kwargs)
     return pytree.tree_map(lambda y: retag(y, as_strided), out)
+
+
+def summed(x: Any) -> Any:
+    """``x`` with its partial sums all-reduced (``Partial`` -> ``Replicate``), else ``x``."""
+    if isinstance(x, DTensor) and any(isinstance(p, Partial) for p in x.placements):
+        pls = [Replicate() if isinstance(p, Partial) else p for p in x.placements]
+        return x.redistribute(x.device_mesh, pls)
+    return x
 
 
 def _bound(v: Any, default: int, length: int) -> int:
