@@ -29,24 +29,30 @@ _LLAMA = dict(
 
 class PlainExperts(nn.Module):
     """Embedding -> routed experts without a gate (up, ReLU, down: ``F.grouped_mm`` over the
-    tokens in fixed groups, one per expert) + residual -> norm -> head. Experts a column -> row split
+    tokens in fixed groups by position, one per expert) + residual -> norm -> head. Experts a column -> row split
     divides on their ffn dimension, as Megatron splits an MLP (Mixtral's fused gate_up needs a
     strided split: tests/unit/test_auto_tp.py)."""
 
-    def __init__(self, experts: int = 4, d: int = 32, ffn: int = 64, tokens: int = B * T) -> None:
+    def __init__(self, experts: int = 4, d: int = 32, ffn: int = 64) -> None:
         super().__init__()
         self.emb, self.norm, self.head = nn.Embedding(V, d), nn.LayerNorm(d), nn.Linear(d, V)
         self.experts = nn.Module()
         self.experts.up = nn.Parameter(torch.randn(experts, ffn, d) / d**0.5)
         self.experts.down = nn.Parameter(torch.randn(experts, d, ffn) / ffn**0.5)
-        ends = torch.arange(1, experts + 1) * (tokens // experts)
-        self.register_buffer("offs", ends.to(torch.int32))
+        self.n_experts = experts
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.emb(ids).flatten(0, 1)
-        h = nn.functional.grouped_mm(x, self.experts.up.transpose(-2, -1), offs=self.offs)
-        h = nn.functional.grouped_mm(torch.relu(h), self.experts.down.transpose(-2, -1), offs=self.offs)
-        return self.head(self.norm(x + h)).view(*ids.shape, -1)
+        x = self.emb(ids)  # [B, T, d]
+        b, t, d = x.shape
+        # Routed by position: expert e takes positions [e T/E, (e+1) T/E) of every sequence, so a
+        # token's expert does not depend on the batch around it (one device's reference runs
+        # every data rank's batch at once). Tokens ordered by position, one group per expert.
+        xt = x.transpose(0, 1).reshape(t * b, d)
+        offs = (torch.arange(1, self.n_experts + 1) * (t // self.n_experts * b)).to(torch.int32)
+        h = nn.functional.grouped_mm(xt, self.experts.up.transpose(-2, -1), offs=offs)
+        h = nn.functional.grouped_mm(torch.relu(h), self.experts.down.transpose(-2, -1), offs=offs)
+        h = h.view(t, b, d).transpose(0, 1)
+        return self.head(self.norm(x + h))
 
 
 def build(name: str) -> tuple[nn.Module, dict[str, Any], bool]:
