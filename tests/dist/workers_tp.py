@@ -29,9 +29,9 @@ _LLAMA = dict(
 
 class PlainExperts(nn.Module):
     """Embedding -> routed experts without a gate (up, ReLU, down: ``F.grouped_mm`` over the
-    tokens in fixed groups by position, one per expert) + residual -> norm -> head. Experts a column -> row split
-    divides on their ffn dimension, as Megatron splits an MLP (Mixtral's fused gate_up needs a
-    strided split: tests/unit/test_auto_tp.py)."""
+    tokens in fixed groups by position, one per expert) + residual -> norm -> head. Experts a
+    column -> row split divides on their ffn dimension, as Megatron splits an MLP (Mixtral's
+    fused gate_up splits strided: tests/unit/test_auto_tp.py)."""
 
     def __init__(self, experts: int = 4, d: int = 32, ffn: int = 64) -> None:
         super().__init__()
