@@ -1,13 +1,16 @@
 """The last step of :func:`spmd.parallel.expand_graph.expand_graph`: the expanded graph's nodes
 take the traced nodes' names (placeholders) and metadata (roles, phases, modules, placements),
-and a gradient that arrives through a collective lets the collective's wait stand for its tag.
-``describe_placements`` is the placements' wording the dump prints.
+and a gradient that arrives through a collective lets the collective's wait stand for its tag;
+``drop_dead_compute`` removes the unread calls DTensor's propagation leaves. ``describe_placements``
+is the placements' wording the dump prints.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Placement, Shard
 
@@ -142,4 +145,21 @@ def _strip_reduced_tags(graph: fx.Graph) -> None:
         for k in [k for k in n.meta if k.startswith("spmd_")]:
             w.meta[k] = n.meta[k]
         n.replace_all_uses_with(w)
+        graph.erase_node(n)
+
+
+def drop_dead_compute(graph: fx.Graph) -> None:
+    """Remove pure aten ops whose results nothing reads (last to first). DTensor's sharding
+    propagation on torch 2.11/2.12 runs some ops (embedding) once more on empty stand-ins while
+    it is traced, leaving unused calls on uninitialised tensors (out-of-range indices at run
+    time). Collectives, waits, random ops and ops that write an input stay, whether read or not."""
+    for n in reversed(list(graph.nodes)):
+        if n.op != "call_function" or n.users or C.is_collective(n) or C.is_wait(n):
+            continue
+        if n.target is not operator.getitem and (
+            not isinstance(n.target, torch_compat.OpOverload)
+            or torch_compat.op_schema(n.target).is_mutable
+            or torch.Tag.nondeterministic_seeded in n.target.tags  # draws advance the generator
+        ):
+            continue
         graph.erase_node(n)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +37,14 @@ from passes.torch_compat import pytree
 from spmd.errors import ShardingPropagationError
 from spmd.frontend.kernel_layouts import KernelLayoutFakeMode
 from spmd.parallel import expand_rules, tp_loss
-from spmd.parallel.expand_finish import _CUSTOM, _SRC, EXPAND_PLACEMENTS, describe_placements, finish
+from spmd.parallel.expand_finish import (
+    _CUSTOM,
+    _SRC,
+    EXPAND_PLACEMENTS,
+    describe_placements,
+    drop_dead_compute,
+    finish,
+)
 
 __all__ = ["EXPAND_PLACEMENTS", "describe_placements", "expand_graph"]
 
@@ -560,26 +566,9 @@ def expand_graph(
             else:
                 n.meta[_CUSTOM] = c
     new = fx.GraphModule(new, new.graph, class_name="GraphModule")
-    _drop_dead_compute(new.graph)
+    drop_dead_compute(new.graph)
     finish(new, old_nodes, placeholders, expander.placements, in_specs, strip_tags=reduce_local)
     return new
-
-
-def _drop_dead_compute(graph: fx.Graph) -> None:
-    """Remove pure aten ops whose results nothing reads (last to first). DTensor's sharding
-    propagation on torch 2.11/2.12 runs some ops (embedding) once more on empty stand-ins while
-    it is traced, leaving unused calls on uninitialised tensors (out-of-range indices at run
-    time). Collectives, waits, random ops and ops that write an input stay, whether read or not."""
-    for n in reversed(list(graph.nodes)):
-        if n.op != "call_function" or n.users or C.is_collective(n) or C.is_wait(n):
-            continue
-        if n.target is not operator.getitem and (
-            not isinstance(n.target, torch_compat.OpOverload)
-            or torch_compat.op_schema(n.target).is_mutable
-            or torch.Tag.nondeterministic_seeded in n.target.tags  # draws advance the generator
-        ):
-            continue
-        graph.erase_node(n)
 
 
 _LOSS_OPS = {
