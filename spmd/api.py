@@ -8,7 +8,6 @@ graph on the real tensors (:mod:`spmd.backend.runtime`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -27,15 +26,14 @@ from spmd.backend.lastcall import LastCall
 from spmd.backend.lowering import check_backend, check_gemm, check_optimizer_lowering, compile_graph
 from spmd.backend.optimizer_checks import check_fused_optimizer_shapes
 from spmd.backend.runtime import (
-    INDUCTOR_STAGE,
-    Executable,
     build_eager_alternative,
     check_final_graph,
     make_executable,
     weak_hook,
 )
-from spmd.backend.step_aside import EAGER, check_fallback
+from spmd.backend.step_aside import check_fallback
 from spmd.backend.teardown import warn_at_exit_if_alive
+from spmd.entry import Entry as _Entry
 from spmd.errors import CacheLimitError, ConfigError
 from spmd.frontend import guards, step_inputs, tracing
 from spmd.frontend import optim as optim_utils
@@ -99,26 +97,6 @@ def compile(
         )
 
     return decorate
-
-
-@dataclasses.dataclass
-class _Entry:
-    exe: Executable
-    graphs: Stages
-    # For report(): the compile's facts that the graph does not hold.
-    world_size: int = 1
-    parallel_style: str = ""
-    trace_s: float | None = None
-    compile_s: float | None = None
-    backend: str = "eager"
-    lower_s: float | None = None  # the backend's compile time (part of compile_s)
-    lowered_code: str | None = None  # the backend's generated code (None for eager)
-    lower_role: str | None = None  # shared compile: "alone", "leader" or "follower" (None for eager)
-    lower_wait_s: float | None = None  # a follower's wait for its leader (part of lower_s)
-    remat: str | float | None = None  # the remat policy the graph was built with
-    inductor_fallback: str | None = None  # backend="inductor": "measure" or "never" (None for eager)
-    # Plain module attributes the trace read (spmd.frontend.guards): the graph is reused only while they hold.
-    attr_guards: list[guards.Guard] = dataclasses.field(default_factory=list)
 
 
 class CompiledStep:
@@ -581,22 +559,11 @@ class CompiledStep:
         return read
 
     def _record_layout_fix(self, entry: _Entry, gm: fx.GraphModule) -> None:
-        """The first run inserted layout fix-ups into the final graph: show them as a stage."""
-        del entry.graphs["final"]
-        entry.graphs.record("fix_layouts", gm)
-        entry.graphs["final"] = gm
+        entry.record_layout_fix(gm)
         self._dump(entry)
 
     def _decided(self, entry: _Entry, kept: str) -> None:
-        """An inductor step's measurement kept ``kept``. With eager kept, ``final`` becomes the
-        graph that runs from now on, the eager backend's (``exe.alt``), and the inductor
-        pipeline's graph stays as the stage before it, :data:`INDUCTOR_STAGE`; the dump follows."""
-        alt = entry.exe.alt
-        if kept == EAGER and alt is not None:
-            inductor_gm = entry.graphs["final"]
-            del entry.graphs["final"]
-            entry.graphs[INDUCTOR_STAGE] = inductor_gm
-            entry.graphs["final"] = alt.gm
+        entry.decided(kept)
         self._dump(entry)
 
     def _dump(self, entry: _Entry, *, stages: bool = True) -> None:

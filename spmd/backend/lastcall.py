@@ -62,7 +62,7 @@ def _optim_key(optimizer: torch.optim.Optimizer, lifted: list[bool]) -> tuple[An
 
 @dataclasses.dataclass
 class LastCall:
-    entry: Any  # spmd.api._Entry
+    entry: Any  # spmd.entry.Entry
     version: int
     kinds: tuple[tuple[Any, ...], ...]  # per argument (positional, then keyword values)
     kw_names: tuple[str, ...]

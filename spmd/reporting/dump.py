@@ -149,7 +149,7 @@ def dump_report(where: str, report: StepReport) -> None:
 
 
 def dump_entry(dump_dir: str, step_name: str, entry: Any, *, stages: bool = True) -> None:
-    """Write a compiled step's cache entry (``spmd.api``'s ``_Entry``): its stages (``stages``),
+    """Write a compiled step's cache entry (``spmd.entry.Entry``): its stages (``stages``),
     the backend's code and, while it is a candidate, the eager backend's graph of an inductor
     step (as the two stages after the graphs), and the report. With ``stages``, files of stages
     no longer there are removed (a stage renamed or moved: fix-ups, the eager graph kept)."""

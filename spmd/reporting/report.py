@@ -383,7 +383,7 @@ def describe_mode(parallel_mode: Any) -> tuple[str, int]:
 
 
 def entry_report(entry: Any, stage: str) -> StepReport:
-    """The report of a compiled step's cache entry (``spmd.api``'s ``_Entry``) at ``stage``.
+    """The report of a compiled step's cache entry (``spmd.entry.Entry``) at ``stage``.
     ``final`` is the graph that runs the step: for an inductor step whose measurement kept the
     eager backend's graph, that graph (its pipeline reuses buffers and reduces in place: another
     peak than the inductor pipeline's graph, then the stage :data:`INDUCTOR_STAGE`)."""

@@ -28,6 +28,7 @@ STAGES: dict[str, int] = {
     "api": 6,  # spmd.compile and CompiledStep: drives the stages above
     "options": 6,  # spmd.compile's options and their checks (read by the api and the plan)
     "override": 6,  # spmd.Override: the user's stand-ins and graph hook, given to spmd.compile
+    "entry": 6,  # a compiled step's cache entry (the api's record, read by report and dump)
     "simulate": 7,  # the tools, on top of the api
     "plan": 7,
     "calibrate": 7,
