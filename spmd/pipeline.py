@@ -25,6 +25,7 @@ from passes.driver import NamedPass, run_passes
 from passes.gloo_collectives import reduce_scatter_as_all_to_all
 from passes.inplace import inplace_all_reduce
 from passes.invariants import check_invariants
+from passes.last_unit import keep_last_unit_gathered
 from passes.optimizer_overlap import overlap_optimizer
 from passes.prefetch import default_unit_of, prefetch_all_gathers
 from passes.remat import check_policy, rematerialize
@@ -142,6 +143,12 @@ def build_pipeline(
             name="assign_units",
             fn=functools.partial(assign_units, **units),
             reason="after dedup (sizes of what is really sent); prefetch and bucketing read the units",
+        ),
+        NamedPass(
+            name="keep_last_unit_gathered",
+            fn=keep_last_unit_gathered,
+            reason="after assign_units (finds the unit forward needs last); before prefetch, which then "
+            "issues the next unit's backward gathers at the start of backward",
         ),
         NamedPass(
             name="prefetch_all_gathers",

@@ -256,11 +256,13 @@ def min_comm_bytes(rec: dict[str, Any]) -> int | None:
     all-reduce every gradient (P). FULL_SHARD: gather every parameter for forward, gather
     again those backward reads, reduce-scatter every gradient (2P + B). SHARD_GRAD_OP: 2P.
     FSDP2 as configured here keeps the root's parameters from forward to backward:
-    2P + B - (B of the root).
+    2P + B - (B of the root); spmd keeps the unit forward needs last (passes.last_unit):
+    2P + B - (B of that unit).
     """
     P, B = rec.get("param_bytes"), rec.get("bwd_param_bytes")
     if P is None or B is None:
         return None
+    kept = rec.get("bwd_last_unit_param_bytes", 0)
     return {
         "no_comm": 0,
         "no_comm_compiled": 0,
@@ -269,9 +271,9 @@ def min_comm_bytes(rec: dict[str, Any]) -> int | None:
         "spmd_replicate": P,
         "spmd_replicate_inductor": P,
         "fsdp2": 2 * P + B - rec.get("bwd_root_param_bytes", 0),
-        "spmd_fully_shard": 2 * P + B,
-        "spmd_fully_shard_rs": 2 * P + B,
-        "spmd_fully_shard_inductor": 2 * P + B,
+        "spmd_fully_shard": 2 * P + B - kept,
+        "spmd_fully_shard_rs": 2 * P + B - kept,
+        "spmd_fully_shard_inductor": 2 * P + B - kept,
         "spmd_fully_shard_noreshard": 2 * P,
     }.get(rec["variant"])
 

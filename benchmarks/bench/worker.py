@@ -108,6 +108,25 @@ class Variant:
     settling: Callable[[], bool] | None = None
 
 
+def last_forward_unit(gm: torch.fx.GraphModule) -> set[str]:
+    """Names of the parameters in the forward all-gather waited on last (fully_shard's last unit)."""
+    from passes import collectives as C
+    from passes.meta import PHASE, STATE_NAME, Phase
+
+    gathers = [c for c in C.collectives(gm.graph) if C.kind_of(c) is C.Kind.ALL_GATHER]
+    fwd = [c for c in gathers if c.meta.get(PHASE) is Phase.FORWARD]
+    if not fwd:
+        return set()
+    last = max(fwd, key=lambda c: min(C.waits_of(c)))
+    names, todo = set(), list(last.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n.op == "placeholder":
+            names.add(n.meta.get(STATE_NAME))
+        todo.extend(n.all_input_nodes)
+    return {n for n in names if n}
+
+
 def make_variant(name: str, spec: models.Spec, world: int) -> Variant:
     torch.manual_seed(0)  # same initial weights for every variant
     model = spec.build()
@@ -346,6 +365,7 @@ def main() -> None:
             )
             if v.name.startswith("spmd_"):
                 rep = v.step.report()  # type: ignore[union-attr]
+                v.extra["kept_unit"] = sorted(last_forward_unit(v.step.graphs["final"]))  # type: ignore[union-attr]
                 v.extra["report"] = {
                     "collectives": sum(c.count for c in rep.collectives.values()),
                     "comm_bytes": rep.comm_bytes,
@@ -377,7 +397,10 @@ def main() -> None:
     in_blocks = {id(p) for b in spec.blocks(fresh) for p in b.parameters()}
     root = {n for n, p in fresh.named_parameters() if id(p) not in in_blocks}
     saved = measure.params_saved_for_backward(fresh, lambda m: spec.loss(m(batches[0][0]), batches[0][1]))
+    kept = next((set(v.extra.get("kept_unit", ())) for v in variants if v.name == "spmd_fully_shard"), set())
     sizes = {
+        # the unit forward needs last, which spmd keeps gathered into backward (passes.last_unit)
+        "bwd_last_unit_param_bytes": sum(nbytes[n] for n in saved & kept),
         "param_bytes": sum(nbytes.values()),  # the whole model, unsharded
         "root_param_bytes": sum(nbytes[n] for n in root),  # outside the blocks FSDP2 wraps one by one
         "bwd_param_bytes": sum(nbytes[n] for n in saved),  # saved for backward by autograd

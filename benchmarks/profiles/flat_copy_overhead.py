@@ -5,8 +5,11 @@
 
 One unit of the bench's ``overhead`` model (``--blocks`` ResMLP blocks of d 64, hidden 256: 6
 parameters a block; 8 blocks, 48 parameters, is the unit fully_shard makes on 2 ranks), sharded over
-``--world`` ranks as fully_shard shards it (dim 0, ``ceil`` rows a rank; LayerNorm and the second
-bias are 64 elements, so their shards are ragged for the fused optimizer's 64-element alignment):
+``--world`` ranks as fully_shard shards it (dim 0, ``ceil`` rows a rank). The optimizer's shards are
+padded to 64 elements (LayerNorm and the second bias are 64 elements, so at 2 ranks 72 of its 146
+shards are ragged there): the op's cost with many ragged shards, as at large world sizes. spmd
+itself aligns to 64 bytes (``sharded_optim.align_elements``: 16 float32 elements), where these
+shards are aligned at 2 ranks and the op is not used:
 
 * ``spmd::all_gather_copy_in`` (rank 0's shards into the flat buffer) against a bare ``torch.cat``
   of the shards flattened;
@@ -39,7 +42,7 @@ from passes import torch_compat  # noqa: E402
 from passes.flat_ops import COPY_IN, COPY_OUT  # noqa: E402
 from passes.fused_align import ALIGNED_FUSED, wrap_args  # noqa: E402
 
-ALIGN = 64  # the fused CPU kernels' vector width in elements (spmd.parallel.sharded_optim)
+ALIGN = 64  # elements: pads the unit's small shards, as a large world size would
 
 
 def unit(blocks: int, d: int = 64, hidden: int = 256) -> list[torch.Tensor]:

@@ -32,8 +32,7 @@ from spmd.parallel.offload import CPU
 from spmd.parallel.partition_state import PartitionState
 
 # Fused optimizer kernels whose SIMD/scalar split depends on where an element sits (see
-# align_fused_optimizer), and an element
-# alignment that is a multiple of every CPU vector width (AVX-512 float: 16, bf16: 32).
+# align_fused_optimizer).
 _FUSED_OPTIMIZERS = {
     torch.ops.aten._fused_adam_.default,
     torch.ops.aten._fused_adam_.tensor_lr,
@@ -42,8 +41,20 @@ _FUSED_OPTIMIZERS = {
     torch.ops.aten._fused_sgd_.default,
     torch.ops.aten._fused_sgd_.tensor_lr,
 }
-_ALIGN = 64
+# The kernels cut a tensor into 64-byte units (torch's ``cache_line_aligned_task_unit``) for
+# their threads and run each piece's SIMD loop from its start, so the SIMD/scalar split of an
+# element depends only on where it sits relative to 64-byte boundaries and the tensor's end: a
+# vector is at most 64 bytes on every CPU torch builds for (AVX-512: 16 floats, 32 bf16). Was 64
+# elements for every dtype (256 bytes of float32): at 2 ranks every 64-element LayerNorm shard
+# was padded, copied and copied back each step.
+_ALIGN_BYTES = 64
 aten = torch.ops.aten
+
+
+def align_elements(dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` a shard must start at a multiple of (and end at one, or at the
+    tensor's end) for a CPU fused optimizer kernel to round each element as on the full tensor."""
+    return max(1, _ALIGN_BYTES // dtype.itemsize)
 
 
 def globalize_norms(ps: PartitionState) -> None:
@@ -93,11 +104,12 @@ def align_fused_optimizer(ps: PartitionState) -> None:
     loop with a scalar tail, and the two round differently (fused multiply-add). On the
     full tensor an element takes the SIMD path iff its index is below ``n - n % V``; on a
     shard it depends on the shard's own size. Where a shard does not start at a multiple
-    of ``_ALIGN`` elements, or ends early, its elements would round differently from
-    DDP's. Those shards are copied into a zero-padded buffer that covers the same global
-    index range rounded out to ``_ALIGN`` (up to ``n`` when the shard holds the tensor's
-    tail), the kernel runs on the buffers, and the results are copied back. Shards that
-    are aligned already (the common case: rows of a multiple of 64 elements) cost nothing.
+    of 64 bytes (:func:`align_elements`: 16 float32 elements), or ends early, its elements
+    would round differently from DDP's. Those shards are copied into a zero-padded buffer
+    that covers the same global index range rounded out to that alignment (up to ``n`` when
+    the shard holds the tensor's tail), the kernel runs on the buffers, and the results are
+    copied back. Shards that are aligned already (the common case: rows of a multiple of 16
+    float32 elements) cost nothing.
 
     A call with any shard to align becomes one ``spmd::aligned_fused_optimizer_`` node
     (:mod:`passes.fused_align`), which pads, runs the kernel and copies back inside, so the
@@ -116,10 +128,11 @@ def align_fused_optimizer(ps: PartitionState) -> None:
             shape = p.meta["val"].shape  # the parameter as the graph sees it (its tensor-parallel piece)
             row = math.prod(shape[1:])
             total, off, n_loc = lay.rows * row, lay.offset * row, lay.local_rows * row
-            if off % _ALIGN == 0 and (n_loc % _ALIGN == 0 or off + n_loc == total):
+            align = align_elements(p.meta["val"].dtype)
+            if off % align == 0 and (n_loc % align == 0 or off + n_loc == total):
                 continue
-            pre[k] = off % _ALIGN
-            end = -(-(off + n_loc) // _ALIGN) * _ALIGN if off + n_loc <= total - total % _ALIGN else total
+            pre[k] = off % align
+            end = -(-(off + n_loc) // align) * align if off + n_loc <= total - total % align else total
             post[k] = end - (off - pre[k]) - pre[k] - n_loc
             # Flatten in memory order (the kernel DDP runs walks the full tensor's memory).
             channels_last[k] = len(shape) if name in ps.perms else 0

@@ -40,10 +40,12 @@ def test_replicate_one_all_reduce_per_gradient(per_rank) -> None:
 
 @pytest.mark.parametrize("style,gathers", [("fully_shard", 2), ("fully_shard_noreshard", 1)])
 def test_fully_shard_bytes(per_rank, style: str, gathers: int) -> None:
-    """all_gather moves every padded parameter once per gather (twice with reshard: Stack's backward
-    reads every parameter); reduce_scatter moves every padded gradient (full size); each rank holds
-    its own shard of parameters, gradients and optimizer state (about 1/2). On gloo at W=2 the
-    final graph reduces by all-to-all (passes.gloo_collectives), counted with the same bytes."""
+    """all_gather moves every padded parameter once per gather (twice with reshard in the
+    partitioned graph: Stack's backward reads every parameter; once in the final graph, where
+    Stack, one unit and so the last of forward, stays gathered into backward: passes.last_unit);
+    reduce_scatter moves every padded gradient (full size); each rank holds its own shard of
+    parameters, gradients and optimizer state (about 1/2). On gloo at W=2 the final graph reduces
+    by all-to-all (passes.gloo_collectives), counted with the same bytes."""
     for r, out in enumerate(per_rank):
         exp = wr.expected(out["shapes"], W, r)
         for stage in ("partitioned", "final"):
@@ -51,7 +53,8 @@ def test_fully_shard_bytes(per_rank, style: str, gathers: int) -> None:
             red = "reduce_scatter" if stage == "partitioned" or W != 2 else "all_to_all"
             assert rep["parallel_style"].startswith("fully_shard")
             assert set(rep["collectives"]) == {"all_gather", red}
-            assert rep["collectives"]["all_gather"]["bytes"] == gathers * exp["padded"]
+            once = 1 if stage == "final" else gathers
+            assert rep["collectives"]["all_gather"]["bytes"] == once * exp["padded"]
             assert rep["collectives"][red]["bytes"] == exp["padded"]
             assert rep["param_bytes"] == rep["grad_bytes"] == exp["local"]
             assert rep["optim_state_bytes"] == 2 * exp["local"] + 4 * 4

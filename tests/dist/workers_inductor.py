@@ -67,9 +67,12 @@ def inductor_vs_eager(
         model = pm.build(model_name)
         twin = shared.twin(model)
         opt, twin_opt = shared.make_optimizer(opt_name, model), shared.make_optimizer(opt_name, twin)
-        mode = spmd.DataParallel(style)
+        # fully_shard: a unit per layer (the mlp is below one default unit, which would stay gathered
+        # into backward): gathers, re-gathers and reduce-scatters for the order checks.
+        knobs = {"min_unit_mb": 0} if style == "fully_shard" else {}
+        mode = spmd.DataParallel(style, **knobs)
         ind = spmd.compile(parallel_mode=mode, backend="inductor")(train_step)
-        eag = spmd.compile(parallel_mode=spmd.DataParallel(style))(train_step)
+        eag = spmd.compile(parallel_mode=spmd.DataParallel(style, **knobs))(train_step)
         worst = 0.0
         for i in range(steps):
             b = pm.batch(model_name, i, rank)

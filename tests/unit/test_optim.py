@@ -217,3 +217,43 @@ def test_fused_kernels_are_traced_without_running_them(optim_name, monkeypatch):
     fused = [n for n in pair.step.graphs["traced"].graph.nodes if "_fused_" in str(n.target)]
     assert len(fused) == 1 and str(fused[0].target).endswith(".tensor_lr")  # the lifted-lr overload
     assert optim_utils.register_fused_meta_kernels() == []  # idempotent
+
+
+def test_fully_shard_pads_for_the_fused_kernel_only_shards_off_64_bytes():
+    """Under fully_shard the fused AdamW runs on shards; only shards that do not start (or end,
+    before the tensor's end) at a 64-byte boundary, where the CPU kernel's SIMD loop splits, are
+    padded inside ``spmd::aligned_fused_optimizer_``. At 2 ranks a 64-element float32 bias is
+    two shards of 32 (aligned: no padding, the kernel runs on the shards as they are; the old
+    64-element alignment padded both), a 40-element one two of 20 (ragged: padded)."""
+    from passes.fused_align import ALIGNED_FUSED
+    from tests.unit.fake_pg import fake_process_group
+
+    class Two(torch.nn.Module):
+        def __init__(self, n: int):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(n))
+
+        def forward(self, x):
+            return (x * self.w).sum()
+
+    def step(model, opt, x):
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    padded = {}
+    with fake_process_group(2):
+        for n in (64, 40):
+            model = Two(n)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+            mode = spmd.DataParallel("fully_shard", min_unit_mb=0)
+            gm = dict(spmd.compile(parallel_mode=mode)(step).lower(model, opt, torch.randn(n)))["final"]
+            calls = [c for c in gm.graph.nodes if c.target is ALIGNED_FUSED]
+            kernels = (torch.ops.aten._fused_adamw_.default, torch.ops.aten._fused_adamw_.tensor_lr)
+            plain = [c for c in gm.graph.nodes if c.target in kernels]
+            assert len(calls) + len(plain) == 1
+            # rank 0 holds elements [0, n/2): ragged where n/2 is not a multiple of 16
+            padded[n] = calls[0].args[7] if calls else None
+    assert padded == {64: None, 40: [12]}
