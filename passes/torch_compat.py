@@ -408,8 +408,19 @@ def gloo_groups_with_threads(threads: int) -> Iterator[None]:
 def pg_timeout_s(pg: Any) -> float | None:
     """The collective timeout of ``pg``'s first backend, in seconds (``None`` when it has none)."""
     for device in pg._device_types:
-        return pg._get_backend(device).options._timeout.total_seconds()
+        options = getattr(pg._get_backend(device), "options", None)  # None on a fake group
+        return None if options is None else options._timeout.total_seconds()
     return None
+
+
+def set_pg_timeout(group: Any, seconds: float) -> None:
+    """Set ``group``'s collective timeout (``distributed_c10d._set_pg_timeout``, private; present in
+    2.11-2.15): for groups torch makes with its 30-minute default (``init_device_mesh``'s)."""
+    import datetime
+
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
 def gloo_threads(group: Any) -> int:

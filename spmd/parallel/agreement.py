@@ -52,8 +52,15 @@ def check_rank_agreement(
         return
     if dist.get_backend() == "fake":
         return  # simulation: one process stands for every rank
-    rank, world = dist.get_rank(), dist.get_world_size()
     fp = [*(entry for entry, _ in before), *fingerprint(gm, group_key=group_label)]
+    if not fp:
+        # A step that issues no collective cannot hang, and runs on without meeting the other ranks:
+        # its publication here could be the last store operation of a script, racing a rank that
+        # hosts the store and has already exited (a second eval step with the same empty
+        # fingerprint finds every rank's key from the first one and goes on at once). A rank that
+        # compiled collectives where this one did not times out waiting for this one's key below.
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
     where = [*(text for _, text in before), *(describe(c) for c in C.collectives(gm.graph))]
     digest = hashlib.sha256(repr(fp).encode()).hexdigest()[:32]
     store = torch_compat.get_default_store()

@@ -188,20 +188,17 @@ class DTensorExpandMode(ParallelMode):
         else:
             shape, names = tuple(self.mesh), None
         shape = _fill_shape(shape, sharding.world_info()[1])
-        group = torch_compat.get_default_group()
-        # Cached with sharding's default meshes, which are dropped with their process group.
-        key = (device_type, id(group), sharding.world_info()[1], ("expand", shape, names))
-        meshes: dict[Any, DeviceMesh] = sharding._DEFAULT_MESHES  # type: ignore[assignment]
-        if key not in meshes:
-            if any(k[1] != id(group) for k in meshes):
-                meshes.clear()
+
+        def make() -> DeviceMesh:
             mesh = gloo_group.init_mesh(device_type, shape, names)
             if names is not None and len(names) > 1:
                 # A flattened dimension lets DTensor reduce a value partial over every dimension
                 # with one all-reduce instead of one per dimension.
                 gloo_group.flatten(mesh[names])
-            meshes[key] = mesh
-        return meshes[key]
+            return mesh
+
+        # Cached with sharding's default meshes, which are dropped with their process group.
+        return sharding.cached_mesh(device_type, ("expand", shape, names), make)
 
     def _param_placements(self, fqn: str, mesh: DeviceMesh) -> tuple[Placement, ...]:
         for pat, pl in (self.param_placements or {}).items():

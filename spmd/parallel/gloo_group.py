@@ -99,22 +99,37 @@ def init_mesh(device_type: str, shape: Sequence[int], names: Sequence[str] | Non
     shape = tuple(shape)
     mesh_dim_names = tuple(names) if names is not None else None
     if not wanted(device_type):
-        return init_device_mesh(device_type, shape, mesh_dim_names=mesh_dim_names)
+        return _users_timeout(init_device_mesh(device_type, shape, mesh_dim_names=mesh_dim_names))
     world = world_group(device_type)  # made first on every rank; holds the default group (above)
     if len(shape) == 1 and shape[0] == dist.get_world_size():
         return DeviceMesh.from_group(world, device_type, mesh_dim_names=mesh_dim_names)
     with own_groups(device_type):
-        return init_device_mesh(
+        mesh = init_device_mesh(
             device_type,
             shape,
             mesh_dim_names=mesh_dim_names,
             backend_override=dict.fromkeys(range(len(shape)), "gloo"),
         )
+    return _users_timeout(mesh)
 
 
 def flatten(mesh: DeviceMesh) -> DeviceMesh:
     """``mesh`` flattened to one dimension (``DeviceMesh._flatten``), its new group one-thread where
-    :func:`wanted`."""
+    :func:`wanted`, with the default group's timeout."""
     with own_groups(mesh.device_type) as own:
         # backend_override: else a flattened dimension of every rank is the default group.
-        return torch_compat.flatten_mesh(mesh, backend_override="gloo" if own else None)
+        flat = torch_compat.flatten_mesh(mesh, backend_override="gloo" if own else None)
+    return _users_timeout(flat)
+
+
+def _users_timeout(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh`` with every dimension's group on the default group's collective timeout (the user's
+    ``init_process_group(timeout=)``): ``init_device_mesh`` makes them with torch's 30-minute default,
+    so a rank whose peer died in a collective on one waited 30 minutes. Only for meshes spmd makes."""
+    seconds = torch_compat.pg_timeout_s(torch_compat.get_default_group())
+    if seconds is not None:
+        for d in range(mesh.ndim):
+            group = mesh.get_group(d)
+            if torch_compat.pg_timeout_s(group) not in (seconds, None):
+                torch_compat.set_pg_timeout(group, seconds)
+    return mesh

@@ -44,7 +44,9 @@ def world_info() -> tuple[int, int]:
     return 0, 1
 
 
-_DEFAULT_MESHES: dict[tuple[Any, ...], DeviceMesh] = {}
+# (device type, id(default group), world, shape, names) -> (that default group, its mesh). The group
+# is kept and compared: a default group made after another was destroyed may get the same id.
+_DEFAULT_MESHES: dict[tuple[Any, ...], tuple[Any, DeviceMesh]] = {}
 
 
 def default_mesh(
@@ -57,16 +59,25 @@ def default_mesh(
     again (tests, ``spmd.simulate``) gets a new mesh.
     """
     shape = tuple(shape) if shape is not None else (dist.get_world_size(),)
+    if names is None:
+        names = ("replicate", "shard") if len(shape) == 2 else None
+    # Where the default group is gloo with several threads, on groups of spmd's own (one thread).
+    return cached_mesh(
+        device_type, (shape, tuple(names or ())), lambda: gloo_group.init_mesh(device_type, shape, names)
+    )
+
+
+def cached_mesh(device_type: str, tag: Any, make: Callable[[], DeviceMesh]) -> DeviceMesh:
+    """The mesh ``make()`` returns, made once per device type, ``tag`` and default process group
+    (every rank calls it at the same point: making a mesh is collective)."""
     group = torch_compat.get_default_group()
-    key = (device_type, id(group), dist.get_world_size(), shape, tuple(names or ()))
-    if key not in _DEFAULT_MESHES:
-        if any(k[1] != id(group) for k in _DEFAULT_MESHES):
+    key = (device_type, id(group), dist.get_world_size(), tag)
+    entry = _DEFAULT_MESHES.get(key)
+    if entry is None or entry[0] is not group:
+        if any(g is not group for g, _ in _DEFAULT_MESHES.values()):
             _DEFAULT_MESHES.clear()  # meshes of earlier groups are dead
-        if names is None:
-            names = ("replicate", "shard") if len(shape) == 2 else None
-        # Where the default group is gloo with several threads, on groups of spmd's own (one thread).
-        _DEFAULT_MESHES[key] = gloo_group.init_mesh(device_type, shape, names)
-    return _DEFAULT_MESHES[key]
+        entry = _DEFAULT_MESHES[key] = (group, make())
+    return entry[1]
 
 
 @dataclasses.dataclass(frozen=True)

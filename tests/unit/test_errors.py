@@ -355,3 +355,28 @@ def test_kernel_refusing_what_the_trace_accepted_names_the_op_and_the_fix():
         run(spmd.MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)).dtype
         is torch.bfloat16
     )
+
+
+def test_rank_agreement_leaves_the_store_alone_for_a_step_without_collectives(monkeypatch):
+    """A step that issues no collective cannot hang, so its ranks do not publish fingerprints: the
+    publication could be a script's last store operation, racing a rank that hosts the store and has
+    already exited (two eval steps of different models have the same empty fingerprint, so the
+    second finds every rank's key at once). A step with a collective (here the data checks') does."""
+    import torch.fx as fx
+
+    from spmd.parallel import agreement
+
+    class Store:  # any use fails
+        def __getattr__(self, name):
+            raise RuntimeError(f"store.{name} used")
+
+    monkeypatch.setattr(agreement.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(agreement.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(agreement.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(agreement.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(agreement.torch_compat, "get_default_store", lambda: Store())
+    g = fx.Graph()
+    g.output(g.placeholder("x"))
+    agreement.check_rank_agreement(fx.GraphModule({}, g), step_name="eval_step")
+    with pytest.raises(RuntimeError, match="store.add used"):
+        agreement.check_rank_agreement(fx.GraphModule({}, g), step_name="eval_step", before=[("ar", "checks")])

@@ -100,3 +100,59 @@ def test_spmd_world_group_keeps_the_users_timeout() -> None:
     finally:
         dist.destroy_process_group()
         gloo_group._WORLD.clear()
+
+
+@pytest.mark.parametrize("threads", [0, 1])
+def test_mesh_dimension_groups_keep_the_users_timeout(threads: int) -> None:
+    """``init_process_group(timeout=10 s)``: every dimension of a 2-D mesh spmd makes (hybrid_shard,
+    FSDP x TP) and its flattened dimension take that timeout, on the default group's threads or on
+    spmd's own one-thread groups; ``init_device_mesh`` alone gives them torch's 30-minute default,
+    so a rank whose peer died waited 30 minutes."""
+    import datetime
+
+    assert not dist.is_initialized(), "a process group leaked from another test"
+    saved = dict(sharding._DEFAULT_MESHES)
+    sharding._DEFAULT_MESHES.clear()
+    with spmd.gloo_threads(threads) if threads else _nothing():
+        dist.init_process_group(
+            "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=10)
+        )
+    try:
+        mesh = sharding.default_mesh("cpu", (1, 1), ("dp", "tp"))
+        assert [torch_compat.pg_timeout_s(mesh.get_group(d)) for d in range(2)] == [10.0, 10.0]
+        assert torch_compat.pg_timeout_s(gloo_group.flatten(mesh).get_group()) == 10.0
+    finally:
+        dist.destroy_process_group()
+        sharding._DEFAULT_MESHES.clear()
+        sharding._DEFAULT_MESHES.update(saved)
+        gloo_group._WORLD.clear()
+
+
+def test_default_meshes_are_not_reused_across_default_groups() -> None:
+    """A default group made after another was destroyed may get the same ``id()`` (CPython reuses
+    freed objects' addresses); the mesh cached for the old one must not come back: its groups are
+    dead. The cache entry is rewritten to the new group's id, as such a reuse would leave it."""
+    saved = dict(sharding._DEFAULT_MESHES)
+    sharding._DEFAULT_MESHES.clear()
+    try:
+        with spmd.gloo_threads(1):
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            old = sharding.default_mesh("cpu", (1, 1))
+        finally:
+            dist.destroy_process_group()
+        with spmd.gloo_threads(1):
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            new_id = id(torch_compat.get_default_group())
+            stale = {(k[0], new_id, *k[2:]): v for k, v in sharding._DEFAULT_MESHES.items()}
+            sharding._DEFAULT_MESHES.clear()
+            sharding._DEFAULT_MESHES.update(stale)
+            mesh = sharding.default_mesh("cpu", (1, 1))
+            assert mesh is not old
+            dist.all_reduce(torch.ones(1), group=mesh.get_group(0))  # live
+        finally:
+            dist.destroy_process_group()
+    finally:
+        sharding._DEFAULT_MESHES.clear()
+        sharding._DEFAULT_MESHES.update(saved)
