@@ -377,6 +377,7 @@ def test_rank_agreement_leaves_the_store_alone_for_a_step_without_collectives(mo
     monkeypatch.setattr(agreement.torch_compat, "get_default_store", lambda: Store())
     g = fx.Graph()
     g.output(g.placeholder("x"))
-    agreement.check_rank_agreement(fx.GraphModule({}, g), step_name="eval_step")
+    gm = fx.GraphModule({}, g)
+    agreement.check_rank_agreement(gm, step_name="eval_step")
     with pytest.raises(RuntimeError, match="store.add used"):
-        agreement.check_rank_agreement(fx.GraphModule({}, g), step_name="eval_step", before=[("ar", "checks")])
+        agreement.check_rank_agreement(gm, step_name="eval_step", before=[("ar", "checks")])
