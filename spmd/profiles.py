@@ -6,7 +6,8 @@ peaks; ``h100-80gb`` also carries published H100 measurements (never fitted to a
 run's throughput): the fraction of peak that attention and matmuls reach (``op_efficiency``),
 NCCL's bus bandwidth per collective on one NVLink node, and how much an overlapped collective
 slows the compute, so its times aim at achievable ones. ``h100-hbm2e-500w`` is the same on
-torchtitan's Table 1 GPU (HBM2e at 2.4 TB/s, 500 W). ``h100-80gb-roofline`` and
+torchtitan's Table 1 GPU (HBM2e at 2.4 TB/s, 500 W); ``h200-141gb`` the H200 SXM (the H100's
+compute and fractions, HBM3e at 4.8 TB/s). ``h100-80gb-roofline`` and
 ``a100-80gb`` are the datasheet roofline (efficiency 1.0: a lower bound on the time);
 ``spmd.plan(..., efficiency=x)`` applies one efficiency to every op class instead
 (``efficiency=1.0``: the roofline of any profile).
@@ -138,8 +139,34 @@ _H100_HBM2E = dataclasses.replace(
     },
 )
 
+# H200 SXM: the H100's compute (same Hopper GPU) with 141 GB of HBM3e at 4.8 TB/s. The achievable
+# fractions are h100-80gb's (measured on H100s; the same SMs); the collective bandwidths were measured
+# on 8 H200s already (_NCCL_TESTS), the all-reduce's on H100s over the same NVLink 4 fabric.
+_H200_DATASHEET = (
+    "NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200), H200 SXM column: BF16 "
+    "1,979 TFLOPS with sparsity (989.5 dense), FP32 67, FP64 34, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s "
+    "(the datasheet page was not opened when this was written: the figures as quoted in spec tables)"
+)
+_H200 = dataclasses.replace(
+    _H100_ACHIEVABLE,
+    name="h200-141gb",
+    peak_flops={"bf16": 989.5e12, "fp16": 989.5e12, "fp32": 67e12, "fp64": 34e12},
+    memory_bandwidth=4.8e12,
+    sources={
+        **_H100_ACHIEVABLE.sources,
+        "peak_flops": _H200_DATASHEET,
+        "memory_bandwidth": _H200_DATASHEET + " (the achievable fraction, op_efficiency['memory'], is "
+        "the H100's BabelStream share: not measured on HBM3e)",
+        "op_efficiency": "h100-80gb's (the same Hopper SMs): " + _EFFICIENCY,
+        "intra_node_bandwidth": _H200_DATASHEET + ": NVLink 900 GB/s bidirectional, halved",
+        "inter_node_bandwidth": "NVIDIA DGX H200: 8x ConnectX-7 400 Gb/s, one per GPU (as the DGX H100)",
+        "gpus_per_node": "NVIDIA DGX H200: 8 GPUs per system",
+    },
+)
+
 PROFILES: dict[str, DeviceProfile] = {
     "h100-80gb": _H100_ACHIEVABLE,
+    "h200-141gb": _H200,
     "h100-80gb-roofline": _H100_ROOFLINE,
     "h100-hbm2e-500w": _H100_HBM2E,
     "a100-80gb": DeviceProfile(

@@ -58,13 +58,14 @@ from passes.cost_model import (
 # so 5% admits the splits tp is used for at scale and refuses the ones that only add latency.
 THRESHOLD = 0.05
 
-_GPU_PROFILES = (("H100", "h100-80gb"), ("A100", "a100-80gb"))
+_GPU_PROFILES = (("H100", "h100-80gb"), ("H200", "h200-141gb"), ("A100", "a100-80gb"))
 
 
 def local_profile() -> DeviceProfile | None:
     """The profile of the device this process runs on: the built-in one of the local GPU by its
-    name (``"H100"`` -> ``h100-80gb``, ``"A100"`` -> ``a100-80gb``), this machine's calibrated
-    ``cpu-local`` (``python -m spmd.calibrate``) without a GPU; None when there is neither."""
+    name (``"H100"`` -> ``h100-80gb``, ``"H200"`` -> ``h200-141gb``, ``"A100"`` -> ``a100-80gb``),
+    this machine's calibrated ``cpu-local`` (``python -m spmd.calibrate``) without a GPU; None when
+    there is neither."""
     from spmd.profiles import CPU_LOCAL, PROFILES, get_profile, profile_path
 
     if torch.cuda.is_available():

@@ -51,3 +51,22 @@ def test_torchtitans_gpu_is_h100_80gb_on_its_hbm2e_at_the_nvl_peak() -> None:
     same = ("op_efficiency", "bandwidth_by_kind", "comm_compute_overlap", "intra_node_bandwidth")
     assert all(getattr(tt, f) == getattr(sxm, f) for f in same)
     assert get_profile("h100-hbm2e-500w") is tt
+
+
+def test_h200_is_the_h100s_compute_with_hbm3e_and_is_found_by_name(monkeypatch) -> None:
+    """h200-141gb: the H100's peak and measured fractions, 4.8 TB/s memory; a GPU named "NVIDIA
+    H200" gets it for the automatic placements' cost decision (it had no profile: every clean class
+    was sharded there)."""
+    import torch
+
+    from spmd.parallel import auto_tp_solve
+
+    h100, h200 = PROFILES["h100-80gb"], PROFILES["h200-141gb"]
+    assert h200.peak_flops["bf16"] == h100.peak_flops["bf16"] and h200.memory_bandwidth == 4.8e12
+    assert h200.op_efficiency == h100.op_efficiency and h200.device_type == "cuda"
+    assert "H200" in h200.sources["peak_flops"]
+    assert "nccl-tests on 8x H200" in h200.sources["bandwidth_by_kind"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, want in (("NVIDIA H200", "h200-141gb"), ("NVIDIA H100 80GB HBM3", "h100-80gb")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, name=name: name)
+        assert auto_tp_solve.local_profile() is PROFILES[want]
