@@ -74,7 +74,17 @@ from passes.invariants import InvariantViolation, Violation, check_reshard
 from passes.meta import STATE_NAME, TP_CHOICE
 from spmd.errors import ConfigError
 from spmd.frontend import optim as optim_utils
-from spmd.parallel import auto_tp, buffers, dp_checks, gathers, plan, reductions, sharded_optim, sharding
+from spmd.parallel import (
+    auto_tp,
+    buffers,
+    checkpoint_layout,
+    dp_checks,
+    gathers,
+    plan,
+    reductions,
+    sharded_optim,
+    sharding,
+)
 from spmd.parallel.auto_tp import AUTO
 from spmd.parallel.base import ParallelMode
 from spmd.parallel.mixed_precision import MixedPrecision
@@ -388,6 +398,7 @@ class DataParallel(ParallelMode):
             offload=self._offload(mesh),
         )
         _MESH_OF[module] = mesh
+        checkpoint_layout.register(module, optimizer)
         ignored = sum(s == plan.IGNORED for s in styles.values())
         log.info("spmd: distributed %d parameters (%s), %d ignored", n, self.parallel_style, ignored)
 
@@ -424,6 +435,7 @@ class DataParallel(ParallelMode):
             offload=self._offload(mesh),
         )
         sharding.rekey_optimizer(optimizer, new_of, mesh, self._offload(mesh))
+        checkpoint_layout.register(module, optimizer)
 
     def _offload(self, mesh: Any) -> CPUOffloadPolicy | None:
         """The offload policy where it applies: a mesh on an accelerator (a CPU model has

@@ -156,6 +156,48 @@ def structure(rank: int, world: int, reshard: bool) -> dict[str, Any]:
     }
 
 
+def checkpoint_resume_tp(rank: int, world: int, ckpt_dir: str) -> list[str]:
+    """FSDP x TP with automatic placements on 2 x 2 ranks: TinyGPT's fused ``qkv`` is split by
+    groups (``_StridedShard``: a rank's rows are not one block of the full tensor, which DCP's
+    chunks must be). Train 2 steps, save with DCP, train 2 more; a fresh model (the placements
+    given as ``tp_plan_of`` the first) loads the checkpoint and trains the same 2 steps: parameters
+    and losses must equal the uninterrupted run (spmd.parallel.checkpoint_layout)."""
+    import torch.distributed.checkpoint as dcp
+
+    problems: list[str] = []
+    data = rank // 2  # the batch of this rank's data-parallel index (mesh dp x tp, tp inner)
+
+    def fresh(mode: spmd.DataParallel) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+        model = pm.build("tinygpt")
+        opt = shared.make_optimizer("adamw_fused", model)
+        return model, opt, spmd.compile(parallel_mode=mode)(train_step)
+
+    model, opt, step = fresh(spmd.DataParallel("fully_shard", tp_size=2, tp_plan="auto"))
+    for i in range(2):
+        step(model, opt, *pm.batch("tinygpt", i, data))
+    strided = [n for n, p in model.named_parameters() if "_StridedShard(dim=0, sf=3)" in str(p.placements)]
+    if not strided:
+        problems.append(f"no parameter split by groups: {[str(p.placements) for p in model.parameters()]}")
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt_dir)
+    losses = [step(model, opt, *pm.batch("tinygpt", i, data)) for i in range(2, 4)]
+
+    mode2 = spmd.DataParallel("fully_shard", tp_size=2, tp_plan=spmd.tp_plan_of(model))
+    model2, opt2, step2 = fresh(mode2)
+    mode2.distribute(model2, opt2)
+    sd = {"model": model2.state_dict(), "optim": opt2.state_dict()}
+    dcp.load(sd, checkpoint_id=ckpt_dir)
+    model2.load_state_dict(sd["model"])
+    opt2.load_state_dict(sd["optim"])
+    losses2 = [step2(model2, opt2, *pm.batch("tinygpt", i, data)) for i in range(2, 4)]
+    for i, (a, b) in enumerate(zip(losses, losses2)):
+        if not torch.equal(a, b):
+            problems.append(f"resumed step {i} loss {b.item()!r} != {a.item()!r}")
+    for (n, p), (_, q) in zip(model.named_parameters(), model2.named_parameters()):
+        if not torch.equal(_full(p), _full(q)) or p.placements != q.placements:
+            problems.append(f"resumed {n}: {_diff(_full(p), _full(q))}, {p.placements} vs {q.placements}")
+    return problems
+
+
 def checkpoint_resume(rank: int, world: int, style: str, ckpt_dir: str) -> list[str]:
     """Train 3 steps, save with DCP, train 3 more; a fresh model loads the checkpoint and
     trains the same 3 steps: parameters and losses must equal the uninterrupted run."""
