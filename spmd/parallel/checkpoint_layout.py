@@ -70,13 +70,13 @@ def register(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None
             if prefix + name in sd:
                 sd[prefix + name] = _saveable(sd[prefix + name])
 
-    def load_module(sd: dict[str, Any], prefix: str, *_: Any) -> None:
+    def load_module(mod: nn.Module, sd: dict[str, Any], prefix: str, *_: Any) -> None:
         for name in strided:
             if prefix + name in sd:
                 sd[prefix + name] = _as(sd[prefix + name], params[name])  # type: ignore[arg-type]
 
-    module._register_state_dict_hook(save_module)
-    module._register_load_state_dict_pre_hook(load_module)
+    module.register_state_dict_post_hook(save_module)
+    module.register_load_state_dict_pre_hook(load_module)
     if optimizer is None:
         return
 

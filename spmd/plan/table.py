@@ -175,7 +175,8 @@ class Plan:
         for label, est in self.unconfirmed:
             if not self.best.exact and self.best.label == label:
                 lines.append(
-                    f"best row not lowered on the full model (about {est:.0f} s here; confirm=True lowers it)"
+                    f"best row not lowered on the full model (at least {est:.0f} s here: the deeper copy's "
+                    "lowering scaled to the depth, which the full model's outgrows; confirm=True lowers it)"
                 )
                 break
         lines.append(f"best: {self.best.code}")
