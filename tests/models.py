@@ -349,3 +349,12 @@ def train_step(
     optim.step()
     optim.zero_grad()
     return loss
+
+
+def loss_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    """A step on a model whose forward returns the loss itself."""
+    loss = model(x)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss

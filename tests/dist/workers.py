@@ -156,6 +156,17 @@ def structure(rank: int, world: int, reshard: bool) -> dict[str, Any]:
     }
 
 
+def _dcp_load(mode: spmd.DataParallel, model: torch.nn.Module, opt: torch.optim.Optimizer, ckpt: str) -> None:
+    """Distribute a fresh model and optimizer, then load a DCP checkpoint into them."""
+    import torch.distributed.checkpoint as dcp
+
+    mode.distribute(model, opt)
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=ckpt)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+
+
 def checkpoint_resume_tp(rank: int, world: int, ckpt_dir: str) -> list[str]:
     """FSDP x TP with automatic placements on 2 x 2 ranks: TinyGPT's fused ``qkv`` is split by
     groups (``_StridedShard``: a rank's rows are not one block of the full tensor, which DCP's
@@ -183,11 +194,7 @@ def checkpoint_resume_tp(rank: int, world: int, ckpt_dir: str) -> list[str]:
 
     mode2 = spmd.DataParallel("fully_shard", tp_size=2, tp_plan=spmd.tp_plan_of(model))
     model2, opt2, step2 = fresh(mode2)
-    mode2.distribute(model2, opt2)
-    sd = {"model": model2.state_dict(), "optim": opt2.state_dict()}
-    dcp.load(sd, checkpoint_id=ckpt_dir)
-    model2.load_state_dict(sd["model"])
-    opt2.load_state_dict(sd["optim"])
+    _dcp_load(mode2, model2, opt2, ckpt_dir)
     losses2 = [step2(model2, opt2, *pm.batch("tinygpt", i, data)) for i in range(2, 4)]
     for i, (a, b) in enumerate(zip(losses, losses2)):
         if not torch.equal(a, b):
@@ -219,11 +226,7 @@ def checkpoint_resume(rank: int, world: int, style: str, ckpt_dir: str) -> list[
     losses = [step(model, opt, *pm.batch("tinygpt", i, rank)) for i in range(3, 6)]
 
     model2, opt2, step2 = fresh()
-    mode.distribute(model2, opt2)
-    sd = {"model": model2.state_dict(), "optim": opt2.state_dict()}
-    dcp.load(sd, checkpoint_id=ckpt_dir)
-    model2.load_state_dict(sd["model"])
-    opt2.load_state_dict(sd["optim"])
+    _dcp_load(mode, model2, opt2, ckpt_dir)
     losses2 = [step2(model2, opt2, *pm.batch("tinygpt", i, rank)) for i in range(3, 6)]
     for i, (a, b) in enumerate(zip(losses, losses2)):
         if not torch.equal(a, b):

@@ -236,20 +236,14 @@ def test_fully_shard_pads_for_the_fused_kernel_only_shards_off_64_bytes():
         def forward(self, x):
             return (x * self.w).sum()
 
-    def step(model, opt, x):
-        loss = model(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
     padded = {}
     with fake_process_group(2):
         for n in (64, 40):
             model = Two(n)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
             mode = spmd.DataParallel("fully_shard", min_unit_mb=0)
-            gm = dict(spmd.compile(parallel_mode=mode)(step).lower(model, opt, torch.randn(n)))["final"]
+            step = spmd.compile(parallel_mode=mode)(models.loss_step)
+            gm = dict(step.lower(model, opt, torch.randn(n)))["final"]
             calls = [c for c in gm.graph.nodes if c.target is ALIGNED_FUSED]
             kernels = (torch.ops.aten._fused_adamw_.default, torch.ops.aten._fused_adamw_.tensor_lr)
             plain = [c for c in gm.graph.nodes if c.target in kernels]

@@ -30,7 +30,7 @@ from passes.prefetch import unit_path
 from passes.remat import REMAT, node_flops, summarize
 from spmd.parallel import sharding
 from tests import sweep_models as sm
-from tests.models import TinyGPT, train_step
+from tests.models import TinyGPT, loss_step, train_step
 
 POLICIES = ["selective", 0.5, "full"]
 
@@ -315,19 +315,12 @@ def test_random_and_mutated_values_are_not_recomputed() -> None:
             h.add_(1)
             return self.fc2(a).sum() + h.sum()
 
-    def step(model, opt, x):
-        loss = model(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
     results = {}
     for remat in (None, "full"):
         torch.manual_seed(0)
         model = Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        compiled = spmd.compile(remat=remat)(step)
+        compiled = spmd.compile(remat=remat)(loss_step)
         torch.manual_seed(1)
         loss = compiled(model, opt, torch.randn(4, 16))
         results[remat] = (loss, [p.detach().clone() for p in model.parameters()])
