@@ -52,12 +52,30 @@ def wanted(device_type: str) -> bool:
 @contextlib.contextmanager
 def own_groups(device_type: str) -> Iterator[bool]:
     """The block makes spmd's groups for a mesh on ``device_type``: with one gloo thread where
-    :func:`wanted`, as torch would make them otherwise. Yields whether the thread count is set."""
+    :func:`wanted`; else, on a CPU mesh over a gloo default group, with that group's thread count
+    (a user's ``spmd.gloo_threads(1)`` reaches the mesh's groups: torch would make them with two,
+    on which spmd keeps one collective in flight). Yields whether spmd set the count to one."""
     if not wanted(device_type):
-        yield False
+        threads = _default_gloo_threads() if device_type == "cpu" else None
+        if threads is None:
+            yield False
+            return
+        with torch_compat.gloo_groups_with_threads(threads):
+            yield False
         return
     with torch_compat.gloo_groups_with_threads(1):
         yield True
+
+
+def _default_gloo_threads() -> int | None:
+    """The worker threads of torch's default group where it is gloo; else None."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        group = torch_compat.get_default_group()
+        return torch_compat.gloo_threads(group) if str(dist.get_backend(group)) == "gloo" else None
+    except (RuntimeError, ValueError, KeyError, AttributeError):
+        return None
 
 
 # id(default group) -> (that group, spmd's copy of it). The default group is held so that its id,
@@ -99,7 +117,9 @@ def init_mesh(device_type: str, shape: Sequence[int], names: Sequence[str] | Non
     shape = tuple(shape)
     mesh_dim_names = tuple(names) if names is not None else None
     if not wanted(device_type):
-        return _users_timeout(init_device_mesh(device_type, shape, mesh_dim_names=mesh_dim_names))
+        with own_groups(device_type):  # the default group's thread count
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=mesh_dim_names)
+        return _users_timeout(mesh)
     world = world_group(device_type)  # made first on every rank; holds the default group (above)
     if len(shape) == 1 and shape[0] == dist.get_world_size():
         return DeviceMesh.from_group(world, device_type, mesh_dim_names=mesh_dim_names)

@@ -36,3 +36,15 @@ def test_default_gloo_group_spmd_overlaps_on_its_own_group(monkeypatch: pytest.M
         assert o["losses"] == u["losses"]
         for name, p in o["params"].items():
             assert torch.equal(p, u["params"][name]), name
+
+
+def test_a_one_thread_default_group_reaches_spmds_mesh_groups() -> None:
+    """Under ``spmd.gloo_threads(1)`` (the launcher's default group: one thread, a 60 s timeout) the
+    groups of a 2-D mesh spmd makes take one thread and that timeout: ``init_device_mesh`` alone gave
+    its dimensions torch's two threads (spmd then kept one collective in flight on them) and 30
+    minutes."""
+    from tests.dist import workers_gloo
+
+    for out in run_ranks(workers_gloo.mesh_groups, 4):
+        assert out["default"] == (1, 60.0), out
+        assert out["mesh"] == [(1, 60.0)] * 3, out

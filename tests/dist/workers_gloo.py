@@ -35,3 +35,18 @@ def kinds_and_params(rank: int, world: int, model_name: str, disabled: tuple[str
 def fsdp2_parity(rank: int, world: int) -> dict[str, Any]:
     """Bit for bit with FSDP2, the pass on (the default on gloo): padded shards and nested units."""
     return parity(rank, world, "fully_shard", [("uneven", "adam_fused"), ("nested", "adamw_fused")], 4)
+
+
+def mesh_groups(rank: int, world: int) -> dict[str, Any]:
+    """The thread counts and timeouts of the groups of a 2 x 2 mesh spmd makes (hybrid_shard's, FSDP
+    x TP's) and of its flattened dimension, with the default group's beside them."""
+    from passes import torch_compat
+    from spmd.parallel import gloo_group, sharding
+
+    default = torch_compat.get_default_group()
+    mesh = sharding.default_mesh("cpu", (2, 2))
+    groups = [mesh.get_group(0), mesh.get_group(1), gloo_group.flatten(mesh).get_group()]
+    return {
+        "default": (torch_compat.gloo_threads(default), torch_compat.pg_timeout_s(default)),
+        "mesh": [(torch_compat.gloo_threads(g), torch_compat.pg_timeout_s(g)) for g in groups],
+    }
