@@ -70,12 +70,12 @@ def keep_last_unit_gathered(gm: fx.GraphModule) -> fx.GraphModule:
                 return gm
             if b is not None:
                 pairs.append((f, b))
-        sources = {_source(f) for f in members}
+        sources = {p for f in members if (p := _source(f)) is not None}
         if any(_source(b) in sources for b in backward_of.values()):
             return gm  # a backward gather of a kept parameter that matches none of its forward ones
         if kept is not None and sources != kept:
             return gm
-        kept = sources  # type: ignore[assignment]
+        kept = sources
     if not pairs:
         return gm
     for f, b in pairs:

@@ -58,12 +58,24 @@ def _as(t: Any, like: DTensor) -> Any:
 
 
 def register(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Hook ``module`` (and ``optimizer``) once if any parameter needs the layout (see module doc)."""
+    """Hook ``module`` and ``optimizer`` (each once) if any parameter needs the layout (see module doc).
+
+    Called each time the step prepares its state: the parameters are scanned once per module (the
+    names found are kept on it), and an optimizer first seen later (``distribute(model)`` first,
+    the step's optimizer at its first call) is hooked then."""
+    strided: set[str] | None = getattr(module, _HOOKED, None)
+    if strided is None:
+        strided = {n for n, p in module.named_parameters() if _needs(p)}
+        setattr(module, _HOOKED, strided)
+        if strided:
+            _hook_module(module, strided)
+    if strided and optimizer is not None and not getattr(optimizer, _HOOKED, False):
+        setattr(optimizer, _HOOKED, True)
+        _hook_optimizer(optimizer, {id(p) for n, p in module.named_parameters() if n in strided})
+
+
+def _hook_module(module: nn.Module, strided: set[str]) -> None:
     params = dict(module.named_parameters())
-    strided = {n for n, p in params.items() if _needs(p)}
-    if not strided or getattr(module, _HOOKED, False):
-        return
-    setattr(module, _HOOKED, True)
 
     def save_module(mod: nn.Module, sd: dict[str, Any], prefix: str, _meta: Any) -> None:
         for name in strided:
@@ -77,9 +89,9 @@ def register(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None
 
     module.register_state_dict_post_hook(save_module)
     module.register_load_state_dict_pre_hook(load_module)
-    if optimizer is None:
-        return
 
+
+def _hook_optimizer(optimizer: torch.optim.Optimizer, ids: set[int]) -> None:
     def save_optim(_opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
         # New per-parameter dicts: the state dict's are the optimizer's own (``optimizer.state[p]``).
         states = sd.get("state", {})
@@ -87,8 +99,6 @@ def register(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None
             if any(_needs(v) for v in state.values()):
                 states[idx] = {k: _saveable(v) for k, v in state.items()}
         return sd
-
-    ids = {id(params[n]) for n in strided}
 
     def load_optim(opt: torch.optim.Optimizer) -> None:
         for p, state in opt.state.items():

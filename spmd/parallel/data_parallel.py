@@ -373,6 +373,7 @@ class DataParallel(ParallelMode):
         if single:
             return
         if all(isinstance(p, sharding.DTensor) for p in module.parameters()):
+            checkpoint_layout.register(module, optimizer)  # an optimizer first seen now
             return
         styles = self._styles(module)
         plain = {

@@ -172,7 +172,8 @@ def checkpoint_resume_tp(rank: int, world: int, ckpt_dir: str) -> list[str]:
     groups (``_StridedShard``: a rank's rows are not one block of the full tensor, which DCP's
     chunks must be). Train 2 steps, save with DCP, train 2 more; a fresh model (the placements
     given as ``tp_plan_of`` the first) loads the checkpoint and trains the same 2 steps: parameters
-    and losses must equal the uninterrupted run (spmd.parallel.checkpoint_layout)."""
+    and losses must equal the uninterrupted run (spmd.parallel.checkpoint_layout). A model distributed
+    before its optimizer is built saves the optimizer's state too."""
     import torch.distributed.checkpoint as dcp
 
     problems: list[str] = []
@@ -193,6 +194,14 @@ def checkpoint_resume_tp(rank: int, world: int, ckpt_dir: str) -> list[str]:
     losses = [step(model, opt, *pm.batch("tinygpt", i, data)) for i in range(2, 4)]
 
     mode2 = spmd.DataParallel("fully_shard", tp_size=2, tp_plan=spmd.tp_plan_of(model))
+    # The model distributed alone, its optimizer built after (over the DTensors): the optimizer's
+    # state saves too, hooked when the step first sees it.
+    model3 = pm.build("tinygpt")
+    mode2.distribute(model3)
+    opt3 = shared.make_optimizer("adamw_fused", model3)
+    spmd.compile(parallel_mode=mode2)(train_step)(model3, opt3, *pm.batch("tinygpt", 0, data))
+    dcp.save({"optim": opt3.state_dict()}, checkpoint_id=ckpt_dir + "_later")
+
     model2, opt2, step2 = fresh(mode2)
     _dcp_load(mode2, model2, opt2, ckpt_dir)
     losses2 = [step2(model2, opt2, *pm.batch("tinygpt", i, data)) for i in range(2, 4)]
