@@ -6,7 +6,9 @@ with the ``emit_*`` helpers (which also set ``node.meta["val"]`` and the spmd
 role/phase/module metadata). Nobody matches nodes by name.
 
 All collectives are ``torch.ops._c10d_functional`` ops: they return a tensor that
-may not be read until ``wait_tensor`` has been called on it.
+may not be read until ``wait_tensor`` has been called on it. Their shared-memory twins
+(``torch.ops.spmd_shm``, :mod:`passes.shm_ops`) take the same arguments and are read the same
+way; they return a finished tensor, and their ``wait_tensor`` returns it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
+from passes import shm_ops
 from passes.meta import Role, copy_meta
 
 _c10d = torch.ops._c10d_functional
@@ -45,6 +48,13 @@ _OPS: dict[Any, tuple[Kind, bool]] = {
     _c10d.reduce_scatter_tensor_coalesced.default: (Kind.REDUCE_SCATTER, True),
     _c10d.broadcast.default: (Kind.BROADCAST, False),
     _c10d.all_to_all_single.default: (Kind.ALL_TO_ALL, False),
+    # Run through shared memory (passes.shm_collectives): the same collectives, finished when issued.
+    shm_ops.ALL_REDUCE: (Kind.ALL_REDUCE, False),
+    shm_ops.ALL_REDUCE_: (Kind.ALL_REDUCE, False),
+    shm_ops.ALL_GATHER: (Kind.ALL_GATHER, False),
+    shm_ops.REDUCE_SCATTER: (Kind.REDUCE_SCATTER, False),
+    shm_ops.ALL_TO_ALL: (Kind.ALL_TO_ALL, False),
+    shm_ops.BROADCAST: (Kind.BROADCAST, False),
 }
 WAIT = _c10d.wait_tensor.default
 
@@ -59,7 +69,16 @@ def is_wait(node: fx.Node) -> bool:
 
 def is_inplace(node: fx.Node) -> bool:
     """Whether the collective writes its result into its input (``all_reduce_``)."""
-    return node.target in (_c10d.all_reduce_.default, _c10d.all_reduce_coalesced_.default)
+    return node.target in (
+        _c10d.all_reduce_.default,
+        _c10d.all_reduce_coalesced_.default,
+        shm_ops.ALL_REDUCE_,
+    )
+
+
+def is_shared_memory(node: fx.Node) -> bool:
+    """Whether the collective runs through shared memory (finished when issued; ``passes.shm_ops``)."""
+    return node.target in shm_ops.SHM_OPS
 
 
 def is_coalesced(node: fx.Node) -> bool:

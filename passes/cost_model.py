@@ -47,6 +47,8 @@ The model, per node in program order:
   On a device where communication takes the compute's resources (a CPU: gloo's threads),
   the fraction ``1 - comm_compute_overlap`` of its time is charged to the compute stream too,
   and each collective charges it ``collective_host_s`` (issue, wait, wake-up; measured).
+  A shared-memory collective (``passes.shm_collectives``) runs on the compute stream instead:
+  its launch and two copies of its bytes (:func:`shared_memory_time`), finished when it returns.
 - **Wait**: the compute stream stalls until its collective completes; the stall is
   *exposed communication*.
 
@@ -427,6 +429,14 @@ def collective_time(kind: str, nbytes: float, group: GroupInfo, profile: DeviceP
     return steps * lat + nbytes * factor / bw
 
 
+def shared_memory_time(node: fx.Node, profile: DeviceProfile) -> float:
+    """Seconds of a shared-memory collective's copies (``passes.shm_collectives``): each rank
+    writes what it sends into its slot and reads what it receives out of its peers': two copies of
+    about the collective's bytes (``bytes_of``: a gather's output, a reduction's input), each
+    reading and writing them."""
+    return _memory_time(2 * 2 * C.bytes_of(node), profile)
+
+
 def estimate_step_time(
     gm: fx.GraphModule,
     profile: DeviceProfile,
@@ -451,7 +461,17 @@ def estimate_step_time(
     costs: list[tuple[float, str]] = []
     launch = profile.op_overhead_s
     for n in gm.graph.nodes:
-        if C.is_collective(n):
+        if C.is_collective(n) and C.is_shared_memory(n):
+            # Run by the caller through memory the ranks share (passes.shm_collectives): finished
+            # when it returns, on the compute stream; its waits cost their launch only.
+            kind = C.kind_of(n).value
+            t = launch + shared_memory_time(n, profile)
+            compute_t += t
+            compute_s += t
+            comm_s += t
+            by_kind[kind] = by_kind.get(kind, 0.0) + t
+            done[n] = compute_t
+        elif C.is_collective(n):
             kind = C.kind_of(n).value
             group = C.group_of(n)
             t = collective_time(kind, C.bytes_of(n), info(group), profile)

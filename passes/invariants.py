@@ -61,7 +61,7 @@ import torch
 import torch.fx as fx
 
 from passes import collectives as C
-from passes import torch_compat
+from passes import shm_ops, torch_compat
 from passes.cross_step import CARRIED, check_carried
 from passes.flat_ops import COPY_IN, COPY_OUT
 from passes.graph_utils import PASS_THROUGH_OPS, mutated_nodes
@@ -174,6 +174,8 @@ INPUT_HELD = frozenset(
         C._c10d.reduce_scatter_tensor_coalesced.default,
         C._c10d.broadcast.default,
         C._c10d.all_to_all_single.default,
+        # Shared memory (passes.shm_ops): the op has read its input before it returns.
+        *shm_ops.SHM_OPS,
     }
 )
 

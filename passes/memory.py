@@ -206,11 +206,12 @@ def buffer_liveness(gm: fx.GraphModule, *, hold_collective_inputs: bool = True) 
     # A collective in flight holds its inputs until its wait: c10d's work object keeps the
     # tensors it sends (gloo reads them on its own thread; NCCL stashes them for the allocator's
     # safety) and the functional collective keeps the work until ``wait_tensor``. So an input
-    # whose last reader is the collective is freed after the wait, not after the issue.
+    # whose last reader is the collective is freed after the wait, not after the issue. A
+    # shared-memory collective (passes.shm_ops) has read its inputs when it returns: not held.
     position = {n: at for at, n in enumerate(nodes)}
     held_until: dict[fx.Node, int] = {}
     for node in nodes if hold_collective_inputs else ():
-        if C.is_collective(node):
+        if C.is_collective(node) and not C.is_shared_memory(node):
             waits = [position[w] for w in C.waits_of(node) if w in position]
             if waits:
                 held_until[node] = max(waits)

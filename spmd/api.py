@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from passes.stages import Stages
+from spmd.backend import shm
 from spmd.backend.carry import CarriedGathers
 from spmd.backend.carry import install as carry_install
 from spmd.backend.lastcall import LastCall
@@ -397,6 +398,7 @@ class CompiledStep:
         graphs["final"] = gm
         check_final_graph(gm, "the pass pipeline" if self.gm_transformation is None else "gm_transformation")
         check_rank_agreement(gm, step_name=self.__name__, before=data_checks_collective(traced.data_checks))
+        shm.settle(gm)  # the ranks run the same graph: their shared memory can be made now
         exe = make_executable(gm, traced, state)
         exe.carry = self._carry
         lowered = None

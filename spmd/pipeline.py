@@ -31,8 +31,10 @@ from passes.prefetch import default_unit_of, prefetch_all_gathers
 from passes.remat import check_policy, rematerialize
 from passes.reuse import reuse_dead_buffers
 from passes.scheduling import limit_inflight, sink_waits
+from passes.shm_collectives import shared_memory_collectives
 from passes.torch_compat import resolve_process_group as _resolve_process_group
 from passes.units import assign_units
+from spmd.backend import shm
 from spmd.errors import ConfigError, PassError
 from spmd.parallel import DataParallel, ParallelMode
 
@@ -108,6 +110,7 @@ def build_pipeline(
     gloo_collectives: bool = False,
     serial_collectives: bool = False,
     accelerator: bool = False,
+    shm_groups: dict[str, int] | None = None,
 ) -> Pipeline:
     """The built-in passes, in order, configured from the parallel mode's knobs.
 
@@ -120,7 +123,9 @@ def build_pipeline(
     all-to-all and a local sum send less, with the same bits at 2 ranks). ``serial_collectives``
     caps ``limit_inflight`` at one collective in flight: for gloo groups that run collectives
     on more than one thread (:func:`gloo_concurrent`). ``accelerator``: the step is lowered for a
-    GPU (``async_tp="auto"`` chunks the tensor-parallel collectives there only)."""
+    GPU (``async_tp="auto"`` chunks the tensor-parallel collectives there only). ``shm_groups``
+    (name -> size of the groups with shared memory on every rank, ``spmd.backend.shm``) includes
+    ``shared_memory_collectives``."""
     options = parallel_mode.pass_options()
     # The parallel mode's knobs, by the names each pass takes them under (absent: the pass's default).
     names = {"bucket_cap_mb": "bucket_cap_mb", "bucket_mode": "mode", "bucket_unit_of": "unit_of"}
@@ -200,6 +205,18 @@ def build_pipeline(
                 "that read storages: an all-reduce of a dead buffer reduces it in place, one allocation less",
             ),
         )
+    if shm_groups:
+        at = next(i for i, p in enumerate(passes) if p.name == "overlap_optimizer")
+        passes.insert(
+            at,
+            NamedPass(
+                name="shared_memory_collectives",
+                fn=functools.partial(shared_memory_collectives, groups=shm_groups),
+                reason="after every pass that places or merges collectives (it changes how they run, not "
+                "where); before reduce_scatter_as_all_to_all, which would rewrite a reduce-scatter that "
+                "shared memory runs as itself",
+            ),
+        )
     if gloo_collectives:
         at = next(i for i, p in enumerate(passes) if p.name == "overlap_optimizer")
         passes.insert(
@@ -268,6 +285,7 @@ def backend_pipeline(
             getattr(c.meta.get("val"), "device", torch.device("cpu")).type != "cpu"
             for c in C.collectives(gm.graph)
         )
+    shm = shared_memory_groups(gm) if eager else {}
     serial = gloo_concurrent(gm)
     if serial and cross_step_prefetch:
         log.warning(
@@ -283,7 +301,23 @@ def backend_pipeline(
         gloo_collectives=all_gloo(gm),
         serial_collectives=serial,
         accelerator=accelerator,
+        shm_groups=shm,
     )
+
+
+def shared_memory_groups(gm: fx.GraphModule) -> dict[str, int]:
+    """Name -> size of the process groups of ``gm``'s CPU collectives that may run through shared
+    memory (``spmd.backend.shm.candidates``: decided here without talking to the peers; the
+    transports are made, and a group that cannot have one goes back to gloo, once the ranks agreed
+    on the final graph: ``spmd.backend.shm.settle``)."""
+    names: dict[str, None] = {}
+    for c in C.collectives(gm.graph):
+        v = c.meta.get("val")
+        if getattr(v, "device", None) is not None and v.device.type == "cpu":
+            names.setdefault(C.group_of(c))
+    if not names or not dist.is_initialized():
+        return {}
+    return shm.candidates(list(names))
 
 
 def chunk_loss(

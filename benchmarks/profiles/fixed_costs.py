@@ -17,7 +17,9 @@ alignment, views, launches) and gloo's transport, which runs on the same cores. 
   read from its final graph), replayed alone back to back on preallocated buffers, and the eager
   step alone: wall and process CPU time (every thread) per step. With as many ranks as cores, a
   rank's core carries its compute and gloo's work for it, so ``(eager CPU + collectives CPU) /
-  eager`` is the least that style's step can cost against ``no_comm``, whatever spmd does.
+  eager`` is the least that style's step can cost against ``no_comm``, whatever spmd does. Where
+  the step's collectives run through shared memory (``passes.shm_collectives``: the ranks share
+  this host), they are replayed through it; with ``SPMD_SHM=0``, on gloo.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import spmd  # noqa: E402
 from benchmarks.bench import models  # noqa: E402
 from passes import collectives as C  # noqa: E402
+
+SHM = torch.ops.spmd_shm
 
 STYLES = ("replicate", "fully_shard")
 
@@ -81,7 +85,8 @@ def own_costs(names: list[str], steps: int, rounds: int) -> None:
 
 
 def _replay(gm: torch.fx.GraphModule) -> tuple[list, float]:
-    """A callable issuing ``gm``'s collectives in order on preallocated buffers, and their MiB a rank."""
+    """A callable per collective of ``gm``, in order, on preallocated buffers (through shared memory
+    where the graph's collective runs there, else gloo), and their MiB a rank."""
     ops = []
     mib = 0.0
     world = dist.get_world_size()
@@ -89,12 +94,22 @@ def _replay(gm: torch.fx.GraphModule) -> tuple[list, float]:
         kind, nbytes = C.kind_of(c), C.bytes_of(c)
         mib += nbytes / 2**20
         n = max(world, nbytes // 4 // world * world)
+        shm, group = C.is_shared_memory(c), C.group_of(c)
         if kind is C.Kind.ALL_GATHER:
             src, out = torch.randn(n // world), torch.empty(n)
-            ops.append(lambda src=src, out=out: dist.all_gather_into_tensor(out, src))
+            if shm:
+                ops.append(lambda src=src, g=group: SHM.all_gather_into_tensor.default(src, world, g))
+            else:
+                ops.append(lambda src=src, out=out: dist.all_gather_into_tensor(out, src))
         elif kind is C.Kind.ALL_REDUCE:
             buf = torch.randn(n)
-            ops.append(lambda buf=buf: dist.all_reduce(buf))
+            if shm:
+                ops.append(lambda buf=buf, g=group: SHM.all_reduce_.default(buf, "sum", g))
+            else:
+                ops.append(lambda buf=buf: dist.all_reduce(buf))
+        elif kind is C.Kind.REDUCE_SCATTER and shm:
+            src = torch.randn(n)
+            ops.append(lambda src=src, g=group: SHM.reduce_scatter_tensor.default(src, "sum", world, g))
         elif kind is C.Kind.REDUCE_SCATTER or "all_to_all" in str(c.target):
             src, out = torch.randn(n), torch.empty(n)  # gloo's reduce-scatter is an all-to-all here
             ops.append(lambda src=src, out=out: dist.all_to_all_single(out, src))

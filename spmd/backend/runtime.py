@@ -33,6 +33,7 @@ from passes.invariants import check_collective_buffers
 from passes.layouts import FAILING_NODE, fix_layouts
 from passes.meta import Role
 from passes.torch_compat import pytree
+from spmd.backend import shm
 from spmd.backend.carry import CarriedGathers
 from spmd.backend.step_aside import EAGER, INDUCTOR, StepAside, deciding_groups
 from spmd.errors import CollectiveError, KernelError, ModelChangedError, PassError, SpmdError
@@ -303,6 +304,7 @@ def build_eager_alternative(
     gm = pipeline.run(partitioned, disabled=disabled, check=check)
     check_final_graph(gm, "the eager alternative's pass pipeline")
     check_rank_agreement(gm, step_name=f"{step_name}:{ALT_STAGE}")
+    shm.settle(gm)
     mine, theirs = _signature_of(gm), _signature_of(final)
     if mine != theirs:
         i = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))

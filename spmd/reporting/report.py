@@ -93,6 +93,9 @@ class StepReport:
     # parameters, how split, sharded or replicated and why (what it saves and the collectives it
     # adds, or where DTensor would redistribute). Empty otherwise.
     tp_choices: list[str] = dataclasses.field(default_factory=list)
+    # How many of the collectives run through memory the ranks of this host share, in the caller's
+    # thread (passes.shm_collectives; spmd.backend.shm), instead of gloo's sockets.
+    shared_memory_collectives: int = 0
 
     @property
     def extra_flops_fraction(self) -> float:
@@ -164,10 +167,11 @@ class StepReport:
             lines.append(f"    {'kind':<{kw}}  {'count':>6}  {'bytes/rank':>12}")
             for kind, c in self.collectives.items():
                 lines.append(f"    {kind:<{kw}}  {c.count:>6}  {_size(c.bytes):>12}")
-            lines.append(
-                f"    {'total':<{kw}}  {sum(c.count for c in self.collectives.values()):>6}  "
-                f"{_size(self.comm_bytes):>12}"
-            )
+            total = sum(c.count for c in self.collectives.values())
+            lines.append(f"    {'total':<{kw}}  {total:>6}  {_size(self.comm_bytes):>12}")
+            if self.shared_memory_collectives:
+                shm = self.shared_memory_collectives
+                lines.append(f"    {shm} of {total} through shared memory (one host)")
         if self.collectives_by_dim:
             lines.append("  collectives by mesh dimension:")
             rows2 = [
@@ -326,6 +330,7 @@ def build_report(
         collectives=colls,
         collectives_by_dim=by_dim,
         tp_choices=list(tp_choices),
+        shared_memory_collectives=sum(C.is_shared_memory(n) for n in C.collectives(gm.graph)),
         param_bytes=by_role.get(Role.PARAM, 0),
         grad_bytes=sum(grads.values()),
         optim_state_bytes=by_role.get(Role.OPTIM_STATE, 0),

@@ -44,15 +44,18 @@ def test_fully_shard_bytes(per_rank, style: str, gathers: int) -> None:
     partitioned graph: Stack's backward reads every parameter; once in the final graph, where
     Stack, one unit and so the last of forward, stays gathered into backward: passes.last_unit);
     reduce_scatter moves every padded gradient (full size); each rank holds its own shard of
-    parameters, gradients and optimizer state (about 1/2). On gloo at W=2 the final graph reduces
-    by all-to-all (passes.gloo_collectives), counted with the same bytes."""
+    parameters, gradients and optimizer state (about 1/2). The final graph's collectives run
+    through shared memory (the ranks share this host: passes.shm_collectives), with the same kinds
+    and bytes, and the report counts them."""
     for r, out in enumerate(per_rank):
         exp = wr.expected(out["shapes"], W, r)
         for stage in ("partitioned", "final"):
             rep = out[style][stage]
-            red = "reduce_scatter" if stage == "partitioned" or W != 2 else "all_to_all"
+            red = "reduce_scatter"
             assert rep["parallel_style"].startswith("fully_shard")
             assert set(rep["collectives"]) == {"all_gather", red}
+            total = sum(c["count"] for c in rep["collectives"].values())
+            assert rep["shared_memory_collectives"] == (total if stage == "final" else 0)
             once = 1 if stage == "final" else gathers
             assert rep["collectives"]["all_gather"]["bytes"] == once * exp["padded"]
             assert rep["collectives"][red]["bytes"] == exp["padded"]

@@ -26,6 +26,7 @@ from passes.cost_model import (
     op_class,
 )
 from passes.meta import Role
+from passes.shm_collectives import shared_memory_collectives
 from tests.unit.passes.graphs import Builder, aten
 
 PROFILE = DeviceProfile(
@@ -85,6 +86,20 @@ def test_communication_that_shares_the_compute_resources_does_not_hide() -> None
     mid = estimate_step_time(gm, half, GROUPS)
     assert none.step_s == pytest.approx(full.compute_s + full.comm_s)
     assert full.step_s < mid.step_s < none.step_s
+
+
+def test_a_shared_memory_gather_runs_on_the_compute_stream_as_two_copies() -> None:
+    """Through shared memory (passes.shm_collectives) the prefetched gather does not overlap the
+    matmul: it is priced on the compute stream, two copies of its bytes at memory bandwidth, and
+    its wait is never exposed."""
+    gm = _gather_then_matmul(True)
+    gloo = estimate_step_time(gm, PROFILE, GROUPS)
+    shared_memory_collectives(gm, groups={"0": 2})
+    est = estimate_step_time(gm, PROFILE, GROUPS)
+    gathered = 256 * 256 * 4
+    assert est.comm_s == pytest.approx(4 * gathered / PROFILE.memory_bandwidth)
+    assert est.exposed_comm_s == 0
+    assert est.step_s == pytest.approx(gloo.compute_s + est.comm_s)
 
 
 def test_collectives_on_different_groups_run_side_by_side_and_on_one_group_in_turn() -> None:
