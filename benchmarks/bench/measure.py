@@ -8,11 +8,12 @@
   Bytes follow ``passes.collectives.bytes_of`` (the larger side: all-reduce and reduce-scatter
   count their input, all-gather its output) so they compare with spmd's ``report()``. Gloo
   runs a reduce-scatter as an all-reduce of the whole input, whose bytes are that input: the
-  same number.
+  same number. A collective through shared memory (``passes.shm_collectives``) is its own
+  ``spmd_shm::<op>`` event, counted by its input the same way.
 * Wire bytes: the growth of ``wchar`` in ``/proc/self/io`` (bytes this process passed to
   ``write``-family system calls; gloo's TCP transport writes with ``writev``) over the timed
   steps. Nothing else writes during them. This is what actually left the rank (ring
-  algorithms, gloo's all-reduce-based reduce-scatter, headers).
+  algorithms, gloo's all-reduce-based reduce-scatter, headers); through shared memory, nothing.
 * Peak memory: one extra step under ``torch.distributed._tools.mem_tracker.MemTracker``, with
   the model and optimizer registered by ``track_external``: the peak of live tensor bytes
   (parameters, gradients, optimizer state, and everything allocated during the step, FSDP2's
@@ -108,6 +109,19 @@ def count_comms(run_step: Callable[[], Any], world_size: int) -> CommCount:
             ops.append(op)
             by_kind.setdefault(op, [0, 0])[0] += 1
             last[_family(op)] = op
+        elif name.startswith("spmd_shm::"):
+            # A collective through shared memory (passes.shm_collectives): no c10d op and no gloo
+            # event; its own op records its input (the first shape and dtype).
+            op = name
+            ops.append(op)
+            nbytes = _numel(e.shapes()[0]) * _DTYPE_BYTES.get(e.dtypes()[0], 4)
+            if "all_gather" in name:
+                nbytes *= world_size
+            kind = by_kind.setdefault(op, [0, 0])
+            kind[0] += 1
+            kind[1] += nbytes
+            total += nbytes
+            backend_ops += 1
         elif name.startswith("gloo:"):
             nbytes = sum(
                 _numel(s) * _DTYPE_BYTES.get(d, 4)
