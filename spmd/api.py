@@ -373,6 +373,7 @@ class CompiledStep:
             backend=self.backend,
             cross_step_prefetch=self.cross_step_prefetch,
             accelerator=self._target_accelerator,
+            shm_groups=shm.candidate_groups(gm),
         )
         to_backend = self.backend != "eager" and self._lower_backend
         measure = to_backend and self.inductor_fallback == "measure"
@@ -416,7 +417,11 @@ class CompiledStep:
             alt = None
             if partitioned is not None:  # measure: the eager backend's graph of the step too
                 eager = backend_pipeline(
-                    self.parallel_mode, partitioned, backend="eager", accelerator=self._target_accelerator
+                    self.parallel_mode,
+                    partitioned,
+                    backend="eager",
+                    accelerator=self._target_accelerator,
+                    shm_groups=shm.candidate_groups(partitioned),
                 )
                 options = (disabled, self.check_invariants, self.__name__)
                 alt = build_eager_alternative(partitioned, gm, eager, traced, state, *options)

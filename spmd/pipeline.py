@@ -34,7 +34,6 @@ from passes.scheduling import limit_inflight, sink_waits
 from passes.shm_collectives import shared_memory_collectives
 from passes.torch_compat import resolve_process_group as _resolve_process_group
 from passes.units import assign_units
-from spmd.backend import shm
 from spmd.errors import ConfigError, PassError
 from spmd.parallel import DataParallel, ParallelMode
 
@@ -267,6 +266,7 @@ def backend_pipeline(
     backend: str,
     cross_step_prefetch: bool = False,
     accelerator: bool | None = None,
+    shm_groups: dict[str, int] | None = None,
 ) -> Pipeline:
     """The pass pipeline of the partitioned graph ``gm`` for ``backend``.
 
@@ -278,14 +278,16 @@ def backend_pipeline(
     all_to_all_single as an extern call, and its order is checked like every collective's.
     Where a group is gloo with more than one thread (:func:`gloo_concurrent`), one collective is
     in flight at a time, and cross-step prefetch (a gather in flight across calls) is off.
-    ``accelerator``: the device the step is lowered for (None: where its collectives' tensors are)."""
+    ``accelerator``: the device the step is lowered for (None: where its collectives' tensors are).
+    ``shm_groups``: the groups whose collectives may run through shared memory (name -> size;
+    ``spmd.backend.shm.candidate_groups``), for the eager backend only."""
     eager = backend == "eager"
     if accelerator is None:
         accelerator = any(
             getattr(c.meta.get("val"), "device", torch.device("cpu")).type != "cpu"
             for c in C.collectives(gm.graph)
         )
-    shm = shared_memory_groups(gm) if eager else {}
+    shm = (shm_groups or {}) if eager else {}
     serial = gloo_concurrent(gm)
     if serial and cross_step_prefetch:
         log.warning(
@@ -303,21 +305,6 @@ def backend_pipeline(
         accelerator=accelerator,
         shm_groups=shm,
     )
-
-
-def shared_memory_groups(gm: fx.GraphModule) -> dict[str, int]:
-    """Name -> size of the process groups of ``gm``'s CPU collectives that may run through shared
-    memory (``spmd.backend.shm.candidates``: decided here without talking to the peers; the
-    transports are made, and a group that cannot have one goes back to gloo, once the ranks agreed
-    on the final graph: ``spmd.backend.shm.settle``)."""
-    names: dict[str, None] = {}
-    for c in C.collectives(gm.graph):
-        v = c.meta.get("val")
-        if getattr(v, "device", None) is not None and v.device.type == "cpu":
-            names.setdefault(C.group_of(c))
-    if not names or not dist.is_initialized():
-        return {}
-    return shm.candidates(list(names))
 
 
 def chunk_loss(

@@ -290,6 +290,20 @@ class Region:
 _MADE_UNDER: dict[str, object] = {}
 
 
+def candidate_groups(gm: fx.GraphModule) -> dict[str, int]:
+    """Name -> size of the process groups of ``gm``'s CPU collectives that may run through shared
+    memory (:func:`candidates`); the pipeline's ``shared_memory_collectives`` puts them there, and
+    :func:`settle` makes the transports once the ranks agreed on the final graph."""
+    names: dict[str, None] = {}
+    for c in C.collectives(gm.graph):
+        v = c.meta.get("val")
+        if getattr(v, "device", None) is not None and v.device.type == "cpu":
+            names.setdefault(C.group_of(c))
+    if not names or not dist.is_initialized():
+        return {}
+    return candidates(list(names))
+
+
 def candidates(names: Sequence[str]) -> dict[str, int]:
     """Name -> size of the groups among ``names`` that may have shared memory, as far as this rank
     can tell alone (no collective): gloo groups of 2 to 64 ranks, shared memory usable here, and

@@ -9,7 +9,7 @@ from passes import collectives as C
 from passes.invariants import check_invariants, fingerprint
 from passes.memory import estimate_peak_memory
 from passes.meta import Phase, Role
-from passes.shm_collectives import shared_memory_collectives
+from passes.shm_collectives import restore_gloo, shared_memory_collectives
 from tests.unit.passes.graphs import Builder, aten, clone_gm
 
 
@@ -99,3 +99,16 @@ def test_fake_kernels_give_the_functional_shapes():
     assert s.all_reduce(x, "sum", "0").shape == (6, 5)
     assert s.all_to_all_single(x, [3, 3], [3, 3], "0").shape == (6, 5)
     assert s.broadcast(x, 0, "0").shape == (6, 5)
+
+
+def test_restore_gloo_undoes_the_rewrite_of_the_groups_named():
+    """A group whose transport could not be made runs on gloo again: the graph's code is the one
+    before the rewrite (same nodes, same order)."""
+    gm = _graph(2)
+    before = gm.code
+    shared_memory_collectives(gm, groups={"0": 2})
+    assert gm.code != before
+    assert restore_gloo(gm, {"7"}) is gm and gm.code != before  # another group: untouched
+    restore_gloo(gm, {"0"})
+    assert gm.code == before
+    assert not any(C.is_shared_memory(c) for c in C.collectives(gm.graph))
