@@ -176,6 +176,12 @@ class DeviceProfile:
     # Compute-stream time a collective costs the host beyond the launch: issue, the wait, the
     # wake-up of a blocked thread (measured interleaved with compute; 0 on GPU profiles).
     collective_host_s: float = 0.0
+    # A collective through shared memory (passes.shm_collectives), measured by spmd.calibrate on
+    # this host's ranks: the fixed cost of a call (the op, its counters, the peer's arrival) and,
+    # per kind, the ``bytes_of`` bytes a second beyond it. Without them: the launch and two copies
+    # at memory bandwidth (:func:`shared_memory_time`).
+    shm_call_s: float = 0.0
+    shm_bandwidth_by_kind: Mapping[str, float] = dataclasses.field(default_factory=dict)
     # Ops whose time is a loop over their tensors (Python per tensor, or a dispatch per tensor)
     # rather than their bytes, measured per op: overload packet ("spmd.all_gather_copy_in",
     # "aten._foreach_add_") -> {"call": s, "per_tensor": s, "ragged_call": s, "per_ragged": s}.
@@ -207,6 +213,7 @@ class DeviceProfile:
         d = dataclasses.asdict(self)
         d["peak_flops"] = dict(self.peak_flops)
         d["bandwidth_by_kind"] = dict(self.bandwidth_by_kind)
+        d["shm_bandwidth_by_kind"] = dict(self.shm_bandwidth_by_kind)
         d["op_efficiency"] = dict(self.op_efficiency)
         d["op_curves"] = {k: [list(p) for p in v] for k, v in self.op_curves.items()}
         d["fresh_alloc_curve"] = [list(p) for p in self.fresh_alloc_curve]
@@ -430,10 +437,14 @@ def collective_time(kind: str, nbytes: float, group: GroupInfo, profile: DeviceP
 
 
 def shared_memory_time(node: fx.Node, profile: DeviceProfile) -> float:
-    """Seconds of a shared-memory collective's copies (``passes.shm_collectives``): each rank
-    writes what it sends into its slot and reads what it receives out of its peers': two copies of
-    about the collective's bytes (``bytes_of``: a gather's output, a reduction's input), each
-    reading and writing them."""
+    """Seconds of a shared-memory collective (``passes.shm_collectives``) beyond its launch: where
+    the profile measured its kind, its call and its bytes at the measured rate; else its copies:
+    each rank writes what it sends into its slot and reads what it receives out of its peers', two
+    copies of about the collective's bytes (``bytes_of``), each reading and writing them."""
+    kind = C.kind_of(node).value
+    bw = profile.shm_bandwidth_by_kind.get(kind)
+    if bw:
+        return profile.shm_call_s + C.bytes_of(node) / bw
     return _memory_time(2 * 2 * C.bytes_of(node), profile)
 
 

@@ -2,9 +2,9 @@
 
 A gloo collective between two processes of one machine goes through the kernel's TCP loopback:
 the sender's bytes are copied into socket buffers and out again on gloo's threads, and each
-collective wakes two of them per rank. Measured on this project's 2-core machine (2 ranks, one
-all-gather of 1.6 MB a rank, ``/tmp`` scratch of 2026-11-29, the numbers in docs/performance.md):
-2.3 ms wall and 1.5 ms of CPU through gloo, 0.15 ms through shared memory. ``shared_memory_collectives``
+collective wakes two of them per rank; through memory the ranks share, a collective is a few
+copies (measured one op at a time by ``benchmarks/profiles/shm_collectives.py``; the numbers are on
+docs/performance.md, "Shared memory between the ranks of one host"). ``shared_memory_collectives``
 rewrites each qualifying collective to its ``torch.ops.spmd_shm`` twin (:mod:`passes.shm_ops`),
 which the group's transport (``spmd.backend.shm``) runs in the caller's thread through memory
 the ranks map together::

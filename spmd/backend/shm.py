@@ -5,9 +5,9 @@ of them (made by the group's first rank, opened by the others, unlinked once all
 is left behind, whatever happens later) and runs the group's collectives through it, in the
 caller's thread: a rank copies what it sends into its own slot, publishes a counter, and copies
 or adds what it needs out of its peers' slots once their counters say the data is there. No
-thread, socket or system call moves the bytes. Measured on this project's 2-core machine
-(docs/performance.md, "Shared memory"): an all-gather of 1.6 MB a rank takes 0.15 ms against
-gloo's 2.3 ms.
+thread, socket or system call moves the bytes (measured against gloo, one op at a time:
+``benchmarks/profiles/shm_collectives.py``; docs/performance.md, "Shared memory between the ranks
+of one host").
 
 Layout of the file: a control page (a magic number and a token; then, one cache line each, every
 rank's "published" counter and its "done" counter) and the slots, two per rank (the parity of
@@ -27,7 +27,9 @@ Waiting: a rank whose peer is late first yields its core (``sched_yield``: with 
 cores, as in the test suite, the peer gets it), then, after 2 ms, sleeps 50 us at a time. Every
 half second it checks that the peers' processes are alive (their pids and start times, compared
 when the file was set up) and the group's timeout: a dead peer or a timeout raises
-:class:`~spmd.errors.CollectiveError`, never a hang.
+:class:`~spmd.errors.CollectiveError`, never a hang. After such an error (or any exception inside
+a round) the ranks' counters no longer agree, so every later collective of the group raises too,
+rather than read a slot a peer has not rewritten.
 
 What it does not do: groups across hosts, groups where ``/dev/shm`` is missing or too small
 (``posix_fallocate`` of the file fails: a full tmpfs would otherwise kill the process with
@@ -129,6 +131,10 @@ class Region:
         self.data = torch.frombuffer(mm, dtype=torch.uint8, offset=_CTRL_BYTES, count=2 * world * slot_bytes)
         self.data = self.data.view(2, world, slot_bytes)
         self.k = 0  # rounds run
+        # Why the group's shared memory is unusable (a peer died or timed out, or a round was
+        # interrupted): the ranks' counters no longer agree, so a later round could read stale
+        # slots. Every later collective raises instead.
+        self.broken: str | None = None
 
     # ------------------------------------------------------------------ rounds
 
@@ -142,6 +148,26 @@ class Region:
     ) -> None:
         """Run ``total`` units in rounds of ``step``: ``write(s, e, my_slot)``, then for each peer
         ``read(s, e, peer, its_slot)``."""
+        if self.broken is not None:
+            raise CollectiveError(
+                f"spmd: shared-memory {what} on process group {self.group_name!r}: the group failed "
+                f"earlier ({self.broken}), so its ranks no longer agree on where they are. Restart the "
+                "job (or resume from a checkpoint)."
+            )
+        try:
+            self._run_rounds(total, step, write, read, what)
+        except BaseException as e:
+            self.broken = f"{type(e).__name__} during a {what}"
+            raise
+
+    def _run_rounds(
+        self,
+        total: int,
+        step: int,
+        write: Callable[[int, int, torch.Tensor], None],
+        read: Callable[[int, int, int, torch.Tensor], None],
+        what: str,
+    ) -> None:
         ctrl, r = self.ctrl, self.rank
         for s in range(0, total, step):
             e = min(total, s + step)

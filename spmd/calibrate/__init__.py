@@ -41,7 +41,10 @@ What it measures (about 50 s idle), each as the median of several repeats:
   its length run, then waited, against the two alone (``comm_compute_overlap``: 1 = fully
   hidden, 0 = one after the other, as when gloo's thread and the compute share a core);
 - a small collective as a step pays it (``collective_host_s``): 20 all-gathers of 64 KiB, each
-  issued before 2 ms of matmuls and waited after them, against the matmuls alone.
+  issued before 2 ms of matmuls and waited after them, against the matmuls alone;
+- the same collectives through shared memory (``spmd.backend.shm``, what a compiled step of this
+  host's ranks runs; where the two ranks can map it): a 64 KiB all-gather for the fixed cost of a
+  call (``shm_call_s``), and each kind at 16 MiB for its rate (``shm_bandwidth_by_kind``).
 
 A measurement on a loaded machine is a measurement of that load: the json records when
 and with what command it was taken, so it can be re-taken.
@@ -408,6 +411,21 @@ def _gloo_worker(rank: int, init: str, q: Any) -> None:
             "reduce_scatter": timed(lambda: f.reduce_scatter_tensor(big, "sum", 2, name), 5),
             "all_to_all": timed(lambda: f.all_to_all_single(big, [n // 2] * 2, [n // 2] * 2, name), 5),
         }
+        # The same collectives through shared memory (spmd.backend.shm: what a compiled step on
+        # this host's ranks runs): a small all-gather for the fixed cost of a call, then each kind
+        # at the large size.
+        from spmd.backend import shm
+
+        group = dist.group.WORLD
+        if group is not None and shm.transports([group]) == {name: 2}:
+            s = torch.ops.spmd_shm
+            res["shm_call"] = timed(lambda: s.all_gather_into_tensor(unit, 2, name), 5, inner=20)
+            res["shm_all_gather"] = timed(lambda: s.all_gather_into_tensor(half, 2, name), 5)
+            res["shm_all_reduce"] = timed(lambda: s.all_reduce(big, "sum", name), 5)
+            res["shm_reduce_scatter"] = timed(lambda: s.reduce_scatter_tensor(big, "sum", 2, name), 5)
+            res["shm_all_to_all"] = timed(
+                lambda: s.all_to_all_single(big, [n // 2] * 2, [n // 2] * 2, name), 5
+            )
         if rank == 0:
             q.put(res)
         dist.barrier()
@@ -453,6 +471,14 @@ def calibrate(threads: int = 1) -> DeviceProfile:
     # (the launch, and the share of their wire time the compute loses: 1 - overlap).
     unit_t = lat + _UNIT_BYTES * ring_bus_factor("all_gather", 2) / by_kind["all_gather"]
     host = max(g["collective_host"] - c["op_overhead_s"] - (1.0 - overlap) * unit_t, 0.0)
+    # Shared memory (where the two ranks could map it): a call's fixed cost, and per kind the bytes
+    # (``bytes_of``'s count) a second moves beyond it.
+    shm_call = g.get("shm_call", 0.0)
+    shm_bw = {
+        kind: _COMM_BYTES / max(g[f"shm_{kind}"] - shm_call, 1e-9)
+        for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+        if f"shm_{kind}" in g
+    }
     return DeviceProfile(
         name=CPU_LOCAL,
         peak_flops=c["peak_flops"],
@@ -473,6 +499,8 @@ def calibrate(threads: int = 1) -> DeviceProfile:
         comm_compute_overlap=overlap,
         collective_host_s=host,
         bandwidth_by_kind=by_kind,
+        shm_call_s=shm_call,
+        shm_bandwidth_by_kind=shm_bw,
         sources={
             k: "measured: " + cmd
             for k in (
@@ -488,6 +516,7 @@ def calibrate(threads: int = 1) -> DeviceProfile:
                 "fresh_alloc_curve",
                 "gloo",
                 "collective_host_s",
+                "shm",
             )
         },
     )

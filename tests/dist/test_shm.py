@@ -52,9 +52,11 @@ def test_ranks_on_two_hosts_go_back_to_gloo() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_dead_peer_is_an_error_within_seconds() -> None:
-    """The group's timeout is 60 s; the survivor names the dead rank long before."""
+    """The group's timeout is 60 s; the survivor names the dead rank long before, and refuses the
+    group's next collective (its counters no longer agree with the dead rank's)."""
     survivor, dead = run_ranks(w.peer_exits, 2, timeout=90, pg_timeout=60, may_die={1})
     assert dead is None
     assert survivor["error"] is not None and "rank 1" in survivor["error"], survivor
     assert "exited" in survivor["error"], survivor
     assert survivor["seconds"] < 5, survivor
+    assert survivor["then"] is not None and "failed earlier" in survivor["then"], survivor

@@ -116,5 +116,11 @@ def peer_exits(rank: int, world: int) -> dict[str, Any]:
     try:
         _s.all_gather_into_tensor(torch.ones(4), world, group.group_name)
     except spmd.CollectiveError as e:
-        return {"error": str(e), "seconds": time.perf_counter() - t0}
-    return {"error": None}
+        first, seconds = str(e), time.perf_counter() - t0
+    else:
+        return {"error": None}
+    try:  # the counters no longer agree: the next collective must refuse, not read stale slots
+        _s.all_gather_into_tensor(torch.ones(4), world, group.group_name)
+    except spmd.CollectiveError as e:
+        return {"error": first, "seconds": seconds, "then": str(e)}
+    return {"error": first, "seconds": seconds, "then": None}

@@ -102,6 +102,17 @@ def test_a_shared_memory_gather_runs_on_the_compute_stream_as_two_copies() -> No
     assert est.step_s == pytest.approx(gloo.compute_s + est.comm_s)
 
 
+def test_a_calibrated_shared_memory_collective_takes_its_call_and_its_measured_rate() -> None:
+    gm = _gather_then_matmul(True)
+    plain = estimate_step_time(gm, PROFILE, GROUPS)
+    shared_memory_collectives(gm, groups={"0": 2})
+    prof = _with(shm_call_s=1e-4, shm_bandwidth_by_kind={"all_gather": 1e9})
+    est = estimate_step_time(gm, prof, GROUPS)
+    assert est.comm_s == pytest.approx(1e-4 + 256 * 256 * 4 / 1e9)
+    assert est.step_s == pytest.approx(plain.compute_s + est.comm_s)
+    assert DeviceProfile.from_dict(prof.to_dict()) == prof
+
+
 def test_collectives_on_different_groups_run_side_by_side_and_on_one_group_in_turn() -> None:
     """ag(p) on group 0, ag(q) on group 0 or 1, then both used: two groups' streams overlap
     (NCCL's per-communicator streams, gloo's per-group threads); one group's run in turn."""
