@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import spmd  # noqa: E402
 from spmd.backend import shm  # noqa: E402
 
 _f = torch.ops._c10d_functional
@@ -71,7 +72,8 @@ def main() -> None:
     p.add_argument("--sizes-kib", default="64,1600,6400", help="bytes per rank, KiB, comma-separated")
     args = p.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    with spmd.gloo_threads(1):  # as the bench makes its group (docs/troubleshooting.md, gloo)
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     assert group is not None
