@@ -39,11 +39,13 @@ when ``groups`` is empty or no collective qualifies.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from typing import cast
 
 import torch.fx as fx
 
 from passes import collectives as C
 from passes import shm_ops
+from passes.torch_compat import OpOverload
 
 _c10d = C._c10d
 _TWIN = {
@@ -72,7 +74,7 @@ def shared_memory_collectives(
     if not todo:
         return gm
     for c in todo:
-        c.target = _TWIN[c.target]
+        c.target = _TWIN[cast(OpOverload, c.target)]
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -86,7 +88,7 @@ def restore_gloo(gm: fx.GraphModule, groups: Collection[str]) -> fx.GraphModule:
     back = {twin: op for op, twin in _TWIN.items()}
     todo = [c for c in C.collectives(gm.graph) if C.is_shared_memory(c) and C.group_of(c) in groups]
     for c in todo:
-        c.target = back[c.target]
+        c.target = back[cast(OpOverload, c.target)]
     if todo:
         gm.recompile()
     return gm
@@ -100,6 +102,7 @@ def _qualifies(c: fx.Node, size: int) -> bool:
         out_splits, in_splits = c.args[1], c.args[2]
         return (
             isinstance(out_splits, list | tuple)
+            and isinstance(in_splits, list | tuple)
             and all(type(s) is int for s in (*out_splits, *in_splits))
             and len(set(out_splits) | set(in_splits)) == 1
         )

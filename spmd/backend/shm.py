@@ -323,7 +323,7 @@ def candidate_groups(gm: fx.GraphModule) -> dict[str, int]:
     names: dict[str, None] = {}
     for c in C.collectives(gm.graph):
         v = c.meta.get("val")
-        if getattr(v, "device", None) is not None and v.device.type == "cpu":
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu":
             names.setdefault(C.group_of(c))
     if not names or not dist.is_initialized():
         return {}
