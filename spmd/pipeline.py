@@ -204,30 +204,29 @@ def build_pipeline(
                 "that read storages: an all-reduce of a dead buffer reduces it in place, one allocation less",
             ),
         )
+    before_overlap = next(i for i, p in enumerate(passes) if p.name == "overlap_optimizer")
+    late = []  # inserted before overlap_optimizer, in this order
     if shm_groups:
-        at = next(i for i, p in enumerate(passes) if p.name == "overlap_optimizer")
-        passes.insert(
-            at,
+        late.append(
             NamedPass(
                 name="shared_memory_collectives",
                 fn=functools.partial(shared_memory_collectives, groups=shm_groups),
                 reason="after every pass that places or merges collectives (it changes how they run, not "
                 "where); before reduce_scatter_as_all_to_all, which would rewrite a reduce-scatter that "
                 "shared memory runs as itself",
-            ),
+            )
         )
     if gloo_collectives:
-        at = next(i for i, p in enumerate(passes) if p.name == "overlap_optimizer")
-        passes.insert(
-            at,
+        late.append(
             NamedPass(
                 name="reduce_scatter_as_all_to_all",
                 fn=reduce_scatter_as_all_to_all,
                 reason="after every pass that reads reduce-scatters as such (units, bucketing, wait "
                 "placement): it replaces them; before overlap_optimizer, which records each update's "
                 "gradient node (the rewrite replaces a wait that may be one), and reuse_dead_buffers",
-            ),
+            )
         )
+    passes[before_overlap:before_overlap] = late
     if reuse_buffers:
         passes.append(
             NamedPass(

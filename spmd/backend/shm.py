@@ -104,6 +104,11 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if fields[0] not in ("Z", "X") else None
 
 
+# write(start, end, my_slot) and read(start, end, peer, its_slot) of a round (Region._rounds).
+_Write = Callable[[int, int, torch.Tensor], None]
+_Read = Callable[[int, int, int, torch.Tensor], None]
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
@@ -138,14 +143,7 @@ class Region:
 
     # ------------------------------------------------------------------ rounds
 
-    def _rounds(
-        self,
-        total: int,
-        step: int,
-        write: Callable[[int, int, torch.Tensor], None],
-        read: Callable[[int, int, int, torch.Tensor], None],
-        what: str,
-    ) -> None:
+    def _rounds(self, total: int, step: int, write: _Write, read: _Read, what: str) -> None:
         """Run ``total`` units in rounds of ``step``: ``write(s, e, my_slot)``, then for each peer
         ``read(s, e, peer, its_slot)``."""
         if self.broken is not None:
@@ -160,14 +158,7 @@ class Region:
             self.broken = f"{type(e).__name__} during a {what}"
             raise
 
-    def _run_rounds(
-        self,
-        total: int,
-        step: int,
-        write: Callable[[int, int, torch.Tensor], None],
-        read: Callable[[int, int, int, torch.Tensor], None],
-        what: str,
-    ) -> None:
+    def _run_rounds(self, total: int, step: int, write: _Write, read: _Read, what: str) -> None:
         ctrl, r = self.ctrl, self.rank
         for s in range(0, total, step):
             e = min(total, s + step)
