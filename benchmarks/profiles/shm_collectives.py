@@ -74,23 +74,25 @@ def main() -> None:
     torch.set_num_threads(1)
     with spmd.gloo_threads(1):  # as the bench makes its group (docs/troubleshooting.md, gloo)
         dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.group.WORLD
-    assert group is not None
-    name = group.group_name
-    if shm.transports([group]) != {name: world}:
-        raise SystemExit("shm_collectives: no shared memory for this group (see the spmd logger at INFO)")
-    if rank == 0:
-        print(f"{world} ranks; median of {args.repeats} calls; ms per call (wall / process CPU)")
-        head = f"{'op':16s} {'KiB/rank':>9s} {'shm wall':>9s} {'shm CPU':>8s}"
-        print(f"{head} {'gloo wall':>10s} {'gloo CPU':>9s}")
-    for kib in (int(k) for k in args.sizes_kib.split(",")):
-        for op, (ours, gloo) in _ops(kib * 1024 // 4 // world * world, world, name).items():
-            sw, sc = _time(ours, args.repeats)
-            gw, gc = _time(gloo, args.repeats)
-            if rank == 0:
-                print(f"{op:16s} {kib:9d} {sw:9.3f} {sc:8.3f} {gw:10.3f} {gc:9.3f}")
-    dist.destroy_process_group()
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        group = dist.group.WORLD
+        assert group is not None
+        name = group.group_name
+        if shm.transports([group]) != {name: world}:
+            raise SystemExit("shm_collectives: no shared memory for this group (see the spmd logger at INFO)")
+        if rank == 0:
+            print(f"{world} ranks; median of {args.repeats} calls; ms per call (wall / process CPU)")
+            head = f"{'op':16s} {'KiB/rank':>9s} {'shm wall':>9s} {'shm CPU':>8s}"
+            print(f"{head} {'gloo wall':>10s} {'gloo CPU':>9s}")
+        for kib in (int(k) for k in args.sizes_kib.split(",")):
+            for op, (ours, gloo) in _ops(kib * 1024 // 4 // world * world, world, name).items():
+                sw, sc = _time(ours, args.repeats)
+                gw, gc = _time(gloo, args.repeats)
+                if rank == 0:
+                    print(f"{op:16s} {kib:9d} {sw:9.3f} {sc:8.3f} {gw:10.3f} {gc:9.3f}")
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
