@@ -104,13 +104,16 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if fields[0] not in ("Z", "X") else None
 
 
-# write(start, end, my_slot) and read(start, end, peer, its_slot) of a round (Region._rounds).
+# write(start, end, my_slot) and read(start, end, peer, its_slot) of a round (Region._rounds), the
+# slots cut to the round's elements.
 _Write = Callable[[int, int, torch.Tensor], None]
 _Read = Callable[[int, int, int, torch.Tensor], None]
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor as one dimension (a view); bool as bytes (the slots' views are numeric)."""
+    flat = t.view(-1)
+    return flat.view(torch.uint8) if flat.dtype is torch.bool else flat
 
 
 class Region:
@@ -140,12 +143,16 @@ class Region:
         # interrupted): the ranks' counters no longer agree, so a later round could read stale
         # slots. Every later collective raises instead.
         self.broken: str | None = None
+        self._views: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     # ------------------------------------------------------------------ rounds
 
-    def _rounds(self, total: int, step: int, write: _Write, read: _Read, what: str) -> None:
-        """Run ``total`` units in rounds of ``step``: ``write(s, e, my_slot)``, then for each peer
-        ``read(s, e, peer, its_slot)``."""
+    def _rounds(
+        self, total: int, step: int, dtype: torch.dtype, write: _Write, read: _Read, what: str
+    ) -> None:
+        """Run ``total`` elements of ``dtype`` in rounds of at most ``step``: ``write(s, e, mine)``,
+        then for each peer ``read(s, e, peer, theirs)``, where ``mine`` and ``theirs`` are the
+        round's slots cut to ``e - s`` elements."""
         if self.broken is not None:
             raise CollectiveError(
                 f"spmd: shared-memory {what} on process group {self.group_name!r}: the group failed "
@@ -153,29 +160,44 @@ class Region:
                 "job (or resume from a checkpoint)."
             )
         try:
-            self._run_rounds(total, step, write, read, what)
+            self._run_rounds(total, step, dtype, write, read, what)
         except BaseException as e:
             self.broken = f"{type(e).__name__} during a {what}"
             raise
 
-    def _run_rounds(self, total: int, step: int, write: _Write, read: _Read, what: str) -> None:
+    def _run_rounds(
+        self, total: int, step: int, dtype: torch.dtype, write: _Write, read: _Read, what: str
+    ) -> None:
         ctrl, r = self.ctrl, self.rank
         for s in range(0, total, step):
             e = min(total, s + step)
             self.k += 1
             k = self.k
-            slots = self.data[k & 1]
             if k > 2:
                 for p in self.peers:
                     if ctrl[_DONE + p * _LINE] < k - 2:
                         self._wait(_DONE + p * _LINE, k - 2, p, what)
-            write(s, e, slots[r])
+            mine, theirs = self._slots(k & 1, e - s, dtype)
+            write(s, e, mine)
             ctrl[_PUB + r * _LINE] = k
-            for p in self.peers:
+            for p, slot in zip(self.peers, theirs):
                 if ctrl[_PUB + p * _LINE] < k:
                     self._wait(_PUB + p * _LINE, k, p, what)
-                read(s, e, p, slots[p])
+                read(s, e, p, slot)
             ctrl[_DONE + r * _LINE] = k
+
+    def _slots(self, parity: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """This rank's slot and its peers' (in ``peers`` order) of ``parity``, as ``n`` elements of
+        ``dtype``. Cached: a step's collectives come back with the same sizes every call, and
+        making the views is most of a small collective's cost."""
+        key = (parity, n, dtype)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) > 1024:
+                self._views.clear()
+            typed = self.data[parity].view(dtype)
+            views = self._views[key] = (typed[self.rank, :n], [typed[p, :n] for p in self.peers])
+        return views
 
     def _wait(self, at: int, k: int, peer: int, what: str) -> None:
         ctrl = self.ctrl
@@ -209,74 +231,82 @@ class Region:
 
     # ------------------------------------------------------------------ collectives
 
+    def _step(self, dtype: torch.dtype, parts: int = 1) -> int:
+        """Elements of ``dtype`` a round moves when a rank's slot holds ``parts`` pieces."""
+        return max(1, self.slot // parts // _ALIGN * _ALIGN // dtype.itemsize)
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         out = x.new_empty([x.shape[0] * self.world, *x.shape[1:]])
-        xb = _bytes(x)
-        n = xb.numel()
-        ob = _bytes(out).view(self.world, n)
-        ob[self.rank].copy_(xb)
+        xf = _flat(x)
+        n = xf.numel()
+        of = _flat(out).view(self.world, n)
 
         def write(s: int, e: int, mine: torch.Tensor) -> None:
-            mine[: e - s].copy_(xb[s:e])
+            mine.copy_(xf if e - s == n else xf[s:e])
 
         def read(s: int, e: int, p: int, theirs: torch.Tensor) -> None:
-            ob[p, s:e].copy_(theirs[: e - s])
+            (of[p] if e - s == n else of[p, s:e]).copy_(theirs)
 
-        self._rounds(n, self.slot, write, read, "all_gather")
+        of[self.rank].copy_(xf)
+        self._rounds(n, self._step(xf.dtype), xf.dtype, write, read, "all_gather")
         return out
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
-        out = x.clone(memory_format=torch.contiguous_format) if self.rank == src else None
-        out = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
-        ob = _bytes(out)
         sending = self.rank == src
+        keep = torch.contiguous_format
+        out = x.clone(memory_format=keep) if sending else torch.empty_like(x, memory_format=keep)
+        of = _flat(out)
 
         def write(s: int, e: int, mine: torch.Tensor) -> None:
             if sending:
-                mine[: e - s].copy_(ob[s:e])
+                mine.copy_(of[s:e])
 
         def read(s: int, e: int, p: int, theirs: torch.Tensor) -> None:
             if p == src:
-                ob[s:e].copy_(theirs[: e - s])
+                of[s:e].copy_(theirs)
 
-        self._rounds(ob.numel(), self.slot, write, read, "broadcast")
+        self._rounds(of.numel(), self._step(of.dtype), of.dtype, write, read, "broadcast")
         return out
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty_like(x)
         w, r = self.world, self.rank
-        xv = _bytes(x).view(w, -1)
-        ov = _bytes(out).view(w, -1)
+        xv = _flat(x).view(w, -1)
+        ov = _flat(out).view(w, -1)
         ov[r].copy_(xv[r])
-        step = max(_ALIGN, self.slot // w // _ALIGN * _ALIGN)
+        # A round's slot holds one piece for each rank, at offset rank x piece.
 
         def write(s: int, e: int, mine: torch.Tensor) -> None:
-            n = e - s
+            n = (e - s) // w
             for p in self.peers:
-                mine[p * n : (p + 1) * n].copy_(xv[p, s:e])
+                mine[p * n : (p + 1) * n].copy_(xv[p, s // w : s // w + n])
 
         def read(s: int, e: int, p: int, theirs: torch.Tensor) -> None:
-            n = e - s
-            ov[p, s:e].copy_(theirs[r * n : (r + 1) * n])
+            n = (e - s) // w
+            ov[p, s // w : s // w + n].copy_(theirs[r * n : (r + 1) * n])
 
-        self._rounds(xv.shape[1], step, write, read, "all_to_all_single")
+        # Rounds over w pieces at once: ``s`` and ``e`` count the w pieces' elements together.
+        step = self._step(xv.dtype, w) * w
+        self._rounds(xv.numel(), step, xv.dtype, write, read, "all_to_all_single")
         return out
 
     def _sum_rounds(self, send: torch.Tensor, own: torch.Tensor, out: torch.Tensor, what: str) -> None:
         """``out = own + (the peer's send)`` elementwise, two ranks; ``send``, ``own``, ``out`` flat."""
-        dtype = send.dtype
-        per = max(1, self.slot // send.element_size() // _ALIGN * _ALIGN)
+        n = send.numel()
 
         def write(s: int, e: int, mine: torch.Tensor) -> None:
-            mine[: (e - s) * send.element_size()].view(dtype).copy_(send[s:e])
+            mine.copy_(send if e - s == n else send[s:e])
 
         def read(s: int, e: int, p: int, theirs: torch.Tensor) -> None:
             # Two ranks: one addition, commutative, so these are gloo's bits whichever rank adds.
-            torch.add(own[s:e], theirs[: (e - s) * send.element_size()].view(dtype), out=out[s:e])
+            if e - s == n:
+                torch.add(own, theirs, out=out)
+            else:
+                torch.add(own[s:e], theirs, out=out[s:e])
 
-        self._rounds(send.numel(), per, write, read, what)
+        self._rounds(n, self._step(send.dtype), send.dtype, write, read, what)
 
     def all_reduce(self, x: torch.Tensor, op: str, out: torch.Tensor) -> torch.Tensor:
         assert self.world == 2 and op in ("sum", "avg"), (self.world, op)
