@@ -6,7 +6,9 @@ For each op and size (float32, bytes per rank as ``passes.collectives.bytes_of``
 median over ``--repeats`` calls of the wall time and of this process's CPU time (every thread), for
 the ``spmd_shm`` op (``spmd.backend.shm``, the transport ``passes.shm_collectives`` puts a local
 group's collectives on) and for the gloo functional collective plus its wait. A barrier before
-each call, so a row is one collective's cost, not a pipeline's. Printed on rank 0.
+each call, so a row is one collective's cost, not a pipeline's. ``--back-to-back``: the calls one
+after another without barriers, wall per call over all of them (the fixed cost of a call, as a
+step's small collectives pay it). Printed on rank 0.
 """
 
 from __future__ import annotations
@@ -29,7 +31,15 @@ _f = torch.ops._c10d_functional
 _s = torch.ops.spmd_shm
 
 
-def _time(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+def _time(fn: Callable[[], object], repeats: int, back_to_back: bool = False) -> tuple[float, float]:
+    if back_to_back:
+        for _ in range(10):
+            fn()
+        dist.barrier()
+        t, c = time.perf_counter(), time.process_time()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t) / repeats * 1e3, (time.process_time() - c) / repeats * 1e3
     walls, cpus = [], []
     for i in range(repeats + 3):
         dist.barrier()
@@ -70,6 +80,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--sizes-kib", default="64,1600,6400", help="bytes per rank, KiB, comma-separated")
+    p.add_argument("--back-to-back", action="store_true", help="no barrier between calls")
     args = p.parse_args()
     torch.set_num_threads(1)
     with spmd.gloo_threads(1):  # as the bench makes its group (docs/troubleshooting.md, gloo)
@@ -82,15 +93,18 @@ def main() -> None:
         if shm.transports([group]) != {name: world}:
             raise SystemExit("shm_collectives: no shared memory for this group (see the spmd logger at INFO)")
         if rank == 0:
-            print(f"{world} ranks; median of {args.repeats} calls; ms per call (wall / process CPU)")
+            how = "mean over" if args.back_to_back else "median of"
+            print(f"{world} ranks; {how} {args.repeats} calls; ms per call (wall / process CPU)")
             head = f"{'op':16s} {'KiB/rank':>9s} {'shm wall':>9s} {'shm CPU':>8s}"
             print(f"{head} {'gloo wall':>10s} {'gloo CPU':>9s}")
-        for kib in (int(k) for k in args.sizes_kib.split(",")):
-            for op, (ours, gloo) in _ops(kib * 1024 // 4 // world * world, world, name).items():
-                sw, sc = _time(ours, args.repeats)
-                gw, gc = _time(gloo, args.repeats)
+        for kib in (float(k) for k in args.sizes_kib.split(",")):
+            for op, (ours, gloo) in _ops(
+                max(world, int(kib * 1024) // 4 // world * world), world, name
+            ).items():
+                sw, sc = _time(ours, args.repeats, args.back_to_back)
+                gw, gc = _time(gloo, args.repeats, args.back_to_back)
                 if rank == 0:
-                    print(f"{op:16s} {kib:9d} {sw:9.3f} {sc:8.3f} {gw:10.3f} {gc:9.3f}")
+                    print(f"{op:16s} {kib:9g} {sw:9.3f} {sc:8.3f} {gw:10.3f} {gc:9.3f}")
     finally:
         dist.destroy_process_group()
 
