@@ -38,6 +38,7 @@ SIGBUS at a later write), non-x86-64 machines, CUDA tensors, or ``SPMD_SHM=0``: 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -452,7 +453,8 @@ def _set_up(g: dist.ProcessGroup) -> Region | None:
         os.unlink(str(path))  # every rank has it mapped or has given up: nothing stays in /dev/shm
     if not all(ok):
         if mm is not None:
-            mm.close()
+            with contextlib.suppress(BufferError):  # a view still alive: the map goes with it
+                mm.close()
         return None
     assert mm is not None
     peers = {}
@@ -505,6 +507,7 @@ def _open(path: str, size: int, token: object) -> mmap.mmap | None:
     signed = int(header[0]) == _MAGIC and int(header[1]) == token
     del header  # an exported buffer would keep mm.close() from closing
     if not signed:
-        mm.close()
+        with contextlib.suppress(BufferError):
+            mm.close()
         return None
     return mm
