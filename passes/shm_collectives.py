@@ -16,8 +16,8 @@ Only the target changes: the arguments, the node's name, its metadata and its wa
 collective vocabulary, the report and every later pass read the graph as before.
 
 Why legal, bit for bit: all-gather, all-to-all (equal splits) and broadcast move bytes, at any
-group size. The reductions (all-reduce, reduce-scatter; sum and avg) qualify only at two ranks,
-where the reduction is one addition, commutative, so the transport's ``own + peer`` gives the
+group size. The reductions (all-reduce, reduce-scatter; sum and avg, floating point) qualify only
+at two ranks, where the reduction is one addition, commutative, so the transport's ``own + peer`` gives the
 bits gloo gives (and avg divides the sum by 2 afterwards, as gloo does). At more ranks gloo's
 ring adds in an order the transport would not: those stay on gloo. Coalesced collectives stay on
 gloo too (the partitioner and bucketing emit single ones).
@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import cast
 
+import torch
 import torch.fx as fx
 
 from passes import collectives as C
@@ -107,5 +108,9 @@ def _qualifies(c: fx.Node, size: int) -> bool:
             and len(set(out_splits) | set(in_splits)) == 1
         )
     if kind in (C.Kind.ALL_REDUCE, C.Kind.REDUCE_SCATTER):
-        return C.reduce_op_of(c) in _REDUCE_OPS and size == _EXACT_WORLD
+        # Floating point only: the transport's avg divides in place, which an integer tensor
+        # cannot hold (what gloo makes of an integer average is left to gloo).
+        v = C.inputs_of(c)[0].meta.get("val")
+        floating = isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+        return floating and C.reduce_op_of(c) in _REDUCE_OPS and size == _EXACT_WORLD
     return True

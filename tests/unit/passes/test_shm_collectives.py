@@ -57,6 +57,16 @@ def test_reductions_of_more_ranks_and_other_groups_stay_on_gloo():
     assert not any(C.is_shared_memory(c) for c in C.collectives(other.graph))
 
 
+def test_an_integer_reduction_stays_on_gloo():
+    """The transport's avg divides in place: integer reductions keep gloo's semantics."""
+    b = Builder(group="0", world_size=2)
+    b.phase = Phase.BACKWARD
+    n = b.input("n", 4, role=Role.GRAD, dtype=torch.int64)
+    gm = b.finish(b.all_reduce(n, op="sum"))
+    assert shared_memory_collectives(gm, groups={"0": 2}) is gm
+    assert not any(C.is_shared_memory(c) for c in C.collectives(gm.graph))
+
+
 def test_no_groups_is_a_no_op():
     gm = _graph(2)
     before = gm.code
