@@ -158,6 +158,7 @@ PRIVATE_ATTRIBUTES: dict[str, tuple[str, str]] = {
     "_global_backward_pre_hooks": ("torch.nn.modules.module", CHECKED),
     "_schema": ("torch._ops.OpOverload", CHECKED),
     "_overloadname": ("torch._ops.OpOverload", CHECKED),
+    "_op": ("torch._ops.OpOverload", CHECKED),
     "_local_tensor": ("torch.distributed.tensor.DTensor", CHECKED),
     "_parameters": ("torch.nn.Module", CHECKED),
     "_buffers": ("torch.nn.Module", CHECKED),
@@ -317,6 +318,14 @@ def op_schema(op: Any) -> Any:
 def overload_name(op: Any) -> str:
     """``OpOverload._overloadname`` (``"default"``, ``"Tensor"``, ...)."""
     return op._overloadname
+
+
+def overload_callable(op: Any) -> Any:
+    """``OpOverload._op``: the C++ callable that ``op(...)`` calls. ``OpOverload.__call__`` is
+    ``return self._op(*args, **kwargs)`` on torch 2.11-2.14; 2.15 first checks for a Python
+    dispatcher while torch-function dispatch is being skipped (inside a ``__torch_function__``
+    handler), where ``_op`` is still the call it makes otherwise."""
+    return op._op
 
 
 def local_tensor(t: Any) -> Any:

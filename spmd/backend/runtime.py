@@ -34,6 +34,7 @@ from passes.layouts import FAILING_NODE, fix_layouts
 from passes.meta import Role
 from passes.torch_compat import pytree
 from spmd.backend import shm
+from spmd.backend.bound_ops import bind_ops
 from spmd.backend.carry import CarriedGathers
 from spmd.backend.step_aside import EAGER, INDUCTOR, StepAside, deciding_groups
 from spmd.errors import CollectiveError, KernelError, ModelChangedError, PassError, SpmdError
@@ -110,6 +111,10 @@ class Executable:
     carry_sources: list[int] = dataclasses.field(default_factory=list)
     # Python branches on the step's data the trace followed: checked before every run.
     data_checks: DataChecks | None = None
+    # ``gm``'s code with its operators bound once (spmd.backend.bound_ops), and the code it was
+    # built from: built again when the first run's layout fix-ups (or anything else) recompile gm.
+    bound: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
+    bound_code: str | None = dataclasses.field(default=None, repr=False)
 
     def inputs(self, step_args: step_inputs.StepArgs) -> list[torch.Tensor]:
         module, optimizer = step_args.module, step_args.optimizer
@@ -221,7 +226,11 @@ class Executable:
 
     def run_graph(self, *flat: torch.Tensor) -> Any:
         """The eager runtime: run ``gm`` op by op (the first run checks and fixes layouts)."""
-        return self.gm(*flat) if self.layouts_checked else self._first_run(list(flat))
+        if not self.layouts_checked:
+            return self._first_run(list(flat))
+        if self.bound is None or self.bound_code is not self.gm.code:
+            self.bound, self.bound_code = bind_ops(self.gm), self.gm.code
+        return self.bound(*flat)
 
     def _graph_that_ran(self) -> fx.GraphModule:
         """The graph whose code the current call runs: ``alt``'s where the eager candidate runs."""

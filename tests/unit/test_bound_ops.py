@@ -1,0 +1,79 @@
+"""spmd.backend.bound_ops: the eager backend runs the graph's own code with its operators bound once.
+
+The bound code must compute the graph's bits (the same operators, arguments and order), keep the
+lines that name a failing node, and be what the runtime runs from the second call on, built again
+whenever the graph's code changes.
+"""
+
+from __future__ import annotations
+
+import linecache
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import spmd
+from spmd.backend import runtime
+from spmd.backend.bound_ops import bind_ops
+from tests.unit.fake_pg import fake_process_group
+
+
+def _graph() -> torch.fx.GraphModule:
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        h = torch.mm(a, b).relu()
+        return torch.cat([h * 2, h.t().t()], dim=0)
+
+    return make_fx(f)(torch.randn(3, 4), torch.randn(4, 5))
+
+
+def test_the_bound_code_computes_the_graphs_bits_without_overload_calls() -> None:
+    gm = _graph()
+    fn = bind_ops(gm)
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    assert torch.equal(fn(a, b), gm(a, b))
+    code = "".join(linecache.getlines(fn.func.__code__.co_filename))
+    assert "torch.ops.aten.mm.default(" in gm.code
+    assert "torch.ops." not in code  # every call bound
+    assert code.splitlines() == [  # the same lines with only the callee renamed
+        line.replace("torch.ops.aten.", "_spmd_op_aten_").replace(".default(", "_default(").replace(
+            ".Tensor(", "_Tensor("
+        )
+        for line in gm.code.splitlines()
+    ]
+
+
+def test_a_failing_line_still_names_its_node() -> None:
+    gm = _graph()
+    fn = bind_ops(gm)
+    with pytest.raises(RuntimeError) as info:
+        fn(torch.randn(3, 4), torch.randn(6, 5))  # mm's inner sizes disagree
+    node = runtime._failing_node(info.value, gm)
+    assert node is not None and node.target is torch.ops.aten.mm.default
+
+
+def _step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_the_runtime_runs_the_bound_code_and_binds_again_after_a_recompile() -> None:
+    with fake_process_group():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = spmd.compile(parallel_mode=spmd.DataParallel("fully_shard"))(_step)
+        x = torch.randn(4, 8)
+        step(model, optim, x)  # the first run checks the layouts through fx's own code
+        exe = step._last.exe  # type: ignore[union-attr]
+        assert exe.bound is None
+        step(model, optim, x)
+        first = exe.bound
+        assert first is not None and exe.bound_code is exe.gm.code
+        exe.gm.recompile()  # new code: bound again before it runs
+        step(model, optim, x)
+        assert exe.bound is not first and exe.bound_code is exe.gm.code
