@@ -6,8 +6,11 @@ import torch
 import torch.fx as fx
 
 from passes.graph_utils import is_mutated
-from passes.meta import GRAD_OF, ROLE, Role
+from passes.meta import GRAD_OF, MICROBATCH, MODULE, PHASE, ROLE, Role
 from passes.ops import TAG_GRAD
+from passes.torch_compat import DETACH_OPS
+
+_aten = torch.ops.aten
 
 # node.meta flag on a tag that strip_grad_tag turned into a clone (it keeps its own node).
 CLONED_TAG = "spmd_cloned_tag"
@@ -63,3 +66,74 @@ def untagged_name(n: fx.Node) -> str:
     while (n.target is TAG_GRAD or n.meta.get(CLONED_TAG)) and isinstance(n.args[0], fx.Node):
         n = n.args[0]
     return n.name
+
+
+# The metadata every traced node carries; a view with more (a gradient role, a unit, a layout
+# fix-up) is something a pass or the report may look for, and is kept.
+_PLAIN_META = frozenset({ROLE, PHASE, MODULE, MICROBATCH})
+
+
+def identity_view_source(n: fx.Node) -> fx.Node | None:
+    """The node whose tensor ``n`` is, layout and all, if ``n`` is such a view: ``detach`` or
+    ``alias`` of it, or ``t`` of a ``t`` of it (sizes, strides, offset and storage unchanged)."""
+    if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    if n.target in DETACH_OPS:
+        return n.args[0]
+    inner = n.args[0]
+    if n.target is _aten.t.default and inner.op == "call_function" and inner.target is _aten.t.default:
+        src = inner.args[0]
+        return src if isinstance(src, fx.Node) else None
+    return None
+
+
+def drop_identity_views(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace every view that is its input's own layout (:func:`identity_view_source`) by the input.
+
+    Legal: the view has its input's storage, sizes, strides and offset, so every reader reads the
+    same values and every in-place writer writes the same memory; what goes is a tensor object,
+    which no op of the graph tells apart from its input. Kept: a view the graph returns (the
+    runtime hands its outputs to the caller, as ``.grad``s among others) and a view whose metadata
+    says more than an activation's (``_PLAIN_META``: passes find gradients and units by theirs).
+    A ``t`` whose only reader was the outer ``t`` of a dropped pair goes with it.
+
+    Why: the eager backend calls each op from Python, about 1 us a call beyond its kernel, and
+    backward is full of these (each weight gradient is ``detach(t(t(mm)))``: 3 of the ~1,400 calls
+    a step on the bench's stack of small blocks).
+
+    Invariant: afterwards no node but the kept ones is such a view (:func:`check_identity_views`).
+    """
+    graph = gm.graph
+    changed = False
+    for n in list(graph.nodes):
+        src = identity_view_source(n)
+        if src is None or not _droppable(n):
+            continue
+        inner = n.args[0]
+        n.replace_all_uses_with(src)
+        graph.erase_node(n)
+        assert isinstance(inner, fx.Node)
+        if inner is not src and not inner.users and _droppable(inner):
+            graph.erase_node(inner)
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+    if left := check_identity_views(gm):
+        raise RuntimeError(f"drop_identity_views left views it drops: {left}")
+    return gm
+
+
+def _droppable(n: fx.Node) -> bool:
+    extra = {k for k in n.meta if k.startswith("spmd_")} - _PLAIN_META
+    role = n.meta.get(ROLE, Role.ACTIVATION)
+    return not extra and role in (Role.ACTIVATION, Role.UPDATE) and all(u.op != "output" for u in n.users)
+
+
+def check_identity_views(gm: fx.GraphModule) -> list[tuple[str, str]]:
+    """:func:`drop_identity_views`' invariant, as ``(node name, message)`` violations."""
+    return [
+        (n.name, f"{n.target} is its input's own layout and was not dropped")
+        for n in gm.graph.nodes
+        if identity_view_source(n) is not None and _droppable(n)
+    ]

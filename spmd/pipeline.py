@@ -18,7 +18,7 @@ from passes import torch_compat
 from passes.async_tp import pipeline_tp_collectives
 from passes.bucketing import bucket_collectives
 from passes.chunked_loss import chunk_loss_heads
-from passes.cleanup import strip_grad_tags
+from passes.cleanup import drop_identity_views, strip_grad_tags
 from passes.cross_step import carry_first_gathers
 from passes.dedup import dedup_collectives
 from passes.driver import NamedPass, run_passes
@@ -110,6 +110,7 @@ def build_pipeline(
     serial_collectives: bool = False,
     accelerator: bool = False,
     shm_groups: dict[str, int] | None = None,
+    identity_views: bool = False,
 ) -> Pipeline:
     """The built-in passes, in order, configured from the parallel mode's knobs.
 
@@ -124,7 +125,8 @@ def build_pipeline(
     on more than one thread (:func:`gloo_concurrent`). ``accelerator``: the step is lowered for a
     GPU (``async_tp="auto"`` chunks the tensor-parallel collectives there only). ``shm_groups``
     (name -> size of the groups with shared memory on every rank, ``spmd.backend.shm``) includes
-    ``shared_memory_collectives``."""
+    ``shared_memory_collectives``. ``identity_views`` puts ``drop_identity_views`` first: for the
+    eager backend, which calls every op from Python (inductor's code makes no call for a view)."""
     options = parallel_mode.pass_options()
     # The parallel mode's knobs, by the names each pass takes them under (absent: the pass's default).
     names = {"bucket_cap_mb": "bucket_cap_mb", "bucket_mode": "mode", "bucket_unit_of": "unit_of"}
@@ -227,6 +229,16 @@ def build_pipeline(
             )
         )
     passes[before_overlap:before_overlap] = late
+    if identity_views:
+        passes.insert(
+            0,
+            NamedPass(
+                name="drop_identity_views",
+                fn=drop_identity_views,
+                reason="first: every later pass sees fewer nodes, and the passes that record the nodes a "
+                "call reads by name (overlap_optimizer, the foreach split) record the ones that stay",
+            ),
+        )
     if reuse_buffers:
         passes.append(
             NamedPass(
@@ -303,6 +315,7 @@ def backend_pipeline(
         serial_collectives=serial,
         accelerator=accelerator,
         shm_groups=shm,
+        identity_views=eager,
     )
 
 

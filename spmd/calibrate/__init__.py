@@ -64,6 +64,7 @@ import torch
 
 from passes import torch_compat
 from passes.cost_model import DeviceProfile, ring_bus_factor
+from spmd.backend.bound_ops import bind_ops
 from spmd.calibrate.calls import (
     measure_call_costs,
     measure_mixed_call_curve,
@@ -127,7 +128,7 @@ def measure_memory_bandwidth(numel: int = 16 * 2**20, repeats: int = 5) -> float
 
 def measure_op_overhead(repeats: int = 5, n_ops: int = 200) -> float:
     """Seconds per op of a GraphModule of ``n_ops`` one-element adds, as a compiled step's
-    final graph runs (fx's generated Python, the dispatcher, a fresh output each)."""
+    final graph runs (its code with the operators bound, the dispatcher, a fresh output each)."""
     import torch.fx as fx
 
     g = fx.Graph()
@@ -135,9 +136,9 @@ def measure_op_overhead(repeats: int = 5, n_ops: int = 200) -> float:
     for _ in range(n_ops):
         y = g.call_function(torch.ops.aten.add.Tensor, (y, x))
     g.output(y)
-    gm = fx.GraphModule(torch.nn.Module(), g)
+    run = bind_ops(fx.GraphModule(torch.nn.Module(), g))
     one = torch.ones(1)
-    return _best(lambda: gm(one), repeats, inner=10) / n_ops
+    return _best(lambda: run(one), repeats, inner=10) / n_ops
 
 
 # (m, k, n) of the matmul curve: the shapes of a layer's forward (batch x d -> 4d), its input
@@ -289,9 +290,9 @@ def measure_view_overhead(repeats: int = 5, n_ops: int = 200) -> float:
     for _ in range(n_ops):
         y = g.call_function(torch.ops.aten.t.default, (y,))
     g.output(y)
-    gm = fx.GraphModule(torch.nn.Module(), g)
+    run = bind_ops(fx.GraphModule(torch.nn.Module(), g))
     x = torch.ones(4, 4)
-    return _best(lambda: gm(x), repeats, inner=10) / n_ops
+    return _best(lambda: run(x), repeats, inner=10) / n_ops
 
 
 def measure_per_tensor(repeats: int = 5, n: int = 256) -> float:

@@ -174,9 +174,9 @@ def _mixed_and_alone(
     of the calls in turn (each call on its own inputs) against the sum of each call in a graph of
     ``k`` of its own kind; alternated, medians over ``rounds`` (each pair sees the same share of a
     busy machine)."""
-    singles = [functools.partial(gm, *flat) for gm, flat in (_graph_of([c], k) for c in calls)]
-    gm, flat = _graph_of(calls, k)
-    mixed = functools.partial(gm, *flat)
+    singles = [functools.partial(run, *flat) for run, flat in (_graph_of([c], k) for c in calls)]
+    run, flat = _graph_of(calls, k)
+    mixed = functools.partial(run, *flat)
     ratios, mixes, alones = [], [], []
     for _ in range(rounds):
         alone = sum(_best(f, repeats) for f in singles) / k

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from spmd.backend.bound_ops import bind_ops
+
 # Each timed repeat of a compute measurement lasts at least this long (more calls per repeat
 # for a short one): about a step of the bench models, so that on a machine shared with other
 # work a measurement is preempted as often as the step it prices (a 5 us op timed in a burst
@@ -65,16 +67,18 @@ _GRAPH_WORKING_SET = 32 * 2**20
 
 def _in_graph(target: Any, args: tuple[Any, ...], repeats: int) -> float:
     """Seconds per call of ``target(*args)`` run as a step's graph runs its ops: a GraphModule
-    of ``k`` calls, each on its own copy of the tensor arguments (fx's generated Python, the
-    dispatcher, a fresh output freed when unused), timed whole and divided by ``k``."""
+    of ``k`` calls, each on its own copy of the tensor arguments (the graph's code with the
+    operators bound, the dispatcher, a fresh output freed when unused), timed whole and divided
+    by ``k``."""
     per_call = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
     k = max(2, min(64, _GRAPH_WORKING_SET // max(per_call, 1)))
-    gm, flat = _graph_of([(target, args)], k)
-    return _best(functools.partial(gm, *flat), repeats) / k
+    run, flat = _graph_of([(target, args)], k)
+    return _best(functools.partial(run, *flat), repeats) / k
 
 
 def _graph_of(calls: Sequence[tuple[Any, tuple[Any, ...]]], k: int) -> tuple[Any, list[torch.Tensor]]:
-    """A GraphModule of ``k`` rounds of ``calls`` (each call on its own copies of its tensors)."""
+    """A GraphModule of ``k`` rounds of ``calls`` (each call on its own copies of its tensors), as
+    the eager backend runs a graph (:func:`spmd.backend.bound_ops.bind_ops`), and its inputs."""
     import torch.fx as fx
 
     g = fx.Graph()
@@ -90,4 +94,4 @@ def _graph_of(calls: Sequence[tuple[Any, tuple[Any, ...]]], k: int) -> tuple[Any
                     call_args.append(a)
             g.call_function(op, tuple(call_args))
     g.output(None)
-    return fx.GraphModule(torch.nn.Module(), g), flat
+    return bind_ops(fx.GraphModule(torch.nn.Module(), g)), flat

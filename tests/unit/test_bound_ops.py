@@ -37,9 +37,9 @@ def test_the_bound_code_computes_the_graphs_bits_without_overload_calls() -> Non
     assert "torch.ops.aten.mm.default(" in gm.code
     assert "torch.ops." not in code  # every call bound
     assert code.splitlines() == [  # the same lines with only the callee renamed
-        line.replace("torch.ops.aten.", "_spmd_op_aten_").replace(".default(", "_default(").replace(
-            ".Tensor(", "_Tensor("
-        )
+        line.replace("torch.ops.aten.", "_spmd_op_aten_")
+        .replace(".default(", "_default(")
+        .replace(".Tensor(", "_Tensor(")
         for line in gm.code.splitlines()
     ]
 
