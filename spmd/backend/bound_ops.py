@@ -48,14 +48,17 @@ def bind_ops(gm: fx.GraphModule) -> Callable[..., Any]:
     ``gm.recompile()``; it holds ``gm`` (its ``self``)."""
     source = gm.code
     env = dict(gm.forward.__globals__)  # FX's globals for this code (torch, fx_pytree, ...)
+    aliases: dict[str, str] = {}  # "torch.ops.aten.mm.default" -> its global's name
 
     def bind(m: re.Match[str]) -> str:
         op = _overload(*m.groups())
         if op is None:  # not an OpOverload (a higher-order operator): left as FX wrote it
             return m.group(0)
-        alias = "_spmd_op_" + "_".join(m.groups())
-        env[alias] = overload_callable(op)
-        return alias + "("
+        name = m.group(0)[:-1]
+        if name not in aliases:
+            aliases[name] = f"_spmd_op{len(aliases)}"
+            env[aliases[name]] = overload_callable(op)
+        return aliases[name] + "("
 
     code = _CALL.sub(bind, source)
     filename = f"<eval_with_key>.spmd_bound_{next(_serial)}"
