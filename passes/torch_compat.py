@@ -103,6 +103,8 @@ PRIVATE_NAMES: dict[str, Private] = {
     "tracing": Private("torch._guards", "tracing"),
     "dispatch_has_kernel_for_dispatch_key": Private("torch._C", "_dispatch_has_kernel_for_dispatch_key"),
     "TensorBase": Private("torch._C", "TensorBase"),
+    # Dispatch below the Autograd keys (ADInplaceOrView still runs: version counters, view bases).
+    "AutoDispatchBelowAutograd": Private("torch._C", "_AutoDispatchBelowAutograd"),
     "foreach_copy_": Private("torch", "_foreach_copy_"),
     # ``cat`` of every tensor flattened in logical order, in one C++ call (c10d's bucket flattener).
     "flatten_dense_tensors": Private("torch._C._nn", "flatten_dense_tensors"),

@@ -34,7 +34,7 @@ def test_the_bound_code_computes_the_graphs_bits_without_overload_calls() -> Non
     fn = bind_ops(gm)
     a, b = torch.randn(3, 4), torch.randn(4, 5)
     assert torch.equal(fn(a, b), gm(a, b))
-    code = "".join(linecache.getlines(fn.func.__code__.co_filename))
+    code = "".join(linecache.getlines(fn.__wrapped__.__code__.co_filename))
     assert "torch.ops.aten.mm.default(" in gm.code
     assert "torch.ops." not in code  # every call bound
     calls = re.compile(r"torch\.ops\.\w+\.\w+\.\w+\(|_spmd_op\d+\(")
@@ -42,6 +42,36 @@ def test_the_bound_code_computes_the_graphs_bits_without_overload_calls() -> Non
     assert calls.sub("CALL(", code) == calls.sub("CALL(", gm.code)
     overloads = set(re.findall(r"torch\.ops\.[\w.]+\(", gm.code))
     assert len(set(re.findall(r"_spmd_op\d+", code))) == len(overloads)
+
+
+_LIB = torch.library.Library("spmd_test_bound", "DEF")
+_LIB.define("twice(Tensor x) -> Tensor")
+_LIB.impl("twice", lambda x: x * 2, "CPU")
+
+
+def _refuse(x: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("the Autograd kernel ran")
+
+
+_LIB.impl("twice", _refuse, "Autograd")
+
+
+def test_the_bound_code_runs_below_the_autograd_keys_and_still_bumps_versions() -> None:
+    """An op's Autograd kernel (a Python one, as the functional collectives have) is skipped;
+    ADInplaceOrView still runs: an in-place op bumps its input's version counter."""
+
+    g = torch.fx.Graph()
+    x_in = g.placeholder("x")
+    y = g.call_function(torch.ops.spmd_test_bound.twice.default, (x_in,))
+    bumped = g.call_function(torch.ops.aten.add_.Scalar, (x_in, 1))
+    g.output(g.call_function(torch.ops.aten.add.Tensor, (bumped, y)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    x = torch.zeros(3)
+    with pytest.raises(RuntimeError, match="the Autograd kernel ran"):
+        gm(x.clone())
+    v = x._version
+    out = bind_ops(gm)(x)
+    assert torch.equal(out, torch.ones(3)) and x._version == v + 1
 
 
 def test_a_failing_line_still_names_its_node() -> None:
