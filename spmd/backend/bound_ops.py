@@ -36,8 +36,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from passes import torch_compat
-from passes.torch_compat import OpOverload, overload_callable
+from passes.torch_compat import AutoDispatchBelowAutograd, OpOverload, overload_callable
 
 # FX's text for a call of an OpOverload target (``_get_qualified_name``): torch.ops.<ns>.<op>.<overload>(
 _CALL = re.compile(r"\btorch\.ops\.(\w+)\.(\w+)\.(\w+)\(")
@@ -73,11 +72,10 @@ def bind_ops(gm: fx.GraphModule) -> Callable[..., Any]:
     linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
     exec(compile(code, filename, "exec"), env)
     forward = env["forward"]
-    below_autograd = torch_compat.AutoDispatchBelowAutograd
 
     @functools.wraps(forward)  # run.__wrapped__: the compiled code's function
     def run(*args: Any) -> Any:
-        with below_autograd():
+        with AutoDispatchBelowAutograd():
             return forward(gm, *args)
 
     weakref.finalize(run, linecache.cache.pop, filename, None)
